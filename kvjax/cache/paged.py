@@ -1,0 +1,93 @@
+"""The paged KV cache pytree, the batch description passed beside it, and page writes.
+
+Layout (the one the Pallas paged-attention kernels use):
+  k, v: [layers, kv_heads, num_pages, page_size, head_dim]
+A sequence owns a list of physical pages (its row of the page table); its token at position
+p lives in page `page_table[p // page_size]`, slot `p % page_size`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import CacheConfig, ModelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """Immutable paged K/V storage. Steps return a new one; the old one is donated."""
+
+    k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
+    v: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
+    block_pages: int = flax.struct.field(pytree_node=False, default=1)
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+
+@flax.struct.dataclass
+class BatchInfo:
+    """What the host tells a step about each sequence of the batch.
+
+    New token t of sequence b sits at position `lengths[b] + t` and is real only when
+    `t < num_new[b]`; padded tokens are neither written nor attended to.
+    """
+
+    page_table: jax.Array  # int32[batch, pages_per_seq]
+    lengths: jax.Array  # int32[batch]  tokens already cached
+    num_new: jax.Array  # int32[batch]  real new tokens in this step
+
+
+def init_cache(model: ModelConfig, cache: CacheConfig) -> PagedKVCache:
+    """A zero-filled cache for `model` with `cache.num_pages` pages."""
+    shape = (model.num_layers, model.num_kv_heads, cache.num_pages, cache.page_size,
+             model.head_dim)
+    dtype = DTYPES[cache.dtype]
+    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                        block_pages=cache.block_pages)
+
+
+def cache_bytes(cache) -> int:
+    """Physical bytes of a cache's K and V arrays (paged or dense; `jax.eval_shape` too)."""
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (cache.k, cache.v))
+
+
+def new_positions(batch: BatchInfo, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Positions of the new tokens and which of them are real: both [batch, num_tokens]."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    valid = t < batch.num_new[:, None]
+    positions = jnp.where(valid, batch.lengths[:, None] + t, 0)
+    return positions, valid
+
+
+def write_kv(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
+             batch: BatchInfo) -> PagedKVCache:
+    """Writes the new tokens' K/V into their pages; padded tokens are dropped.
+
+    Args:
+      k, v: [batch, new_tokens, kv_heads, head_dim]
+    """
+    positions, valid = new_positions(batch, k.shape[1])
+    page_size = cache.page_size
+    page = jnp.take_along_axis(batch.page_table, positions // page_size, axis=1)
+    page = jnp.where(valid, page, cache.num_pages)  # out of range: dropped
+    slot = positions % page_size
+    # Non-adjacent advanced indices put the [batch, new_tokens] axes first, so the update
+    # has k's own layout [batch, new_tokens, kv_heads, head_dim].
+    new_k = cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop")
+    return cache.replace(k=new_k, v=new_v)

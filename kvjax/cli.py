@@ -1,0 +1,119 @@
+"""`kvjax generate|memory|bench` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvjax.config import ConfigError, ModelConfig, load_config
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvjax.model.transformer import init_params
+    from kvjax.runtime.generate import generate
+
+    config = load_config(args.config, args.set)
+    model, gen = config.model, config.generate
+    print(f"config: {args.config}  model: {model.num_layers} layers, d_model {model.d_model}, "
+          f"{model.num_heads} heads / {model.num_kv_heads} kv heads, vocab {model.vocab_size}")
+    print(f"cache: page_size {config.cache.page_size}, {config.cache.num_pages} pages, "
+          f"{config.cache.dtype}; sampling: {config.sampling}")
+    params = init_params(model, gen.seed)
+    prompts = [list(p.encode("utf-8")) for p in gen.prompts]  # byte-level ids
+    if max(max(p) for p in prompts) >= model.vocab_size:
+        raise ConfigError("model.vocab_size", "byte-level prompts need vocab_size >= 256")
+    result = generate(params, model, prompts, gen.max_new_tokens, sampling=config.sampling,
+                      cache=config.cache, stop_token=gen.stop_token)
+    for text, tokens in zip(gen.prompts, result.tokens, strict=True):
+        print(f"\nprompt: {text!r}")
+        print(f"tokens: {tokens}")
+        print(f"text:   {bytes(t for t in tokens if t < 256).decode('utf-8', 'replace')!r}")
+    s = result.stats
+    print(f"\nprefill: {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms "
+          f"(includes compilation on a first run)")
+    print(f"decode:  {s['generated_tokens']} tokens in {s['decode_s'] * 1e3:.1f} ms, "
+          f"{s['decode_tokens_per_s']:.1f} tokens/s after the first")
+    print(f"cache:   {s['pages_used']} of {s['pages_total']} pages used "
+          f"({s['kv_bytes_used']:,} of {s['kv_bytes_total']:,} bytes)")
+    return 0
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from kvjax import memory
+
+    if args.config:
+        model = load_config(args.config, args.set).model
+    else:
+        model = ModelConfig(num_layers=args.layers, num_kv_heads=args.kv_heads,
+                            num_heads=args.heads or args.kv_heads, head_dim=args.head_dim,
+                            d_model=args.d_model, d_ff=args.d_ff, vocab_size=args.vocab,
+                            tie_embeddings=args.tied)
+    print(memory.report(model, batch=args.batch, context=args.context,
+                        page_size=args.page_size, kv_bytes_per_scalar=args.kv_bytes,
+                        param_bytes=args.param_bytes, prefill_tokens=args.prefill_tokens,
+                        peak_flops=args.peak_gflops * 1e9, bandwidth=args.bandwidth_gbs * 1e9))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvjax import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from a model built from a config")
+    gen.add_argument("config", help="a TOML file in configs/")
+    gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set model.num_layers=4")
+    gen.set_defaults(func=_generate)
+
+    mem = sub.add_parser("memory", help="KV memory calculator and prefill/decode cost explorer")
+    mem.add_argument("--config", help="take the model from this TOML file")
+    mem.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    mem.add_argument("--layers", type=int, default=32)
+    mem.add_argument("--heads", type=int, default=32)
+    mem.add_argument("--kv-heads", type=int, default=8)
+    mem.add_argument("--head-dim", type=int, default=128)
+    mem.add_argument("--d-model", type=int, default=4096)
+    mem.add_argument("--d-ff", type=int, default=14336)
+    mem.add_argument("--vocab", type=int, default=128256)
+    mem.add_argument("--tied", action="store_true", help="tied input/output embeddings")
+    mem.add_argument("--batch", type=int, default=1)
+    mem.add_argument("--context", type=int, default=4096)
+    mem.add_argument("--prefill-tokens", type=int, default=2048)
+    mem.add_argument("--page-size", type=int, default=16)
+    mem.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached scalar")
+    mem.add_argument("--param-bytes", type=int, default=2, help="bytes per weight")
+    mem.add_argument("--peak-gflops", type=float, default=989e3,
+                     help="machine peak (default: H100 bf16 dense)")
+    mem.add_argument("--bandwidth-gbs", type=float, default=3350.0,
+                     help="machine memory bandwidth (default: H100 SXM HBM3)")
+    mem.set_defaults(func=_memory)
+
+    bench = sub.add_parser("bench", help="decode benchmark (paged vs dense vs no cache)")
+    bench.add_argument("--config", default="configs/bench.toml")
+    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bench.add_argument("--batches", default="1,8")
+    bench.add_argument("--contexts", default="512,2048")
+    bench.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
+    bench.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    bench.add_argument("--out", default="results/bench_decode.json")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"kvjax: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Frozen configuration dataclasses, TOML loading and `--set a.b=c` overrides.
+
+Every config is a frozen (hashable) dataclass, so it can be a static argument of a jitted
+function; variants are made with `dataclasses.replace`. Validation happens on construction
+and every error names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or has an invalid value."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+    def under(self, section: str) -> ConfigError:
+        return ConfigError(f"{section}.{self.key}", str(self).split(": ", 1)[1])
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer; every block is chosen here."""
+
+    vocab_size: int = 256
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int | None = None  # defaults to d_model // num_heads
+    d_ff: int = 256
+    max_seq_len: int = 512
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-5
+    position: str = "rope"  # "rope" | "learned"
+    rope_theta: float = 10000.0
+    mlp: str = "swiglu"  # "swiglu" | "gelu"
+    qkv_bias: bool = False
+    sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
+    tie_embeddings: bool = True
+    causal: bool = True
+    dtype: str = "float32"  # parameter and activation dtype
+
+    def __post_init__(self):
+        for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff",
+                    "max_seq_len"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"{self.num_kv_heads} must divide num_heads ({self.num_heads})")
+        if self.head_dim is None:
+            _require(self.d_model % self.num_heads == 0, "head_dim",
+                     f"not set and d_model ({self.d_model}) is not divisible by num_heads "
+                     f"({self.num_heads})")
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        _require(self.head_dim >= 1, "head_dim", f"must be >= 1, got {self.head_dim}")
+        _require(self.position != "rope" or self.head_dim % 2 == 0, "head_dim",
+                 f"RoPE needs an even head_dim, got {self.head_dim}")
+        _choice(self.norm, "norm", ("rms", "layer"))
+        _choice(self.position, "position", ("rope", "learned"))
+        _choice(self.mlp, "mlp", ("swiglu", "gelu"))
+        _choice(self.dtype, "dtype", ("float32", "bfloat16"))
+        _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",
+                 f"must be None or >= 1, got {self.sliding_window}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA, num_heads for MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_pages` pages of `page_size` token slots each.
+
+    `prefill_chunk` is the one padded chunk length every prefill call uses (a multiple of the
+    page size); `attn_block` is the number of cached tokens attention reduces over at a time
+    (rounded to whole pages). Both are fixed per cache so that a token's arithmetic never
+    depends on where its chunk started or how long the cached prefix was.
+    """
+
+    page_size: int = 16
+    num_pages: int = 256
+    dtype: str = "float32"  # "float32" | "bfloat16"
+    prefill_chunk: int = 64
+    attn_block: int = 64
+
+    def __post_init__(self):
+        for key in ("page_size", "num_pages", "prefill_chunk", "attn_block"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _choice(self.dtype, "dtype", ("float32", "bfloat16"))
+        _require(self.prefill_chunk % self.page_size == 0, "prefill_chunk",
+                 f"{self.prefill_chunk} is not a multiple of page_size ({self.page_size})")
+        _require(self.attn_block % self.page_size == 0 or self.attn_block < self.page_size,
+                 "attn_block", f"{self.attn_block} is not a multiple of page_size "
+                 f"({self.page_size})")
+
+    @property
+    def block_pages(self) -> int:
+        """Pages per attention block."""
+        return max(1, self.attn_block // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling after the logits; temperature 0 is greedy. top_k 0 and top_p 1 are off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """What `scripts/quickstart` and `kvjax generate` run."""
+
+    prompts: tuple[str, ...] = ("Hello, kvjax!",)
+    max_new_tokens: int = 32
+    stop_token: int | None = None
+    seed: int = 0  # parameter initialisation seed
+
+    def __post_init__(self):
+        _require(self.max_new_tokens >= 1, "max_new_tokens",
+                 f"must be >= 1, got {self.max_new_tokens}")
+        _require(len(self.prompts) >= 1, "prompts", "needs at least one prompt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole TOML file: one table per section."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    generate: GenerateConfig = GenerateConfig()
+
+
+_SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def _check_type(value: Any, annotation: Any, key: str) -> Any:
+    """Checks a TOML value against a field annotation; returns it (lists become tuples)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is tuple:
+        _require(isinstance(value, (list, tuple)), key, f"expected a list, got {value!r}")
+        (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
+        return tuple(_check_type(v, item, key) for v in value)
+    if annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _require(ok, key, f"expected a number, got {value!r}")
+        return float(value)
+    if annotation is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        _require(ok, key, f"expected an integer, got {value!r}")
+        return value
+    _require(isinstance(value, annotation), key,
+             f"expected {annotation.__name__}, got {value!r}")
+    return value
+
+
+def build(cls: type, table: dict[str, Any], section: str = ""):
+    """Builds dataclass `cls` from a TOML table, naming the bad key on any error."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{section}." if section else ""
+    kwargs = {}
+    for key, value in table.items():
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}",
+                              f"unknown key (known: {', '.join(sorted(names))})")
+        kwargs[key] = _check_type(value, hints[key], f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(section) if section else e from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parses `a.b=value`; the value is read as TOML, or taken as a plain string."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    """Returns a copy of a nested TOML dict with each `a.b=value` override applied."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(".".join(path), f"{part} is not a table")
+        node[path[-1]] = value
+    return out
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Builds a `Config` from a nested dict (a parsed TOML file)."""
+    sections = {}
+    for name, table in raw.items():
+        if name not in _SECTIONS:
+            raise ConfigError(name, f"unknown section (known: {', '.join(sorted(_SECTIONS))})")
+        if not isinstance(table, dict):
+            raise ConfigError(name, "must be a table")
+        sections[name] = build(_SECTIONS[name], table, name)
+    return Config(**sections)
+
+
+def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Config:
+    """Loads a TOML config file and applies `section.key=value` overrides."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    return config_from_dict(apply_overrides(raw, overrides))

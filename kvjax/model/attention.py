@@ -1,0 +1,113 @@
+"""Attention over the new tokens themselves, over the paged cache, and over a dense cache.
+
+Legend: B batch, T new tokens (queries), S keys, K kv heads, G query heads per kv head,
+H head dim, N = K * G query heads.
+
+The paged path reduces over the cache one attention block (a fixed number of whole pages)
+at a time, in a fixed order starting at position 0, with an online softmax. A fully masked
+block contributes exactly nothing, so a query's result is bitwise independent of how many
+pages the page table is padded to and of where its prefill chunk started.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.dense import DenseKVCache
+from kvjax.cache.paged import BatchInfo, PagedKVCache
+
+_M_INIT = -1e30  # finite running-max start: exp(-inf - _M_INIT) == 0, never NaN
+
+
+def _mask(q_pos: jax.Array, k_pos: jax.Array, causal: bool, window: int | None) -> jax.Array:
+    """[..., T, S] True where query at q_pos[..., T] may see key at k_pos[..., S]."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]
+    mask = diff >= 0 if causal else jnp.ones_like(diff, dtype=bool)
+    if window is not None:
+        mask = mask & (diff < window) if causal else mask & (jnp.abs(diff) < window)
+    return mask
+
+
+def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """[B, T, N, H] -> [B, T, K, G, H], scaled by 1/sqrt(H)."""
+    b, t, n, h = q.shape
+    q = q * jnp.asarray(h**-0.5, q.dtype)
+    return q.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
+
+
+def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                   causal: bool, window: int | None) -> jax.Array:
+    """Attention of a whole sequence over itself (the no-cache reference).
+
+    Args:
+      q: [B, T, N, H]; k, v: [B, T, K, H]; positions: int32[B, T].
+    Returns: [B, T, N, H]
+    """
+    qg = _grouped(q, k.shape[2])
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k)
+    mask = _mask(positions, positions, causal, window)[:, None, None]  # [B, 1, 1, T, S]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(q.shape)
+
+
+def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, batch: BatchInfo,
+                              window: int | None) -> jax.Array:
+    """Causal attention of new queries over the paged cache (which already holds them).
+
+    Args:
+      q: [B, T, N, H], queries at positions `batch.lengths + t`.
+    Returns: [B, T, N, H]
+    """
+    b, t, n, h = q.shape
+    block_pages = cache.block_pages
+    block_len = block_pages * cache.page_size
+    num_blocks = batch.page_table.shape[1] // block_pages
+    qg = _grouped(q, cache.k.shape[1])
+    q_pos = batch.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    end = batch.lengths + batch.num_new  # [B] keys at or past `end` are unwritten
+    blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
+    k_layer, v_layer = cache.k[layer], cache.v[layer]  # [K, num_pages, page_size, H]
+
+    def step(carry, xs):
+        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
+        pages, index = xs  # [B, block_pages], []
+        k = k_layer[:, pages].reshape(-1, b, block_len, h).astype(q.dtype)  # [K, B, S, H]
+        v = v_layer[:, pages].reshape(-1, b, block_len, h).astype(q.dtype)
+        k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
+        written = k_pos[None, :] < end[:, None]  # [B, S]
+        v = jnp.where(written[None, :, :, None], v, 0)  # a poisoned page never leaks in
+        mask = _mask(q_pos, k_pos[None, :], True, window) & written[:, None, :]  # [B, T, S]
+        s = jnp.einsum("BTKGH,KBSH->BKGTS", qg, k)
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("BKGTS,KBSH->BKGTH", p, v)
+        return (m_new, l, acc), None
+
+    g = n // cache.k.shape[1]
+    shape = (b, cache.k.shape[1], g, t)
+    init = (jnp.full(shape, _M_INIT, q.dtype), jnp.zeros(shape, q.dtype),
+            jnp.zeros((*shape, h), q.dtype))
+    xs = (blocks, jnp.arange(num_blocks, dtype=jnp.int32))
+    (_, l, acc), _ = jax.lax.scan(step, init, xs)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
+    return jnp.einsum("BKGTH->BTKGH", out).reshape(b, t, n, h)
+
+
+def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchInfo,
+                    window: int | None) -> jax.Array:
+    """Baseline: attention over a contiguous [B, max_len] cache in one softmax."""
+    b, t, _, _ = q.shape
+    qg = _grouped(q, cache.k.shape[3])
+    k = cache.k[layer].astype(q.dtype)  # [B, S, K, H]
+    v = cache.v[layer].astype(q.dtype)
+    q_pos = batch.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    mask = _mask(q_pos, k_pos, True, window)[:, None, None]
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k)
+    probs = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(q.shape)

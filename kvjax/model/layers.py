@@ -1,0 +1,61 @@
+"""Building blocks chosen by ModelConfig: norms, positions, MLPs.
+
+Legend: B batch, T tokens, N heads, H head dim, D model width, F feed-forward width.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.config import ModelConfig
+
+EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale).astype(x.dtype)
+
+
+def make_norm(config: ModelConfig, name: str) -> nn.Module:
+    if config.norm == "rms":
+        return RMSNorm(eps=config.norm_eps, name=name)
+    return nn.LayerNorm(epsilon=config.norm_eps, dtype=config.dtype, name=name)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention (Llama/Hugging Face layout).
+
+    Args:
+      x: [B, T, N, H]; positions: int32[B, T].
+    """
+    h = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., h // 2:], x32[..., : h // 2]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+        cfg = self.config
+        dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=cfg.dtype,
+                                                name=name)
+        if cfg.mlp == "swiglu":
+            hidden = nn.silu(dense(cfg.d_ff, "gate")(x)) * dense(cfg.d_ff, "up")(x)  # [B, T, F]
+        else:
+            hidden = nn.gelu(dense(cfg.d_ff, "up")(x), approximate=True)
+        return dense(cfg.d_model, "down")(hidden)

@@ -1,0 +1,131 @@
+"""The decoder-only Transformer (Flax Linen). The cache goes in and comes back out.
+
+Legend: B batch, T new tokens, N query heads, K kv heads, H head dim, D model width, V vocab.
+
+`Transformer(config)(tokens, positions)` is the full-sequence reference (no cache).
+`Transformer(config)(tokens, positions, cache, batch)` extends a paged (or dense baseline)
+cache by the new tokens and returns their logits and the new cache.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.dense import DenseKVCache, dense_write_kv
+from kvjax.cache.paged import BatchInfo, PagedKVCache, write_kv
+from kvjax.config import ModelConfig
+from kvjax.model.attention import dense_attention, full_attention, paged_attention_reference
+from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm
+
+Cache = PagedKVCache | DenseKVCache | None
+
+NON_CAUSAL_MESSAGE = (
+    "causal=False: with bidirectional attention every position attends to later tokens, so "
+    "a token's K/V state changes whenever a token is appended; a cached state is never the "
+    "state a full recomputation would produce. Cached prefill/decode/verify is refused for "
+    "this model; score whole sequences with kvjax.forward instead."
+)
+
+
+class NonCausalCacheError(ValueError):
+    """A cached path was asked to run a bidirectional (causal=False) model."""
+
+    def __init__(self):
+        super().__init__(NON_CAUSAL_MESSAGE)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache,
+                 batch: BatchInfo | None) -> tuple[jax.Array, Cache]:
+        cfg = self.config
+
+        def project(heads: int, name: str) -> jax.Array:  # [B, T, D] -> [B, T, heads, H]
+            return nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias,
+                                   dtype=cfg.dtype, name=name)(x)
+
+        q, k, v = project(cfg.num_heads, "q"), project(cfg.num_kv_heads, "k"), \
+            project(cfg.num_kv_heads, "v")
+        if cfg.position == "rope":
+            q = apply_rope(q, positions, cfg.rope_theta)
+            k = apply_rope(k, positions, cfg.rope_theta)
+        with jax.named_scope("attention"):
+            if cache is None:
+                out = full_attention(q, k, v, positions, cfg.causal, cfg.sliding_window)
+            elif isinstance(cache, PagedKVCache):
+                cache = write_kv(cache, self.layer, k, v, batch)
+                out = paged_attention_reference(q, cache, self.layer, batch, cfg.sliding_window)
+            else:
+                cache = dense_write_kv(cache, self.layer, k, v, batch)
+                out = dense_attention(q, cache, self.layer, batch, cfg.sliding_window)
+        out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
+                              name="o")(out)
+        return out, cache
+
+
+class Block(nn.Module):
+    config: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, cache, batch):
+        attn_out, cache = Attention(self.config, self.layer, name="attn")(
+            make_norm(self.config, "attn_norm")(x), positions, cache, batch)
+        x = x + attn_out
+        x = x + MLP(self.config, name="mlp")(make_norm(self.config, "mlp_norm")(x))
+        return x, cache
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer; every piece is chosen by `config`."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache = None,
+                 batch: BatchInfo | None = None) -> tuple[jax.Array, Cache]:
+        """tokens, positions: int32[B, T] -> (logits [B, T, V] float32, cache)."""
+        cfg = self.config
+        if cache is not None and not cfg.causal:
+            raise NonCausalCacheError()
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=EMBED_INIT,
+                         dtype=cfg.dtype, name="embed")
+        x = embed(tokens)  # [B, T, D]
+        if cfg.position == "learned":
+            x = x + nn.Embed(cfg.max_seq_len, cfg.d_model, embedding_init=EMBED_INIT,
+                             dtype=cfg.dtype, name="pos_embed")(positions)
+        for layer in range(cfg.num_layers):
+            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, positions, cache, batch)
+        x = make_norm(cfg, "final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+                              name="lm_head")(x)
+        return logits.astype(jnp.float32), cache
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Random parameters for `config` (float32)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(config).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+
+
+@partial(jax.jit, static_argnames=("config",))
+def _forward(params: dict, config: ModelConfig, tokens: jax.Array,
+             positions: jax.Array) -> jax.Array:
+    return Transformer(config).apply({"params": params}, tokens, positions)[0]
+
+
+def forward(params: dict, config: ModelConfig, tokens) -> jax.Array:
+    """Full-sequence logits [B, T, V] with no cache: the reference every cached path meets."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return _forward(params, config, tokens, positions)

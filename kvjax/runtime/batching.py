@@ -1,0 +1,30 @@
+"""Host-side batch descriptions: bucketed shapes and page tables (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power-of-two multiple of `minimum` that is >= n."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def page_table(rows: list[list[int]], num_slots: int, block_pages: int) -> np.ndarray:
+    """int32[num_slots, P]: each row's pages, padded with page 0 (never read past a length).
+
+    P is bucketed to a power-of-two number of attention blocks, so sequences that grow one
+    page at a time compile a logarithmic number of shapes.
+    """
+    width = bucket(max((len(r) for r in rows), default=1), block_pages)
+    table = np.zeros((num_slots, width), np.int32)
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = row
+    return table

@@ -1,0 +1,71 @@
+"""Greedy, temperature, top-k and top-p sampling with explicit per-sequence keys.
+
+The token that will sit at position p of sequence b is drawn with
+`fold_in(sequence_key[b], p)`, so the same seed gives the same tokens however the work is
+split into calls or batched.
+
+Legend: B batch, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import SamplingConfig
+
+
+def sequence_keys(seed: int, num_sequences: int) -> jax.Array:
+    """uint32[B, 2]: one raw PRNG key per sequence, `fold_in(PRNGKey(seed), index)`."""
+    base = jax.random.PRNGKey(seed)
+    return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(num_sequences))
+
+
+def sampling_arrays(sampling: SamplingConfig, batch: int) -> dict[str, np.ndarray]:
+    """Per-sequence sampling parameters as arrays (a step may mix settings)."""
+    return {
+        "temperature": np.full((batch,), sampling.temperature, np.float32),
+        "top_k": np.full((batch,), sampling.top_k, np.int32),
+        "top_p": np.full((batch,), sampling.top_p, np.float32),
+    }
+
+
+def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                    top_p: jax.Array) -> jax.Array:
+    """Logits after temperature, top-k and top-p: filtered-out tokens are -inf.
+
+    Args:
+      logits: float32[B, V]; temperature, top_p: float32[B]; top_k: int32[B] (0 is off).
+    Ties at a cut-off are all kept.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    ranked = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)  # [B, 1]
+    ranked = jnp.where(ranked >= kth, ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
+    keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # [B]
+    cutoff = jnp.minimum(jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1), kth)
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
+           top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Samples int32[B] tokens; temperature 0 rows are greedy (argmax).
+
+    Args:
+      logits: float32[B, V]; keys: uint32[B, 2] sequence keys; positions: int32[B], the
+      position each sampled token will occupy.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic() -> jax.Array:
+        step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
+        filtered = adjusted_logits(logits, temperature, top_k, top_p)
+        drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.all(temperature == 0), lambda: greedy, stochastic)

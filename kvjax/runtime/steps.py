@@ -1,0 +1,94 @@
+"""Jitted device steps: one `extend` computation serves prefill, decode and verify.
+
+Prefill is `extend` on a padded chunk of `prefill_chunk` tokens for one sequence, decode is
+`extend` on one token per sequence, verify is `extend` on k+1 tokens per sequence. Shapes
+are bucketed on the host (chunk length, pages per sequence, batch slots) so the number of
+compilations stays bounded; `trace_counts()` reports how many each step has had.
+
+Legend: B batch slots, T new tokens, P pages per sequence, V vocab, S decode steps.
+"""
+
+from __future__ import annotations
+
+import collections
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.paged import BatchInfo, new_positions
+from kvjax.config import ModelConfig
+from kvjax.model.transformer import Cache, Transformer
+from kvjax.runtime.sampling import sample
+
+_TRACES: collections.Counter = collections.Counter()
+
+
+def trace_counts() -> dict[str, int]:
+    """How many times each jitted step has been traced (compiled) in this process."""
+    return dict(_TRACES)
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
+           batch: BatchInfo) -> tuple[jax.Array, Cache]:
+    """Appends `tokens` [B, T] to each sequence's cache; returns logits [B, T, V] and the cache.
+
+    Donates `cache`. New token t of sequence b is at position `batch.lengths[b] + t` and
+    attends to every cached position up to and including its own.
+    """
+    _TRACES["extend"] += 1
+    positions, _ = new_positions(batch, tokens.shape[1])
+    return Transformer(config).apply({"params": params}, tokens, positions, cache, batch)
+
+
+@partial(jax.jit, static_argnames=("config", "max_steps", "return_logits"),
+         donate_argnames=("cache",))
+def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax.Array,
+                lengths: jax.Array, last: jax.Array, budget: jax.Array, keys: jax.Array,
+                temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                stop_token: jax.Array, max_steps: int, return_logits: bool = False):
+    """Decodes up to `max_steps` tokens per sequence on device, sampling inside the loop.
+
+    Donates `cache`. Sequence b feeds `last[b]` (not yet cached, at position `lengths[b]`),
+    then keeps sampling until it has produced `budget[b]` tokens or sampled `stop_token`
+    (-1: none). The loop ends as soon as every sequence is done.
+
+    Args:
+      page_table: int32[B, P]; lengths, last, budget: int32[B]; keys: uint32[B, 2];
+      temperature, top_p: float32[B]; top_k: int32[B]; stop_token: int32[].
+    Returns:
+      tokens int32[B, S] (-1 past the end), logits float32[B, S, V] or None, the cache,
+      and the final lengths int32[B].
+    """
+    _TRACES["decode_loop"] += 1
+    b = last.shape[0]
+    vocab = config.vocab_size
+    out_tokens = jnp.full((b, max_steps), -1, jnp.int32)
+    out_logits = jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32)
+    model = Transformer(config)
+
+    def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits)
+        return (state[0] < max_steps) & ~jnp.all(state[4])
+
+    def body(state):
+        step, cache, lengths, last, done, out_tokens, out_logits = state
+        active = ~done
+        batch = BatchInfo(page_table=page_table, lengths=lengths,
+                          num_new=active.astype(jnp.int32))
+        positions, _ = new_positions(batch, 1)
+        logits, cache = model.apply({"params": params}, last[:, None], positions, cache, batch)
+        logits = logits[:, 0]  # [B, V]
+        nxt = sample(logits, keys, lengths + 1, temperature, top_k, top_p)
+        out_tokens = out_tokens.at[:, step].set(jnp.where(active, nxt, -1))
+        if return_logits:
+            out_logits = out_logits.at[:, step].set(logits)
+        lengths = lengths + active.astype(jnp.int32)
+        done = done | (step + 1 >= budget) | (nxt == stop_token)
+        return (step + 1, cache, lengths, jnp.where(active, nxt, last), done, out_tokens,
+                out_logits)
+
+    done = budget <= 0
+    state = (jnp.int32(0), cache, lengths, last, done, out_tokens, out_logits)
+    _, cache, lengths, _, _, out_tokens, out_logits = jax.lax.while_loop(cond, body, state)
+    return out_tokens, (out_logits if return_logits else None), cache, lengths
