@@ -48,7 +48,7 @@ def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     probs = jax.nn.softmax(ranked, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
     keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # [B]
-    cutoff = jnp.minimum(jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1), kth)
+    cutoff = jnp.maximum(jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1), kth)
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 

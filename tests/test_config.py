@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvjax import CacheConfig, ConfigError, ModelConfig, load_config
+from kvjax.config import config_from_dict
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def test_there_are_configs():
+    assert len(CONFIGS) >= 3
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses(path):
+    config = load_config(path)
+    assert config.model.num_heads % config.model.num_kv_heads == 0
+    assert config.cache.prefill_chunk % config.cache.page_size == 0
+
+
+def test_dotted_overrides(tmp_path):
+    config = load_config(CONFIGS[0], ["model.num_layers=4", "cache.dtype=bfloat16",
+                                      "sampling.top_p=0.5", "model.sliding_window=8"])
+    assert config.model.num_layers == 4
+    assert config.cache.dtype == "bfloat16"
+    assert config.sampling.top_p == 0.5
+    assert config.model.sliding_window == 8
+
+
+@pytest.mark.parametrize(("raw", "key", "message"), [
+    ({"model": {"num_layerz": 2}}, "model.num_layerz", "unknown key"),
+    ({"modle": {}}, "modle", "unknown section"),
+    ({"model": {"num_heads": 8, "num_kv_heads": 3}}, "model.num_kv_heads", "must divide"),
+    ({"model": {"num_layers": "four"}}, "model.num_layers", "expected an integer"),
+    ({"model": {"num_layers": True}}, "model.num_layers", "expected an integer"),
+    ({"model": {"norm": "batch"}}, "model.norm", "not one of"),
+    ({"cache": {"page_size": 16, "prefill_chunk": 24}}, "cache.prefill_chunk",
+     "not a multiple of page_size"),
+    ({"cache": {"dtype": "float16"}}, "cache.dtype", "not one of"),
+    ({"sampling": {"top_p": 0.0}}, "sampling.top_p", "must be in"),
+    ({"sampling": {"temperature": -1}}, "sampling.temperature", ">= 0"),
+])
+def test_bad_keys_and_values_name_the_key(raw, key, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        config_from_dict(raw)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}:")
+
+
+def test_override_of_unknown_key_names_it():
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS[0], ["cache.pagesize=4"])
+    assert info.value.key == "cache.pagesize"
+
+
+def test_defaults_and_replace():
+    config = ModelConfig(d_model=96, num_heads=6, num_kv_heads=2)
+    assert config.head_dim == 16 and config.group_size == 3
+    assert CacheConfig(page_size=4, attn_block=16).block_pages == 4
+    hash(config)  # frozen configs are static jit arguments

@@ -1,0 +1,85 @@
+"""The KV memory calculator and the cost explorer."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import kvjax
+from kvjax import CacheConfig, ModelConfig, memory
+
+LLAMA_8B = ModelConfig(vocab_size=128256, num_layers=32, d_model=4096, num_heads=32,
+                       num_kv_heads=8, d_ff=14336, max_seq_len=8192, rope_theta=500000.0,
+                       tie_embeddings=False)
+
+
+def test_kv_bytes_per_token_for_an_8b_shape():
+    assert memory.kv_bytes(32, 8, 128, length=1, bytes_per_scalar=2) == 131_072
+    assert memory.kv_bytes(32, 8, 128, length=1, batch=16, bytes_per_scalar=2) == 2 * 2**20
+
+
+def test_calculator_equals_physical_bytes_of_a_cache_built_from_the_same_numbers():
+    for dtype, nbytes in (("bfloat16", 2), ("float32", 4)):
+        cache_cfg = CacheConfig(page_size=16, num_pages=64, dtype=dtype)
+        shape = jax.eval_shape(lambda c=cache_cfg: kvjax.init_cache(LLAMA_8B, c))
+        # 64 pages of 16 tokens = 4 sequences of 256 tokens.
+        assert kvjax.cache_bytes(shape) == memory.kv_bytes(32, 8, 128, length=256, batch=4,
+                                                           bytes_per_scalar=nbytes)
+
+
+def test_page_rounded_figure():
+    exact = memory.kv_bytes(2, 2, 8, length=17, batch=3, bytes_per_scalar=4)
+    paged = memory.kv_bytes_paged(2, 2, 8, length=17, page_size=16, batch=3,
+                                  bytes_per_scalar=4)
+    assert paged == exact * 32 // 17
+
+
+def test_parameter_count_matches_an_8b_model_built_without_memory():
+    shapes = jax.eval_shape(lambda: kvjax.init_params(LLAMA_8B, seed=0))
+    counted = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+    assert counted == memory.num_params(LLAMA_8B) == 8_030_261_248
+
+
+def test_parameter_count_for_every_block_choice():
+    for kw in ({}, {"norm": "layer", "mlp": "gelu", "position": "learned"},
+               {"qkv_bias": True, "tie_embeddings": False}):
+        config = ModelConfig(vocab_size=50, num_layers=2, d_model=16, num_heads=4,
+                             num_kv_heads=2, d_ff=24, max_seq_len=32, **kw)
+        params = kvjax.init_params(config)
+        counted = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+        assert counted == memory.num_params(config), kw
+
+
+def test_prefill_is_compute_bound_and_decode_bandwidth_bound_on_an_h100():
+    peak, bandwidth = 989e12, 3.35e12
+    prefill = memory.step_cost(LLAMA_8B, batch=1, context=0, new_tokens=2048, param_bytes=2,
+                               kv_bytes_per_scalar=2)
+    decode = memory.step_cost(LLAMA_8B, batch=1, context=4096, new_tokens=1, param_bytes=2,
+                              kv_bytes_per_scalar=2)
+    assert prefill.bound(peak, bandwidth) == "compute-bound"
+    assert decode.bound(peak, bandwidth) == "bandwidth-bound"
+    # Decode reads every matmul weight once (2 bytes each) plus 4096 tokens of KV.
+    weights = memory.num_params(LLAMA_8B) - LLAMA_8B.vocab_size * LLAMA_8B.d_model \
+        - LLAMA_8B.d_model * (2 * 32 + 1)
+    assert decode.weight_bytes == 2 * weights
+    assert decode.kv_read_bytes == 4097 * 131_072
+    assert decode.flops > 2 * weights
+    assert decode.intensity < 2
+
+
+def test_sliding_window_caps_kv_read():
+    config = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+                         sliding_window=128, max_seq_len=8192)
+    cost = memory.step_cost(config, batch=2, context=4000, new_tokens=1)
+    per_token = memory.kv_bytes(2, 2, 16, 1, 1, 4)
+    assert cost.kv_read_bytes == 2 * 128 * per_token
+
+
+def test_report_labels_its_assumptions():
+    text = memory.report(LLAMA_8B, batch=16, context=4096, page_size=16, kv_bytes_per_scalar=2,
+                         param_bytes=2, prefill_tokens=2048, peak_flops=989e12,
+                         bandwidth=3.35e12)
+    assert "excludes page-table overhead, quantization scales, allocator rounding" in text
+    assert "2.00 MiB" in text  # per generated token at batch 16
+    assert "131,072 B" in text
+    assert "bandwidth-bound" in text and "compute-bound" in text
