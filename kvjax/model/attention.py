@@ -4,9 +4,10 @@ Legend: B batch, T new tokens (queries), S keys, K kv heads, G query heads per k
 H head dim, N = K * G query heads.
 
 The paged path reduces over the cache one attention block (a fixed number of whole pages)
-at a time, in a fixed order starting at position 0, with an online softmax. A fully masked
+at a time, in a fixed order of absolute positions, with an online softmax. A fully masked
 block contributes exactly nothing, so a query's result is bitwise independent of how many
-pages the page table is padded to and of where its prefill chunk started.
+pages the page table is padded to and of where its prefill chunk started; blocks no query
+can see are therefore skipped.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
     k_layer, v_layer = cache.k[layer], cache.v[layer]  # [K, num_pages, page_size, H]
 
-    def step(carry, xs):
+    def step(index, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
-        pages, index = xs  # [B, block_pages], []
+        pages = jax.lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [B, block_pages]
         k = k_layer[:, pages].reshape(-1, b, block_len, h).astype(q.dtype)  # [K, B, S, H]
         v = v_layer[:, pages].reshape(-1, b, block_len, h).astype(q.dtype)
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
@@ -86,14 +87,19 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         p = jnp.exp(s - m_new[..., None])
         l = l * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum("BKGTS,KBSH->BKGTH", p, v)
-        return (m_new, l, acc), None
+        return m_new, l, acc
 
     g = n // cache.k.shape[1]
     shape = (b, cache.k.shape[1], g, t)
     init = (jnp.full(shape, _M_INIT, q.dtype), jnp.zeros(shape, q.dtype),
             jnp.zeros((*shape, h), q.dtype))
-    xs = (blocks, jnp.arange(num_blocks, dtype=jnp.int32))
-    (_, l, acc), _ = jax.lax.scan(step, init, xs)
+    # Only blocks that some query can see are visited; the skipped ones are fully masked and
+    # would contribute exactly nothing, so skipping them changes no bit of the result.
+    stop = jnp.minimum((jnp.max(end) + block_len - 1) // block_len, num_blocks)
+    start = jnp.int32(0)
+    if window is not None:
+        start = jnp.maximum(jnp.min(batch.lengths) - window + 1, 0) // block_len
+    _, l, acc = jax.lax.fori_loop(start, stop, step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
     return jnp.einsum("BKGTH->BTKGH", out).reshape(b, t, n, h)
 
