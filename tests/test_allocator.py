@@ -8,10 +8,12 @@ from kvjax import AllocatorError, PageAllocator
 def test_allocate_free_and_refcounts():
     alloc = PageAllocator(4)
     a = alloc.allocate(3)
-    assert sorted(a) == [0, 1, 2] and alloc.num_free == 1
+    assert sorted(a) == [0, 1, 2]
+    assert alloc.num_free == 1
     assert all(alloc.refcount(p) == 1 for p in a)
     alloc.free(a[:1])
-    assert alloc.num_free == 2 and alloc.refcount(a[0]) == 0
+    assert alloc.num_free == 2
+    assert alloc.refcount(a[0]) == 0
     b = alloc.allocate(2)
     assert set(b) == {3, a[0]}
 

@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers import random_tokens, small_model
 
 import kvjax
-from helpers import random_tokens, small_model
 from kvjax import CacheConfig, InvalidRequestError, KVPool, NonCausalCacheError
 from kvjax.runtime import steps
 
@@ -37,7 +37,8 @@ def test_bad_request_is_refused_before_allocating(setup, prompts, max_new, messa
     with pytest.raises(InvalidRequestError, match=message):
         kvjax.generate(params, config, prompts, max_new, cache=pool)
     assert pool.allocator.num_free == 16
-    assert pool.cache is cache_before and not pool.cache.k.is_deleted()
+    assert pool.cache is cache_before
+    assert not pool.cache.k.is_deleted()
     # The pool keeps serving a good request afterwards, and gets every page back.
     good = kvjax.generate(params, config, [[1, 2, 3]], 4, cache=pool)
     ref = kvjax.generate(params, config, [[1, 2, 3]], 4)
@@ -62,7 +63,7 @@ def test_non_causal_config_is_refused_by_every_cached_path(setup):
     # The uncached reference still serves it: a token sees later tokens.
     (seq,) = random_tokens(0, [8], config.vocab_size)
     a = np.asarray(kvjax.forward(params, bidirectional, np.array([seq]))[0])
-    b = np.asarray(kvjax.forward(params, bidirectional, np.array([seq[:-1] + [seq[-1] ^ 1]]))[0])
+    b = np.asarray(kvjax.forward(params, bidirectional, np.array([[*seq[:-1], seq[-1] ^ 1]]))[0])
     assert not np.array_equal(a[0], b[0])
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import cached_logits, random_tokens, small_model, tol
 
 import kvjax
-from helpers import cached_logits, random_tokens, small_model, tol
 from kvjax import CacheConfig, SamplingConfig
 
 VARIANTS = {

@@ -58,6 +58,7 @@ def test_override_of_unknown_key_names_it():
 
 def test_defaults_and_replace():
     config = ModelConfig(d_model=96, num_heads=6, num_kv_heads=2)
-    assert config.head_dim == 16 and config.group_size == 3
+    assert config.head_dim == 16
+    assert config.group_size == 3
     assert CacheConfig(page_size=4, attn_block=16).block_pages == 4
     hash(config)  # frozen configs are static jit arguments

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+from helpers import random_tokens, small_model, tol
 
 import kvjax
-from helpers import random_tokens, small_model, tol
 from kvjax import BatchInfo
 from kvjax.cache.dense import init_dense_cache
 from kvjax.runtime import steps

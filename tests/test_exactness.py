@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import cached_logits, gather_sequence, prefill, random_tokens, small_model, tol
 
 import kvjax
-from helpers import cached_logits, gather_sequence, prefill, random_tokens, small_model, tol
 from kvjax import BatchInfo, CacheConfig, init_cache
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table
@@ -71,7 +71,7 @@ def test_verify_over_k_plus_1_tokens_equals_single_decode_steps(model):
     k_plus_1 = [5, 3]
     seqs = random_tokens(3, [14 + 5, 21 + 3], config.vocab_size)
     prompt_lens = [14, 21]
-    rows = [list(range(0, 8)), list(range(8, 16))]
+    rows = [list(range(8)), list(range(8, 16))]
     table = page_table(rows, 2, CACHE.block_pages)
 
     def prefilled():

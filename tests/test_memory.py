@@ -82,4 +82,5 @@ def test_report_labels_its_assumptions():
     assert "excludes page-table overhead, quantization scales, allocator rounding" in text
     assert "2.00 MiB" in text  # per generated token at batch 16
     assert "131,072 B" in text
-    assert "bandwidth-bound" in text and "compute-bound" in text
+    assert "bandwidth-bound" in text
+    assert "compute-bound" in text

@@ -107,7 +107,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
 def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchInfo,
                     window: int | None) -> jax.Array:
     """Baseline: attention over a contiguous [B, max_len] cache in one softmax."""
-    b, t, _, _ = q.shape
+    t = q.shape[1]
     qg = _grouped(q, cache.k.shape[3])
     k = cache.k[layer].astype(q.dtype)  # [B, S, K, H]
     v = cache.v[layer].astype(q.dtype)

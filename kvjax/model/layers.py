@@ -52,8 +52,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
         cfg = self.config
-        dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=cfg.dtype,
-                                                name=name)
+
+        def dense(features: int, name: str) -> nn.Dense:
+            return nn.Dense(features, use_bias=False, dtype=cfg.dtype, name=name)
+
         if cfg.mlp == "swiglu":
             hidden = nn.silu(dense(cfg.d_ff, "gate")(x)) * dense(cfg.d_ff, "up")(x)  # [B, T, F]
         else:

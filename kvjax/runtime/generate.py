@@ -96,7 +96,7 @@ _sample_jit = jax.jit(sample)
 
 
 def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
-             sampling: SamplingConfig = SamplingConfig(),
+             sampling: SamplingConfig | None = None,
              cache: CacheConfig | KVPool | None = None, return_logits: bool = False,
              stop_token: int | None = None) -> GenerateResult:
     """Generates up to `max_new_tokens` tokens for each token-id prompt.
@@ -106,6 +106,7 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
     InvalidRequestError (or NonCausalCacheError) before any page is allocated.
     """
     prompts = validate_prompts(config, prompts, max_new_tokens)
+    sampling = sampling or SamplingConfig()
     if cache is None:
         page_size = CacheConfig().page_size
         need = sum(pages_for(len(p) + max_new_tokens, page_size) for p in prompts)
