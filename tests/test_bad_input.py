@@ -67,6 +67,15 @@ def test_non_causal_config_is_refused_by_every_cached_path(setup):
     assert not np.array_equal(a[0], b[0])
 
 
+def test_pool_of_another_model_is_refused(setup):
+    config, params = setup
+    pool = KVPool(dataclasses.replace(config, num_layers=1),
+                  CacheConfig(page_size=4, num_pages=16, prefill_chunk=16, attn_block=8))
+    with pytest.raises(InvalidRequestError, match="another model config"):
+        kvjax.generate(params, config, [[1, 2]], 3, cache=pool)
+    assert pool.allocator.num_free == 16
+
+
 def test_stop_token_outside_vocabulary(setup):
     config, params = setup
     pool = KVPool(config, CacheConfig(page_size=4, num_pages=16, prefill_chunk=16,

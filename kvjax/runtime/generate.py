@@ -112,6 +112,8 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
         need = sum(pages_for(len(p) + max_new_tokens, page_size) for p in prompts)
         cache = CacheConfig(page_size=page_size, num_pages=need)
     pool = cache if isinstance(cache, KVPool) else KVPool(config, cache)
+    if pool.model_config != config:
+        raise InvalidRequestError("the KVPool was built for another model config")
     cache_cfg = pool.cache_config
     needs = [pages_for(len(p) + max_new_tokens, cache_cfg.page_size) for p in prompts]
     if sum(needs) > pool.allocator.num_free:
