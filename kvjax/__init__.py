@@ -2,18 +2,23 @@
 
 from kvjax import memory
 from kvjax.cache.allocator import AllocatorError, PageAllocator
+from kvjax.cache.identity import CacheNamespace
 from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
 from kvjax.config import (
     CacheConfig,
     Config,
     ConfigError,
+    EngineConfig,
     GenerateConfig,
     ModelConfig,
     SamplingConfig,
     load_config,
 )
+from kvjax.model.lora import init_adapter
 from kvjax.model.transformer import NonCausalCacheError, Transformer, forward, init_params
-from kvjax.runtime.generate import GenerateResult, InvalidRequestError, KVPool, generate
+from kvjax.runtime.engine import Engine
+from kvjax.runtime.generate import GenerateResult, KVPool, generate
+from kvjax.runtime.requests import InvalidRequestError, Request, RequestResult, StreamEvent
 
 __version__ = "0.1.0"
 
@@ -21,8 +26,11 @@ __all__ = [
     "AllocatorError",
     "BatchInfo",
     "CacheConfig",
+    "CacheNamespace",
     "Config",
     "ConfigError",
+    "Engine",
+    "EngineConfig",
     "GenerateConfig",
     "GenerateResult",
     "InvalidRequestError",
@@ -31,11 +39,15 @@ __all__ = [
     "NonCausalCacheError",
     "PageAllocator",
     "PagedKVCache",
+    "Request",
+    "RequestResult",
     "SamplingConfig",
+    "StreamEvent",
     "Transformer",
     "cache_bytes",
     "forward",
     "generate",
+    "init_adapter",
     "init_cache",
     "init_params",
     "load_config",

@@ -101,7 +101,7 @@ def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int,
     def multi_step():
         out, _, paged.cache, _ = steps.decode_loop(
             params, config, paged.cache, table, lengths, tokens[:, 0], budget, keys, temp,
-            zeros, top_p, np.int32(-1), max_steps=bucket(decode_steps, 16))
+            zeros, top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16))
         np.asarray(out)
 
     multi_s = _median_seconds(multi_step, reps) / decode_steps

@@ -140,6 +140,27 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The serving engine: cache pool, batch slots, prefix reuse and scheduling policies."""
+
+    cache: CacheConfig = CacheConfig()
+    max_slots: int = 8  # decode batch rows (a request with n samples takes n)
+    prefix_cache: bool = True
+    partial_page_copy: bool = False  # copy the matching slots of a partly matching page
+    eviction: str = "lru"  # "lru" | "lfu" | "fifo"
+    schedule: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
+    decode_steps: int = 16  # on-device decode steps between scheduling rounds
+    poison_freed: bool = False  # debug: fill freed pages with NaN on device
+    evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
+
+    def __post_init__(self):
+        for key in ("max_slots", "decode_steps", "evicted_record"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _choice(self.eviction, "eviction", ("lru", "lfu", "fifo"))
+        _choice(self.schedule, "schedule", ("fcfs", "lpm"))
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerateConfig:
     """What `scripts/quickstart` and `kvjax generate` run."""
 
@@ -162,6 +183,7 @@ class Config:
     cache: CacheConfig = CacheConfig()
     sampling: SamplingConfig = SamplingConfig()
     generate: GenerateConfig = GenerateConfig()
+    engine: EngineConfig = EngineConfig()
 
 
 _SECTIONS: dict[str, type] = typing.get_type_hints(Config)
@@ -187,6 +209,8 @@ def _check_type(value: Any, annotation: Any, key: str) -> Any:
         _require(isinstance(value, (list, tuple)), key, f"expected a list, got {value!r}")
         (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
         return tuple(_check_type(v, item, key) for v in value)
+    if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
+        return build(annotation, value, key)
     if annotation is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         _require(ok, key, f"expected a number, got {value!r}")
@@ -214,7 +238,9 @@ def build(cls: type, table: dict[str, Any], section: str = ""):
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise e.under(section) if section else e from None
+        if section and not e.key.startswith(f"{section}."):
+            raise e.under(section) from None
+        raise
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -12,12 +12,20 @@ class AllocatorError(RuntimeError):
 
 
 class PageAllocator:
-    """Hands out physical page ids; a page returns to the free list when its count is 0."""
+    """Hands out physical page ids; a page returns to the free list when its count is 0.
 
-    def __init__(self, num_pages: int):
+    A page with more than one reference is shared and must not be written: a writer first
+    copies it (`copy_on_write`). With `track_freed`, every page that returns to the free
+    list is also queued in `freed` so the owner can poison it on device (page hygiene).
+    """
+
+    def __init__(self, num_pages: int, track_freed: bool = False):
         self.num_pages = num_pages
         self._free = collections.deque(range(num_pages))
         self._refs = np.zeros(num_pages, np.int32)
+        self.track_freed = track_freed
+        self.freed: list[int] = []
+        self.copies = 0
 
     @property
     def num_free(self) -> int:
@@ -35,6 +43,24 @@ class PageAllocator:
         self._refs[pages] = 1
         return pages
 
+    def share(self, page: int) -> None:
+        """Adds a reference to a live page."""
+        if not 0 <= page < self.num_pages or self._refs[page] < 1:
+            raise AllocatorError(f"cannot share page {page}: it is not allocated")
+        self._refs[page] += 1
+
+    def copy_on_write(self, page: int) -> int | None:
+        """Before writing `page`: None if the caller holds the only reference, else a fresh
+        page that replaces the caller's reference (the caller copies the contents)."""
+        if self._refs[page] < 1:
+            raise AllocatorError(f"page {page} is not allocated")
+        if self._refs[page] == 1:
+            return None
+        (fresh,) = self.allocate(1)
+        self._refs[page] -= 1
+        self.copies += 1
+        return fresh
+
     def free(self, pages: list[int]) -> None:
         """Drops one reference to each page; checks every page before changing any."""
         counts = collections.Counter(pages)
@@ -47,3 +73,5 @@ class PageAllocator:
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 self._free.append(page)
+                if self.track_freed:
+                    self.freed.append(page)

@@ -8,6 +8,8 @@ p lives in page `page_table[p // page_size]`, slot `p % page_size`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -43,13 +45,16 @@ class PagedKVCache:
 class BatchInfo:
     """What the host tells a step about each sequence of the batch.
 
-    New token t of sequence b sits at position `lengths[b] + t` and is real only when
-    `t < num_new[b]`; padded tokens are neither written nor attended to.
+    New token t of sequence b sits in cache slot `lengths[b] + t` and is real only when
+    `t < num_new[b]`; padded tokens are neither written nor attended to. Its model position
+    (RoPE angle or learned embedding row) is `position_offset[b] + lengths[b] + t`: the
+    offset is the position base of a sequence whose first cached token is not at 0.
     """
 
     page_table: jax.Array  # int32[batch, pages_per_seq]
     lengths: jax.Array  # int32[batch]  tokens already cached
     num_new: jax.Array  # int32[batch]  real new tokens in this step
+    position_offset: jax.Array | None = None  # int32[batch]  position of cache slot 0
 
 
 def init_cache(model: ModelConfig, cache: CacheConfig) -> PagedKVCache:
@@ -67,11 +72,19 @@ def cache_bytes(cache) -> int:
 
 
 def new_positions(batch: BatchInfo, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """Positions of the new tokens and which of them are real: both [batch, num_tokens]."""
+    """Cache slots of the new tokens and which of them are real: both [batch, num_tokens]."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     valid = t < batch.num_new[:, None]
     positions = jnp.where(valid, batch.lengths[:, None] + t, 0)
     return positions, valid
+
+
+def model_positions(batch: BatchInfo, num_tokens: int) -> jax.Array:
+    """Model positions of the new tokens [batch, num_tokens] (0 for padded ones)."""
+    slots, valid = new_positions(batch, num_tokens)
+    if batch.position_offset is None:
+        return slots
+    return jnp.where(valid, slots + batch.position_offset[:, None], 0)
 
 
 def write_kv(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
@@ -91,3 +104,32 @@ def write_kv(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
     new_k = cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop")
     new_v = cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop")
     return cache.replace(k=new_k, v=new_v)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    """Copies pages src[i] -> dst[i] (int32[n]); dst ids >= num_pages are ignored.
+
+    Donates `cache`. Copy-on-write and partial-page reuse both go through here.
+    """
+    k = cache.k.at[:, :, dst].set(cache.k[:, :, src], mode="drop")
+    v = cache.v.at[:, :, dst].set(cache.v[:, :, src], mode="drop")
+    return cache.replace(k=k, v=v)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def poison_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
+    """Fills pages (int32[n]; ids >= num_pages ignored) with NaN. Donates `cache`."""
+    k = cache.k.at[:, :, pages].set(jnp.nan, mode="drop")
+    v = cache.v.at[:, :, pages].set(jnp.nan, mode="drop")
+    return cache.replace(k=k, v=v)
+
+
+def padded_ids(ids: list[int], fill: int) -> np.ndarray:
+    """int32 ids padded to a power-of-two length with `fill` (bounds compilations)."""
+    n = 1
+    while n < len(ids):
+        n *= 2
+    out = np.full(n, fill, np.int32)
+    out[: len(ids)] = ids
+    return out

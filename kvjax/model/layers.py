@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
+from kvjax.model.lora import add_lora
 
 EMBED_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -50,14 +51,16 @@ class MLP(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+    def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
+        """[B, T, D] -> [B, T, D]; adapter_ids int32[B] selects LoRA deltas (see lora.py)."""
         cfg = self.config
 
-        def dense(features: int, name: str) -> nn.Dense:
-            return nn.Dense(features, use_bias=False, dtype=cfg.dtype, name=name)
+        def dense(inputs: jax.Array, features: int, name: str) -> jax.Array:
+            y = nn.Dense(features, use_bias=False, dtype=cfg.dtype, name=name)(inputs)
+            return add_lora(self, name, inputs, y, adapter_ids)
 
         if cfg.mlp == "swiglu":
-            hidden = nn.silu(dense(cfg.d_ff, "gate")(x)) * dense(cfg.d_ff, "up")(x)  # [B, T, F]
+            hidden = nn.silu(dense(x, cfg.d_ff, "gate")) * dense(x, cfg.d_ff, "up")  # [B, T, F]
         else:
-            hidden = nn.gelu(dense(cfg.d_ff, "up")(x), approximate=True)
-        return dense(cfg.d_model, "down")(hidden)
+            hidden = nn.gelu(dense(x, cfg.d_ff, "up"), approximate=True)
+        return dense(hidden, cfg.d_model, "down")

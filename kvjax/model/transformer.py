@@ -20,6 +20,7 @@ from kvjax.cache.paged import BatchInfo, PagedKVCache, write_kv
 from kvjax.config import ModelConfig
 from kvjax.model.attention import dense_attention, full_attention, paged_attention_reference
 from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm
+from kvjax.model.lora import add_lora, stack_adapters
 
 Cache = PagedKVCache | DenseKVCache | None
 
@@ -44,12 +45,13 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache,
-                 batch: BatchInfo | None) -> tuple[jax.Array, Cache]:
+                 batch: BatchInfo | None, adapter_ids: jax.Array | None) -> tuple[jax.Array, Cache]:
         cfg = self.config
 
         def project(heads: int, name: str) -> jax.Array:  # [B, T, D] -> [B, T, heads, H]
-            return nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias,
-                                   dtype=cfg.dtype, name=name)(x)
+            y = nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.dtype,
+                                name=name)(x)
+            return add_lora(self, name, x, y, adapter_ids)
 
         q, k, v = project(cfg.num_heads, "q"), project(cfg.num_kv_heads, "k"), \
             project(cfg.num_kv_heads, "v")
@@ -65,9 +67,9 @@ class Attention(nn.Module):
             else:
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, cfg.sliding_window)
-        out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
-                              name="o")(out)
-        return out, cache
+        y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
+                            name="o")(out)
+        return add_lora(self, "o", out, y, adapter_ids, in_dims=2), cache
 
 
 class Block(nn.Module):
@@ -75,11 +77,12 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, positions, cache, batch):
+    def __call__(self, x, positions, cache, batch, adapter_ids):
         attn_out, cache = Attention(self.config, self.layer, name="attn")(
-            make_norm(self.config, "attn_norm")(x), positions, cache, batch)
+            make_norm(self.config, "attn_norm")(x), positions, cache, batch, adapter_ids)
         x = x + attn_out
-        x = x + MLP(self.config, name="mlp")(make_norm(self.config, "mlp_norm")(x))
+        x = x + MLP(self.config, name="mlp")(make_norm(self.config, "mlp_norm")(x),
+                                             adapter_ids)
         return x, cache
 
 
@@ -90,8 +93,12 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache = None,
-                 batch: BatchInfo | None = None) -> tuple[jax.Array, Cache]:
-        """tokens, positions: int32[B, T] -> (logits [B, T, V] float32, cache)."""
+                 batch: BatchInfo | None = None,
+                 adapter_ids: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+        """tokens, positions: int32[B, T] -> (logits [B, T, V] float32, cache).
+
+        With a "lora" collection applied, `adapter_ids` int32[B] picks each row's adapter.
+        """
         cfg = self.config
         if cache is not None and not cfg.causal:
             raise NonCausalCacheError()
@@ -102,7 +109,8 @@ class Transformer(nn.Module):
             x = x + nn.Embed(cfg.max_seq_len, cfg.d_model, embedding_init=EMBED_INIT,
                              dtype=cfg.dtype, name="pos_embed")(positions)
         for layer in range(cfg.num_layers):
-            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, positions, cache, batch)
+            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, positions, cache, batch,
+                                                               adapter_ids)
         x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)
@@ -119,13 +127,24 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
 
 
 @partial(jax.jit, static_argnames=("config",))
-def _forward(params: dict, config: ModelConfig, tokens: jax.Array,
-             positions: jax.Array) -> jax.Array:
-    return Transformer(config).apply({"params": params}, tokens, positions)[0]
+def _forward(params: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+             lora: dict | None, adapter_ids: jax.Array | None) -> jax.Array:
+    variables = {"params": params} if lora is None else {"params": params, "lora": lora}
+    return Transformer(config).apply(variables, tokens, positions, None, None, adapter_ids)[0]
 
 
-def forward(params: dict, config: ModelConfig, tokens) -> jax.Array:
-    """Full-sequence logits [B, T, V] with no cache: the reference every cached path meets."""
+def forward(params: dict, config: ModelConfig, tokens, adapter: dict | None = None,
+            position_base: int = 0) -> jax.Array:
+    """Full-sequence logits [B, T, V] with no cache: the reference every cached path meets.
+
+    `adapter` is one LoRA adapter (`kvjax.init_adapter`); `position_base` is the position
+    of the first token.
+    """
     tokens = jnp.asarray(tokens, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return _forward(params, config, tokens, positions)
+    positions = position_base + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = jnp.broadcast_to(positions, tokens.shape)
+    lora = ids = None
+    if adapter is not None:
+        lora = stack_adapters(config, [adapter])
+        ids = jnp.ones(tokens.shape[0], jnp.int32)
+    return _forward(params, config, tokens, positions, lora, ids)

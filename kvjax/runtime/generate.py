@@ -19,11 +19,8 @@ from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
 from kvjax.runtime.batching import bucket, page_table, pages_for
+from kvjax.runtime.requests import InvalidRequestError
 from kvjax.runtime.sampling import sample, sampling_arrays, sequence_keys
-
-
-class InvalidRequestError(ValueError):
-    """A request that cannot be served; raised before anything is allocated."""
 
 
 class KVPool:
@@ -162,7 +159,7 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
         out, logits, pool.cache, _ = steps.decode_loop(
             params, config, pool.cache, table, lengths, first, budget, keys,
             knobs["temperature"], knobs["top_k"], knobs["top_p"],
-            np.int32(-1 if stop_token is None else stop_token),
+            np.full(slots, -1 if stop_token is None else stop_token, np.int32),
             max_steps=bucket(max_new_tokens - 1, 16), return_logits=return_logits)
         out = np.asarray(out)
     t2 = time.perf_counter()

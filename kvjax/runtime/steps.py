@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.paged import BatchInfo, new_positions
+from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import Cache, Transformer
 from kvjax.runtime.sampling import sample
@@ -29,17 +29,24 @@ def trace_counts() -> dict[str, int]:
     return dict(_TRACES)
 
 
+def _variables(params: dict, lora: dict | None) -> dict:
+    return {"params": params} if lora is None else {"params": params, "lora": lora}
+
+
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
-           batch: BatchInfo) -> tuple[jax.Array, Cache]:
+           batch: BatchInfo, lora: dict | None = None,
+           adapter_ids: jax.Array | None = None) -> tuple[jax.Array, Cache]:
     """Appends `tokens` [B, T] to each sequence's cache; returns logits [B, T, V] and the cache.
 
-    Donates `cache`. New token t of sequence b is at position `batch.lengths[b] + t` and
-    attends to every cached position up to and including its own.
+    Donates `cache`. New token t of sequence b goes to cache slot `batch.lengths[b] + t` and
+    attends to every cached slot up to and including its own. `lora` (stacked adapters, see
+    `kvjax.model.lora`) and `adapter_ids` int32[B] select a LoRA adapter per sequence.
     """
     _TRACES["extend"] += 1
-    positions, _ = new_positions(batch, tokens.shape[1])
-    return Transformer(config).apply({"params": params}, tokens, positions, cache, batch)
+    positions = model_positions(batch, tokens.shape[1])
+    return Transformer(config).apply(_variables(params, lora), tokens, positions, cache, batch,
+                                     adapter_ids)
 
 
 @partial(jax.jit, static_argnames=("config", "max_steps", "return_logits"),
@@ -47,16 +54,19 @@ def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
 def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax.Array,
                 lengths: jax.Array, last: jax.Array, budget: jax.Array, keys: jax.Array,
                 temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                stop_token: jax.Array, max_steps: int, return_logits: bool = False):
+                stop_token: jax.Array, max_steps: int, return_logits: bool = False,
+                position_offset: jax.Array | None = None, lora: dict | None = None,
+                adapter_ids: jax.Array | None = None):
     """Decodes up to `max_steps` tokens per sequence on device, sampling inside the loop.
 
     Donates `cache`. Sequence b feeds `last[b]` (not yet cached, at position `lengths[b]`),
-    then keeps sampling until it has produced `budget[b]` tokens or sampled `stop_token`
+    then keeps sampling until it has produced `budget[b]` tokens or sampled `stop_token[b]`
     (-1: none). The loop ends as soon as every sequence is done.
 
     Args:
       page_table: int32[B, P]; lengths, last, budget: int32[B]; keys: uint32[B, 2];
-      temperature, top_p: float32[B]; top_k: int32[B]; stop_token: int32[].
+      temperature, top_p: float32[B]; top_k, stop_token: int32[B];
+      position_offset, adapter_ids: int32[B] or None (see `extend`).
     Returns:
       tokens int32[B, S] (-1 past the end), logits float32[B, S, V] or None, the cache,
       and the final lengths int32[B].
@@ -67,6 +77,7 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
     out_tokens = jnp.full((b, max_steps), -1, jnp.int32)
     out_logits = jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32)
     model = Transformer(config)
+    variables = _variables(params, lora)
 
     def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits)
         return (state[0] < max_steps) & ~jnp.all(state[4])
@@ -75,11 +86,13 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
         step, cache, lengths, last, done, out_tokens, out_logits = state
         active = ~done
         batch = BatchInfo(page_table=page_table, lengths=lengths,
-                          num_new=active.astype(jnp.int32))
-        positions, _ = new_positions(batch, 1)
-        logits, cache = model.apply({"params": params}, last[:, None], positions, cache, batch)
+                          num_new=active.astype(jnp.int32), position_offset=position_offset)
+        positions = model_positions(batch, 1)
+        logits, cache = model.apply(variables, last[:, None], positions, cache, batch,
+                                    adapter_ids)
         logits = logits[:, 0]  # [B, V]
-        nxt = sample(logits, keys, lengths + 1, temperature, top_k, top_p)
+        offset = 0 if position_offset is None else position_offset
+        nxt = sample(logits, keys, offset + lengths + 1, temperature, top_k, top_p)
         out_tokens = out_tokens.at[:, step].set(jnp.where(active, nxt, -1))
         if return_logits:
             out_logits = out_logits.at[:, step].set(logits)

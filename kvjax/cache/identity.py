@@ -1,0 +1,82 @@
+"""Cache identity: the namespace a cached K/V page lives under, and the digests behind it.
+
+A cached state may be reused only by a request that would recompute it bit for bit: same
+weights, same adapter, same position base, same attention structure, same cache dtype,
+and (when a tenant salt is set) the same tenant. Sampling settings act after the logits
+and are deliberately not part of it. Plain Python + numpy: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+
+from kvjax.config import ModelConfig
+
+NO_ADAPTER = "none"
+
+
+def digest_tree(tree) -> str:
+    """sha256 over every leaf's path, dtype, shape and bytes (sorted by path)."""
+    h = hashlib.sha256()
+
+    def visit(node, path: str) -> None:
+        if isinstance(node, dict):
+            for key in sorted(node):
+                visit(node[key], f"{path}/{key}")
+            return
+        array = np.asarray(node)
+        h.update(f"{path}:{array.dtype.str}:{array.shape}".encode())
+        h.update(np.ascontiguousarray(array).tobytes())
+
+    visit(_to_dict(tree), "")
+    return h.hexdigest()
+
+
+def _to_dict(tree):
+    """Flax FrozenDicts and other mappings as plain dicts."""
+    if hasattr(tree, "items"):
+        return {str(k): _to_dict(v) for k, v in tree.items()}
+    return tree
+
+
+def model_fingerprint(config: ModelConfig, params) -> str:
+    """Digest of the config and every weight; changing any weight changes it."""
+    text = json.dumps(dataclasses.asdict(config), sort_keys=True)
+    return hashlib.sha256(text.encode() + digest_tree(params).encode()).hexdigest()[:32]
+
+
+def adapter_identity(name: str | None, adapter) -> str:
+    """`name@digest` of a LoRA adapter's weights; "none" without one."""
+    if name is None:
+        return NO_ADAPTER
+    return f"{name}@{digest_tree(adapter)[:16]}"
+
+
+def attention_signature(config: ModelConfig) -> str:
+    """What decides which keys a query sees and how positions enter the states."""
+    position = (f"rope(theta={config.rope_theta})" if config.position == "rope"
+                else "learned")
+    return f"causal={config.causal},window={config.sliding_window},positions={position}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheNamespace:
+    """Everything besides the token ids that decides a cached state."""
+
+    model: str
+    adapter: str
+    position_base: int
+    attention: str
+    kv_dtype: str
+    salt: str | None = None
+
+    def differing_fields(self, other: CacheNamespace) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]
+
+    def with_salt(self, salt: str | None) -> CacheNamespace:
+        return dataclasses.replace(self, salt=salt)

@@ -1,0 +1,290 @@
+"""Host prefix trie over page-sized token blocks. Plain Python + numpy: no JAX.
+
+Each node is one full page of tokens under a namespace; its children continue the history.
+A hash of (salt, tokens) indexes a node's children, but every match compares the tokens
+and the salt exactly, so a hash collision can never return another history. The trie
+holds one allocator reference on every page it caches; eviction removes least-recently
+used (or by another policy) leaves that no live sequence references.
+
+Miss causes, for the first block that was not reused:
+  capacity   - the same block under the same namespace was cached and has been evicted
+  namespace  - the same token history is cached under another namespace (fields named)
+  divergence - this namespace caches other continuations; the tokens differ at `position`
+  partial_page - the request's remaining tokens are fewer than a page and a cached page
+                 continues them (only a partial-page copy could reuse them)
+  cold       - never seen
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+
+from kvjax.cache.allocator import PageAllocator
+from kvjax.cache.identity import CacheNamespace
+
+Block = tuple[int, ...]
+
+
+def default_hash(salt: str | None, tokens: Block) -> int:
+    return hash((salt, tokens))
+
+
+def history_digests(tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """Digest of the whole history up to the end of each full block (for statistics only)."""
+    out, h = [], hashlib.blake2b(digest_size=16)
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        h.update(repr(tuple(tokens[start:start + page_size])).encode())
+        out.append(h.copy().digest())
+    return out
+
+
+class Node:
+    __slots__ = ("children", "created", "hits", "last_used", "namespace", "page", "parent",
+                 "salt", "tokens")
+
+    def __init__(self, tokens: Block, salt: str | None, page: int, parent: Node | None,
+                 namespace: CacheNamespace, clock: int):
+        self.tokens = tokens
+        self.salt = salt
+        self.page = page
+        self.parent = parent
+        self.namespace = namespace  # the full namespace (with this block's salt)
+        self.children: dict[int, list[Node]] = {}
+        self.created = self.last_used = clock
+        self.hits = 0
+
+    def child_list(self) -> list[Node]:
+        return [c for bucket in self.children.values() for c in bucket]
+
+
+EVICTION_POLICIES: dict[str, Callable[[Node], tuple]] = {
+    "lru": lambda n: (n.last_used, n.created),
+    "lfu": lambda n: (n.hits, n.last_used, n.created),
+    "fifo": lambda n: (n.created,),
+}
+
+
+@dataclasses.dataclass
+class Match:
+    """The longest cached prefix of a request, and why the next block was not reused."""
+
+    nodes: list[Node]
+    cause: str | None = None  # None: every full block matched
+    position: int | None = None  # divergence: first differing token position
+    fields: list[str] = dataclasses.field(default_factory=list)  # namespace: differing fields
+    partial: tuple[Node, int] | None = None  # a cached page sharing the next n tokens
+
+    @property
+    def pages(self) -> list[int]:
+        return [n.page for n in self.nodes]
+
+
+def _common_prefix(a: Block, b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixTrie:
+    """Radix structure over page-sized blocks, one root per namespace (salt aside)."""
+
+    def __init__(self, page_size: int, allocator: PageAllocator, policy: str = "lru",
+                 hash_fn: Callable[[str | None, Block], int] = default_hash,
+                 evicted_record: int = 1 << 16):
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r} "
+                             f"(known: {', '.join(EVICTION_POLICIES)})")
+        self.page_size = page_size
+        self.allocator = allocator
+        self.policy = policy
+        self.priority = EVICTION_POLICIES[policy]
+        self.hash_fn = hash_fn
+        self._roots: dict[CacheNamespace, Node] = {}
+        self._clock = 0
+        self._evicted: collections.OrderedDict = collections.OrderedDict()
+        self._evicted_cap = evicted_record
+        self._resident: dict[bytes, set[CacheNamespace]] = collections.defaultdict(set)
+        self._digest_of: dict[int, bytes] = {}  # id(node) -> history digest
+        self._ever: set[tuple[CacheNamespace, bytes]] = set()
+        self.num_nodes = 0
+        self.evictions = 0
+
+    # -- queries ----------------------------------------------------------------------------
+    def _root(self, base: CacheNamespace, create: bool) -> Node | None:
+        base = base.with_salt(None)
+        if base not in self._roots and create:
+            self._roots[base] = Node((), None, -1, None, base, 0)
+        return self._roots.get(base)
+
+    def _find_child(self, node: Node, salt: str | None, tokens: Block) -> Node | None:
+        for child in node.children.get(self.hash_fn(salt, tokens), ()):
+            if child.salt == salt and child.tokens == tokens:  # exact, never by hash alone
+                return child
+        return None
+
+    def match(self, base: CacheNamespace, tokens: Sequence[int], salts: Sequence[str | None],
+              digests: Sequence[bytes], touch: bool = True) -> Match:
+        """Longest exact prefix of full blocks. `salts[i]` is block i's salt."""
+        ps = self.page_size
+        node = self._root(base, create=False)
+        nodes: list[Node] = []
+        num_blocks = len(tokens) // ps
+        while node is not None and len(nodes) < num_blocks:
+            i = len(nodes)
+            child = self._find_child(node, salts[i], tuple(tokens[i * ps:(i + 1) * ps]))
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        self._clock += 1
+        if touch:
+            for n in nodes:
+                n.last_used = self._clock
+                n.hits += 1
+        return self._explain(base, tokens, salts, digests, nodes, node)
+
+    def _explain(self, base, tokens, salts, digests, nodes, node) -> Match:
+        ps = self.page_size
+        i = len(nodes)
+        start = i * ps
+        siblings = [c for c in node.child_list()
+                    if c.salt == (salts[i] if i < len(salts) else None)] if node else []
+        if i >= len(tokens) // ps:  # every full block matched
+            tail = tuple(tokens[start:])
+            best = max(((c, _common_prefix(c.tokens, tail)) for c in siblings),
+                       key=lambda x: x[1], default=None)
+            if tail and best is not None and best[1] == len(tail):
+                return Match(nodes, "partial_page", position=start + best[1], partial=best)
+            partial = best if best is not None and best[1] > 0 else None
+            return Match(nodes, None, partial=partial)
+        namespace = base.with_salt(salts[i])
+        digest = digests[i]
+        lcps = [(c, _common_prefix(c.tokens, tokens[start:start + ps])) for c in siblings]
+        best = max(lcps, key=lambda x: x[1], default=None)
+        partial = best if best is not None and best[1] > 0 else None
+        if (namespace, digest) in self._evicted:
+            return Match(nodes, "capacity", partial=partial)
+        elsewhere = [ns for ns in self._resident.get(digest, ()) if ns != namespace]
+        if elsewhere:
+            fields = sorted({f for ns in elsewhere for f in namespace.differing_fields(ns)})
+            return Match(nodes, "namespace", fields=fields, partial=partial)
+        if siblings:
+            return Match(nodes, "divergence", position=start + best[1], partial=partial)
+        return Match(nodes, "cold", partial=partial)
+
+    def unbounded_blocks(self, base: CacheNamespace, salts, digests) -> int:
+        """Blocks an unbounded cache would have matched (everything ever inserted)."""
+        n = 0
+        for salt, digest in zip(salts, digests, strict=False):
+            if (base.with_salt(salt), digest) not in self._ever:
+                break
+            n += 1
+        return n
+
+    # -- updates ----------------------------------------------------------------------------
+    def insert(self, base: CacheNamespace, tokens: Sequence[int], salts: Sequence[str | None],
+               digests: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Caches the full blocks of `tokens` held in `pages`; returns blocks newly added.
+
+        Blocks already cached keep their page; a new block takes one reference on its page.
+        """
+        ps = self.page_size
+        node = self._root(base, create=True)
+        added = 0
+        self._clock += 1
+        for i in range(min(len(tokens) // ps, len(pages))):
+            block = tuple(tokens[i * ps:(i + 1) * ps])
+            namespace = base.with_salt(salts[i])
+            child = self._find_child(node, salts[i], block)
+            if child is None:
+                child = Node(block, salts[i], pages[i], node, namespace, self._clock)
+                node.children.setdefault(self.hash_fn(salts[i], block), []).append(child)
+                self.allocator.share(pages[i])
+                self._resident[digests[i]].add(namespace)
+                self._digest_of[id(child)] = digests[i]
+                self._ever.add((namespace, digests[i]))
+                self._evicted.pop((namespace, digests[i]), None)
+                self.num_nodes += 1
+                added += 1
+            child.last_used = self._clock
+            node = child
+        return added
+
+    def _leaves(self) -> list[Node]:
+        out, stack = [], list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            kids = node.child_list()
+            if not kids and node.parent is not None:
+                out.append(node)
+            stack.extend(kids)
+        return out
+
+    def evictable(self) -> list[Node]:
+        """Leaves that only the trie references."""
+        return [n for n in self._leaves() if self.allocator.refcount(n.page) == 1]
+
+    def evict(self, num_pages: int) -> int:
+        """Frees up to `num_pages` pages by removing evictable leaves in policy order."""
+        freed = 0
+        while freed < num_pages:
+            candidates = self.evictable()
+            if not candidates:
+                break
+            candidates.sort(key=self.priority)
+            for node in candidates[: num_pages - freed]:
+                self._remove(node)
+                freed += 1
+        return freed
+
+    def _remove(self, node: Node) -> None:
+        bucket = node.parent.children[self.hash_fn(node.salt, node.tokens)]
+        bucket.remove(node)
+        if not bucket:
+            del node.parent.children[self.hash_fn(node.salt, node.tokens)]
+        digest = self._digest_of.pop(id(node))
+        self._resident[digest].discard(node.namespace)
+        if not self._resident[digest]:
+            del self._resident[digest]
+        self._evicted[(node.namespace, digest)] = True
+        while len(self._evicted) > self._evicted_cap:
+            self._evicted.popitem(last=False)
+        self.allocator.free([node.page])
+        self.num_nodes -= 1
+        self.evictions += 1
+
+    def clear(self) -> None:
+        """Drops every cached block (returns the trie's references)."""
+        while self.num_nodes:
+            leaves = self._leaves()
+            for node in leaves:
+                self._remove(node)
+
+    def pages(self) -> list[int]:
+        """Every page the trie holds."""
+        out, stack = [], list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                out.append(node.page)
+            stack.extend(node.child_list())
+        return out
+
+    def entries(self) -> list[tuple[CacheNamespace, list[int], int]]:
+        """(namespace root, full token history, page) for every cached block."""
+        out = []
+        for base, root in self._roots.items():
+            stack = [(root, [])]
+            while stack:
+                node, history = stack.pop()
+                for child in node.child_list():
+                    h = history + list(child.tokens)
+                    out.append((base, h, child.page))
+                    stack.append((child, h))
+        return out

@@ -1,0 +1,581 @@
+"""The serving engine: prefix reuse on admission, continuous batching, exact by construction.
+
+Host code (plain Python + numpy) that calls the jitted device steps. One scheduling round:
+admit waiting requests into free batch slots (prefix match, allocate, prefill only the
+unmatched suffix, sample the first token, cache the prompt's full pages), then decode every
+running sequence `decode_steps` tokens on device, then retire finished requests.
+
+Exactness: the trie only ever holds pages computed by the prefill path (one fixed chunk
+shape, page-block attention), so a page reused from the cache holds exactly the bits a cold
+prefill would write. Pages written by decode (one token per row) differ from prefill's in
+the last bits, so they are never shared. A preempted request is recomputed from its prompt;
+its sampling keys depend only on (seed, sample, position), so it regenerates the same
+tokens bit for bit.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from kvjax.cache.allocator import PageAllocator
+from kvjax.cache.identity import (
+    CacheNamespace,
+    adapter_identity,
+    attention_signature,
+    model_fingerprint,
+)
+from kvjax.cache.paged import (
+    BatchInfo,
+    cache_bytes,
+    copy_pages,
+    init_cache,
+    padded_ids,
+    poison_pages,
+)
+from kvjax.cache.trie import Match, PrefixTrie, history_digests
+from kvjax.config import EngineConfig, ModelConfig
+from kvjax.model.lora import stack_adapters
+from kvjax.model.transformer import NonCausalCacheError
+from kvjax.runtime import steps
+from kvjax.runtime.batching import page_table, pages_for
+from kvjax.runtime.requests import InvalidRequestError, Request, RequestResult, StreamEvent
+from kvjax.runtime.sampling import sample
+
+_sample = jax.jit(sample)
+
+
+@dataclasses.dataclass
+class _Seq:
+    """One sample of a request: a batch slot, its pages and its progress."""
+
+    req: _Req
+    index: int
+    key: np.ndarray  # uint32[2]
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    length: int = 0  # tokens in the cache
+    last: int = -1  # the newest token, not yet cached
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    emitted: int = 0  # tokens already streamed (survives preemption)
+    done: bool = False
+
+
+@dataclasses.dataclass
+class _Req:
+    id: int
+    request: Request
+    tokens: list[int]
+    namespace: CacheNamespace
+    salts: list[str | None]
+    digests: list[bytes]
+    adapter_index: int
+    submitted: float
+    seqs: list[_Seq] = dataclasses.field(default_factory=list)
+    stats: dict = dataclasses.field(default_factory=dict)
+    admitted_order: int = -1
+
+
+class Engine:
+    """Continuous-batching engine with an exact prefix cache (see the module docstring)."""
+
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig | None = None,
+                 adapters: dict | None = None, hash_fn=None):
+        if not config.causal:
+            raise NonCausalCacheError()
+        self.config = config
+        self.engine_config = ec = engine_config or EngineConfig()
+        self.cache_config = ec.cache
+        self.adapters = dict(adapters or {})
+        self._adapter_index = {name: i for i, name in enumerate(self.adapters, start=1)}
+        self._lora = (stack_adapters(config, list(self.adapters.values()))
+                      if self.adapters else None)
+        self._adapter_ids = {name: adapter_identity(name, a) for name, a in self.adapters.items()}
+        self.load_params(params)
+        self.cache = init_cache(config, ec.cache)
+        self.allocator = PageAllocator(ec.cache.num_pages, track_freed=ec.poison_freed)
+        trie_kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
+        self.trie = PrefixTrie(ec.cache.page_size, self.allocator, ec.eviction,
+                               evicted_record=ec.evicted_record, **trie_kwargs)
+        self._waiting: collections.deque[_Req] = collections.deque()
+        self._slots: list[_Seq | None] = [None] * ec.max_slots
+        self._reqs: dict[int, _Req] = {}
+        self._results: dict[int, RequestResult] = {}
+        self._next_id = 0
+        self._admissions = 0
+        self._counters = collections.Counter()
+        self._timers = collections.Counter()
+        self._stats_log: list[dict] = []
+        if ec.poison_freed:
+            self.cache = poison_pages(self.cache, np.arange(ec.cache.num_pages, dtype=np.int32))
+
+    # -- public API ---------------------------------------------------------------------------
+    def load_params(self, params) -> None:
+        """(Re)loads weights; the model fingerprint, and so the namespace, follows them."""
+        self.params = params
+        self.fingerprint = model_fingerprint(self.config, params)
+
+    def namespace(self, request: Request) -> CacheNamespace:
+        """The namespace (without salt) a request's cached states live under."""
+        return CacheNamespace(
+            model=self.fingerprint,
+            adapter=self._adapter_ids.get(request.adapter, "none"),
+            position_base=request.position_base,
+            attention=attention_signature(self.config),
+            kv_dtype=self.cache_config.dtype,
+        )
+
+    def submit(self, request: Request) -> int:
+        """Queues a request; returns its id. Bad input raises before anything changes."""
+        tokens = self._validate(request)
+        ps = self.cache_config.page_size
+        num_blocks = pages_for(len(tokens), ps)
+        salts = [None if request.tenant is None or (i + 1) * ps <= request.public_prefix
+                 else request.tenant for i in range(num_blocks)]
+        rid = self._next_id
+        self._next_id += 1
+        req = _Req(id=rid, request=request, tokens=tokens, namespace=self.namespace(request),
+                   salts=salts, digests=history_digests(tokens, ps),
+                   adapter_index=self._adapter_index.get(request.adapter, 0),
+                   submitted=time.perf_counter())
+        keys = np.asarray(jax.vmap(lambda j: jax.random.fold_in(
+            jax.random.PRNGKey(request.sampling.seed), j))(np.arange(request.n)))
+        req.seqs = [_Seq(req=req, index=j, key=keys[j]) for j in range(request.n)]
+        self._reqs[rid] = req
+        self._waiting.append(req)
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Stops a request; its pages return to the allocator."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise KeyError(f"no live request {request_id}")
+        if req in self._waiting:
+            self._waiting.remove(req)
+        self._release(req)
+        self._finish(req, status="cancelled")
+
+    def step(self) -> list[StreamEvent]:
+        """One scheduling round: admit, decode, retire. Returns the new tokens."""
+        events: list[StreamEvent] = []
+        self._admit(events)
+        if any(s is not None for s in self._slots):
+            self._decode(events)
+        return events
+
+    def stream(self) -> Iterator[StreamEvent]:
+        """Runs until every request is finished, yielding tokens as they are produced."""
+        while self._waiting or any(s is not None for s in self._slots):
+            yield from self.step()
+
+    def run(self) -> dict[int, RequestResult]:
+        """Runs until every submitted request is finished; returns their results by id."""
+        for _ in self.stream():
+            pass
+        done = dict(self._results)
+        self._results.clear()
+        return done
+
+    def generate(self, requests: list[Request]) -> list[RequestResult]:
+        """Submits `requests`, runs them, returns the results in order."""
+        ids = [self.submit(r) for r in requests]
+        results = self.run()
+        return [results[i] for i in ids]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len({s.req.id for s in self._slots if s is not None})
+
+    # -- validation ---------------------------------------------------------------------------
+    def _validate(self, request: Request) -> list[int]:
+        cfg, cc = self.config, self.cache_config
+        ids = np.asarray(request.tokens)
+        if ids.ndim != 1 or ids.size == 0:
+            raise InvalidRequestError("the prompt is empty or not a flat list of token ids")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError(f"the prompt holds non-integer token ids ({ids.dtype})")
+        bad = np.flatnonzero((ids < 0) | (ids >= cfg.vocab_size))
+        if bad.size:
+            raise InvalidRequestError(
+                f"token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the "
+                f"vocabulary [0, {cfg.vocab_size})")
+        if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got "
+                                      f"{request.max_new_tokens}")
+        if request.n < 1 or request.n > self.engine_config.max_slots:
+            raise InvalidRequestError(f"n={request.n} must be in [1, max_slots="
+                                      f"{self.engine_config.max_slots}]")
+        if request.adapter is not None and request.adapter not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none loaded"
+            raise InvalidRequestError(f"unknown adapter {request.adapter!r} (known: {known})")
+        if request.position_base < 0:
+            raise InvalidRequestError(f"position_base must be >= 0, got {request.position_base}")
+        end = request.position_base + ids.size + request.max_new_tokens
+        if end > cfg.max_seq_len:
+            raise InvalidRequestError(
+                f"position_base {request.position_base} + {ids.size} prompt tokens + "
+                f"{request.max_new_tokens} new tokens exceed max_seq_len={cfg.max_seq_len}")
+        if not 0 <= request.public_prefix <= ids.size:
+            raise InvalidRequestError(f"public_prefix must be in [0, {ids.size}]")
+        if request.stop_token is not None and not 0 <= request.stop_token < cfg.vocab_size:
+            raise InvalidRequestError(f"stop_token {request.stop_token} is outside the vocabulary")
+        shared = ids.size // cc.page_size
+        need = shared + request.n * (pages_for(ids.size + request.max_new_tokens, cc.page_size)
+                                     - shared)
+        if need > cc.num_pages:
+            raise InvalidRequestError(
+                f"the request needs {need} pages of {cc.page_size} tokens, more than the whole "
+                f"cache ({cc.num_pages} pages)")
+        return [int(t) for t in ids]
+
+    # -- admission ----------------------------------------------------------------------------
+    def _match(self, req: _Req, touch: bool) -> Match:
+        if not self.engine_config.prefix_cache:
+            return Match([], "prefix_cache_off")
+        return self.trie.match(req.namespace, req.tokens, req.salts, req.digests, touch=touch)
+
+    def _pick(self) -> _Req:
+        if self.engine_config.schedule == "fcfs" or len(self._waiting) == 1:
+            return self._waiting[0]
+        return max(self._waiting, key=lambda r: (len(self._match(r, touch=False).nodes), -r.id))
+
+    def _admit(self, events: list[StreamEvent]) -> None:
+        while self._waiting:
+            req = self._pick()
+            free_slots = [i for i, s in enumerate(self._slots) if s is None]
+            if len(free_slots) < req.request.n or not self._try_admit(req, free_slots, events):
+                return
+
+    def _try_admit(self, req: _Req, free_slots: list[int], events) -> bool:
+        t_host = time.perf_counter()
+        cc, ps = self.cache_config, self.cache_config.page_size
+        n_tok = len(req.tokens)
+        match = self._match(req, touch=True)
+        reuse = min(len(match.nodes), (n_tok - 1) // ps)  # at least one token is computed
+        reused_pages = match.pages[:reuse]
+        copy_from, copied = None, 0
+        if self.engine_config.partial_page_copy:
+            room = n_tok - 1 - reuse * ps
+            if reuse < len(match.nodes):
+                copy_from, copied = match.nodes[reuse], min(ps, room)
+            elif match.partial is not None:
+                copy_from, copied = match.partial[0], min(match.partial[1], room)
+            copied = max(copied, 0)
+            if copied == 0:
+                copy_from = None
+        fresh_needed = pages_for(n_tok, ps) - reuse
+        for page in reused_pages:
+            self.allocator.share(page)  # ours now: not evictable while we allocate
+        if copy_from is not None:
+            self.allocator.share(copy_from.page)
+        if not self._reserve(fresh_needed):
+            self.allocator.free(reused_pages + ([copy_from.page] if copy_from else []))
+            return False
+        fresh = self.allocator.allocate(fresh_needed)
+        pages = reused_pages + fresh
+        self._timers["host_s"] += time.perf_counter() - t_host
+        self._flush_poison()
+        if copy_from is not None:
+            self.cache = copy_pages(self.cache, padded_ids([copy_from.page], 0),
+                                    padded_ids([fresh[0]], cc.num_pages))
+            self.allocator.free([copy_from.page])
+            self._counters["partial_copies"] += 1
+        start = reuse * ps + copied
+
+        t0 = time.perf_counter()
+        logits = self._prefill(req, pages, start)
+        first_logits = np.asarray(logits)  # [V]
+        prefill_s = time.perf_counter() - t0
+        self._timers["prefill_s"] += prefill_s
+        unbounded = 0
+        if self.engine_config.prefix_cache:
+            unbounded = self.trie.unbounded_blocks(req.namespace, req.salts, req.digests)
+            self.trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
+
+        n = req.request.n
+        position = req.request.position_base + n_tok
+        knobs = _knobs([req.request] * n)
+        first = np.asarray(_sample(np.repeat(first_logits[None], n, 0),
+                                   np.stack([s.key for s in req.seqs]),
+                                   np.full(n, position, np.int32), *knobs))
+        for j, seq in enumerate(req.seqs):
+            seq.pages = list(pages)
+            if j > 0:
+                for page in pages:
+                    self.allocator.share(page)
+            seq.length, seq.last, seq.generated = n_tok, int(first[j]), [int(first[j])]
+            seq.logits = [first_logits] if req.request.return_logits else []
+            seq.done = (req.request.max_new_tokens == 1 or seq.last == req.request.stop_token)
+            seq.slot = free_slots[j]
+            self._slots[seq.slot] = seq
+        self._waiting.remove(req)
+        self._admissions += 1
+        req.admitted_order = self._admissions
+        self._record_admission(req, match, reuse, start, copied, prefill_s, unbounded)
+        self._emit(req, events)
+        self._retire_if_done(req)
+        return True
+
+    def _prefill(self, req: _Req, pages: list[int], start: int):
+        """Prefills tokens[start:] in fixed chunks; returns the last token's logits [V]."""
+        cc = self.cache_config
+        table = page_table([pages], 1, cc.block_pages)
+        offset = np.array([req.request.position_base], np.int32)
+        ids = np.array([req.adapter_index], np.int32) if self._lora is not None else None
+        logits, last = None, 0
+        for s in range(start, len(req.tokens), cc.prefill_chunk):
+            piece = req.tokens[s:s + cc.prefill_chunk]
+            chunk = np.zeros((1, cc.prefill_chunk), np.int32)
+            chunk[0, : len(piece)] = piece
+            batch = BatchInfo(page_table=table, lengths=np.array([s], np.int32),
+                              num_new=np.array([len(piece)], np.int32), position_offset=offset)
+            logits, self.cache = steps.extend(self.params, self.config, self.cache, chunk, batch,
+                                              self._lora, ids)
+            last = len(piece) - 1
+        return logits[0, last]
+
+    def _record_admission(self, req: _Req, match: Match, reuse: int, start: int, copied: int,
+                          prefill_s: float, unbounded_blocks: int) -> None:
+        ps = self.cache_config.page_size
+        n_tok = len(req.tokens)
+        cause = match.cause
+        if reuse < len(match.nodes):
+            cause = None  # all of it was cached; the last page is recomputed for its logits
+        unbounded = min(unbounded_blocks, (n_tok - 1) // ps) * ps
+        stats = {
+            "prompt_tokens": n_tok,
+            "reused_tokens": start,
+            "computed_tokens": n_tok - start,
+            "reused_pages": reuse,
+            "copied_tokens": copied,
+            "miss_cause": cause,
+            "miss_position": match.position if cause in ("divergence", "partial_page") else None,
+            "miss_fields": match.fields if cause == "namespace" else [],
+            "prefill_s": prefill_s,
+            "unbounded_reused_tokens": max(unbounded, start),
+            "preemptions": req.stats.get("preemptions", 0),
+            "ttft_s": req.stats.get("ttft_s", time.perf_counter() - req.submitted),
+        }
+        req.stats = stats
+
+    # -- pages ---------------------------------------------------------------------------------
+    def _reserve(self, num_pages: int, requester: _Req | None = None) -> bool:
+        """Makes `num_pages` free by evicting cached leaves, then (for a running `requester`)
+        by preempting running requests admitted after it, youngest first."""
+        while self.allocator.num_free < num_pages:
+            if self.trie.evict(num_pages - self.allocator.num_free):
+                continue
+            if requester is None:
+                return False
+            younger = {s.req for s in self._slots
+                       if s is not None and s.req.admitted_order > requester.admitted_order}
+            if not younger:
+                return False
+            self._preempt(max(younger, key=lambda r: r.admitted_order))
+        return True
+
+    def _preempt(self, req: _Req) -> None:
+        self._release(req)
+        for seq in req.seqs:
+            seq.generated, seq.logits, seq.done, seq.length = [], [], False, 0
+        req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
+        self._counters["preemptions"] += 1
+        self._waiting.appendleft(req)
+
+    def _release(self, req: _Req) -> None:
+        for seq in req.seqs:
+            self._release_seq(seq)
+
+    def _release_seq(self, seq: _Seq) -> None:
+        if seq.pages:
+            self.allocator.free(seq.pages)
+        seq.pages = []
+        if seq.slot is not None:
+            self._slots[seq.slot] = None
+            seq.slot = None
+
+    def _flush_poison(self) -> None:
+        if self.allocator.freed:
+            freed = [p for p in self.allocator.freed if self.allocator.refcount(p) == 0]
+            self.allocator.freed.clear()
+            if freed:
+                self.cache = poison_pages(self.cache, padded_ids(freed,
+                                                                 self.cache_config.num_pages))
+
+    def _grow(self, seq: _Seq, budget: int) -> bool:
+        """Gives `seq` pages it may write for its next `budget` tokens (copy on write)."""
+        ps = self.cache_config.page_size
+        end = pages_for(seq.length + budget, ps)
+        shared = [i for i in range(seq.length // ps, min(end, len(seq.pages)))
+                  if self.allocator.refcount(seq.pages[i]) > 1]
+        need = max(end - len(seq.pages), 0)
+        if not self._reserve(need + len(shared), requester=seq.req):
+            return False
+        seq.pages += self.allocator.allocate(need)
+        for i in shared:
+            fresh = self.allocator.copy_on_write(seq.pages[i])
+            self._flush_poison()
+            self.cache = copy_pages(self.cache, padded_ids([seq.pages[i]], 0),
+                                    padded_ids([fresh], self.cache_config.num_pages))
+            seq.pages[i] = fresh
+        return True
+
+    # -- decode --------------------------------------------------------------------------------
+    def _decode(self, events: list[StreamEvent]) -> None:
+        ec = self.engine_config
+        budgets = {}
+        for seq in sorted((s for s in self._slots if s is not None),
+                          key=lambda s: s.req.admitted_order):
+            if seq.slot is None or seq.done:
+                continue  # preempted while growing another sequence
+            budget = min(ec.decode_steps, seq.req.request.max_new_tokens - len(seq.generated))
+            if self._grow(seq, budget):
+                budgets[seq.slot] = budget
+            elif self.num_running > 1:
+                self._preempt(seq.req)  # nothing younger to preempt: wait for the others
+        live = [s for s in self._slots if s is not None and s.slot in budgets]
+        if not live:
+            return
+        self._flush_poison()
+        slots = ec.max_slots
+        rows = [self._slots[i].pages if self._slots[i] is not None else [] for i in range(slots)]
+        table = page_table(rows, slots, self.cache_config.block_pages)
+        lengths = np.zeros(slots, np.int32)
+        last = np.zeros(slots, np.int32)
+        budget = np.zeros(slots, np.int32)
+        keys = np.zeros((slots, 2), np.uint32)
+        offsets = np.zeros(slots, np.int32)
+        adapters = np.zeros(slots, np.int32)
+        stops = np.full(slots, -1, np.int32)
+        requests = [None] * slots
+        for seq in live:
+            i = seq.slot
+            lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[i], seq.key
+            offsets[i] = seq.req.request.position_base
+            adapters[i] = seq.req.adapter_index
+            stops[i] = -1 if seq.req.request.stop_token is None else seq.req.request.stop_token
+            requests[i] = seq.req.request
+        knobs = _knobs(requests)
+        want_logits = any(s.req.request.return_logits for s in live)
+        t0 = time.perf_counter()
+        out, logits, self.cache, new_lengths = steps.decode_loop(
+            self.params, self.config, self.cache, table, lengths, last, budget, keys, *knobs,
+            stops, max_steps=ec.decode_steps, return_logits=want_logits,
+            position_offset=offsets, lora=self._lora,
+            adapter_ids=adapters if self._lora is not None else None)
+        out, new_lengths = np.asarray(out), np.asarray(new_lengths)
+        logits = np.asarray(logits) if want_logits else None
+        self._timers["decode_s"] += time.perf_counter() - t0
+        for seq in live:
+            i = seq.slot
+            produced = out[i][out[i] >= 0].tolist()
+            seq.generated += produced
+            if seq.req.request.return_logits:
+                seq.logits.extend(logits[i, : len(produced)])
+            seq.length = int(new_lengths[i])
+            if produced:
+                seq.last = produced[-1]
+            seq.done = (len(seq.generated) >= seq.req.request.max_new_tokens
+                        or seq.last == seq.req.request.stop_token)
+        for req in {s.req.id: s.req for s in live}.values():
+            self._emit(req, events)
+            for seq in req.seqs:
+                if seq.done:
+                    self._release_seq(seq)
+            self._retire_if_done(req)
+
+    # -- results -------------------------------------------------------------------------------
+    def _emit(self, req: _Req, events: list[StreamEvent]) -> None:
+        for seq in req.seqs:
+            new = seq.generated[seq.emitted:]
+            if new:
+                events.append(StreamEvent(req.id, seq.index, tuple(new), seq.done))
+                seq.emitted = len(seq.generated)
+
+    def _retire_if_done(self, req: _Req) -> None:
+        if all(s.done for s in req.seqs):
+            self._release(req)
+            self._finish(req, status="finished")
+
+    def _finish(self, req: _Req, status: str) -> None:
+        single = req.request.n == 1
+        tokens = [list(s.generated) for s in req.seqs]
+        logits = None
+        if req.request.return_logits:
+            logits = [np.stack(s.logits) if s.logits else np.zeros((0, self.config.vocab_size))
+                      for s in req.seqs]
+        self._results[req.id] = RequestResult(
+            id=req.id, tokens=tokens[0] if single else tokens,
+            logits=(logits[0] if single else logits) if logits is not None else None,
+            stats=dict(req.stats), status=status)
+        self._counters["finished" if status == "finished" else "cancelled"] += 1
+        self._stats_log.append(dict(req.stats, id=req.id, status=status))
+        del self._reqs[req.id]
+
+    # -- metrics -------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Aggregates over every finished or cancelled request so far."""
+        log = [s for s in self._stats_log if "prompt_tokens" in s]
+        prompt = sum(s["prompt_tokens"] for s in log)
+        reused = sum(s["reused_tokens"] for s in log)
+        ps = self.cache_config.page_size
+        full_pages = sum((s["prompt_tokens"] - 1) // ps for s in log)
+        causes = collections.Counter(s["miss_cause"] for s in log if s["miss_cause"])
+        unbounded = sum(s["unbounded_reused_tokens"] for s in log)
+        resident = self.trie.num_nodes
+        page_bytes = cache_bytes(self.cache) // self.cache_config.num_pages
+        return {
+            "requests": len(log),
+            "request_hit_rate": _ratio(sum(s["reused_tokens"] > 0 for s in log), len(log)),
+            "token_reuse_rate": _ratio(reused, prompt),
+            "page_reuse_rate": _ratio(sum(s["reused_pages"] for s in log), full_pages),
+            "prompt_tokens": prompt,
+            "reused_tokens": reused,
+            "computed_tokens": prompt - reused,
+            "misses_by_cause": dict(causes),
+            "evictions": self.trie.evictions,
+            "cow_copies": self.allocator.copies,
+            "partial_copies": self._counters["partial_copies"],
+            "preemptions": self._counters["preemptions"],
+            "resident_pages": resident,
+            "resident_bytes": resident * page_bytes,
+            "free_pages": self.allocator.num_free,
+            "unbounded_request_hit_rate": _ratio(
+                sum(s["unbounded_reused_tokens"] > 0 for s in log), len(log)),
+            "unbounded_token_reuse_rate": _ratio(unbounded, prompt),
+            "mean_ttft_s": _ratio(sum(s["ttft_s"] for s in log), len(log)),
+            "prefill_s": self._timers["prefill_s"],
+            "decode_s": self._timers["decode_s"],
+            "host_s": self._timers["host_s"],
+        }
+
+    def write_metrics(self, path) -> None:
+        """Per-request stats as JSON lines, then one line of aggregates."""
+        with open(path, "w") as f:
+            for s in self._stats_log:
+                f.write(json.dumps(s) + "\n")
+            f.write(json.dumps({"aggregate": self.metrics()}) + "\n")
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def _knobs(requests: list[Request | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """temperature, top_k, top_p per row (greedy for empty rows)."""
+    temperature = np.array([r.sampling.temperature if r else 0.0 for r in requests], np.float32)
+    top_k = np.array([r.sampling.top_k if r else 0 for r in requests], np.int32)
+    top_p = np.array([r.sampling.top_p if r else 1.0 for r in requests], np.float32)
+    return temperature, top_k, top_p
+
