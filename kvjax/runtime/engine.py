@@ -51,7 +51,7 @@ from kvjax.runtime.sampling import sample
 _sample = jax.jit(sample)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Seq:
     """One sample of a request: a batch slot, its pages and its progress."""
 
@@ -68,7 +68,7 @@ class _Seq:
     done: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Req:
     id: int
     request: Request
