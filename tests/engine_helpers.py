@@ -20,10 +20,10 @@ def params(seed: int = 1):
     return kvjax.init_params(CONFIG, seed=seed)
 
 
-def engine(p, cache: CacheConfig = CACHE, **kw) -> Engine:
+def engine(p, cache: CacheConfig = CACHE, adapters=None, hash_fn=None, **kw) -> Engine:
     ec = EngineConfig(cache=cache, max_slots=kw.pop("max_slots", SLOTS),
                       decode_steps=kw.pop("decode_steps", 4), **kw)
-    return Engine(p, CONFIG, ec, adapters=kw.get("adapters"))
+    return Engine(p, CONFIG, ec, adapters=adapters, hash_fn=hash_fn)
 
 
 def with_cache(cache: CacheConfig = CACHE, **kw) -> CacheConfig:
