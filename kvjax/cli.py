@@ -56,6 +56,10 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "prefix":
+        from kvjax import bench_prefix
+
+        return bench_prefix.main(args)
     from kvjax import bench
 
     return bench.main(args)
@@ -94,20 +98,40 @@ def build_parser() -> argparse.ArgumentParser:
                      help="machine memory bandwidth (default: H100 SXM HBM3)")
     mem.set_defaults(func=_memory)
 
-    bench = sub.add_parser("bench", help="decode benchmark (paged vs dense vs no cache)")
+    bench = sub.add_parser("bench", help="benchmarks: decode (paged vs dense vs no cache) or "
+                                         "prefix (prefix cache on vs off)")
+    bench.add_argument("which", nargs="?", choices=("decode", "prefix"), default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    bench.add_argument("--batches", default="1,8")
-    bench.add_argument("--contexts", default="512,2048")
-    bench.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
-    bench.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
-    bench.add_argument("--out", default="results/bench_decode.json")
+    bench.add_argument("--out", help="JSON output (default results/bench_<which>.json)")
+    bench.add_argument("--reps", type=int, default=None,
+                       help="timed repetitions, median (default 5 decode, 1 prefix)")
+    decode = bench.add_argument_group("decode")
+    decode.add_argument("--batches", default="1,8")
+    decode.add_argument("--contexts", default="512,2048")
+    decode.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
+    prefix = bench.add_argument_group("prefix")
+    prefix.add_argument("--requests", type=int, default=32)
+    prefix.add_argument("--system-len", type=int, default=1024)
+    prefix.add_argument("--suffix-len", type=int, default=32)
+    prefix.add_argument("--conversations", type=int, default=8)
+    prefix.add_argument("--turns", type=int, default=6)
+    prefix.add_argument("--turn-system-len", type=int, default=256)
+    prefix.add_argument("--user-len", type=int, default=32)
+    prefix.add_argument("--examples", type=int, default=4)
+    prefix.add_argument("--example-len", type=int, default=128)
+    prefix.add_argument("--new-tokens", type=int, default=16)
+    prefix.add_argument("--slots", type=int, default=8)
+    prefix.add_argument("--num-pages", type=int, default=2048)
     bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        args.out = args.out or f"results/bench_{args.which}.json"
+        args.reps = args.reps or (5 if args.which == "decode" else 1)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -168,6 +168,8 @@ class Engine:
         self._admit(events)
         if any(s is not None for s in self._slots):
             self._decode(events)
+        elif self._waiting:  # validation makes every request fit an empty cache
+            raise RuntimeError("the engine cannot admit a request into an idle cache")
         return events
 
     def stream(self) -> Iterator[StreamEvent]:
@@ -300,8 +302,10 @@ class Engine:
         self._timers["prefill_s"] += prefill_s
         unbounded = 0
         if self.engine_config.prefix_cache:
+            t_host = time.perf_counter()
             unbounded = self.trie.unbounded_blocks(req.namespace, req.salts, req.digests)
             self.trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
+            self._timers["host_s"] += time.perf_counter() - t_host
 
         n = req.request.n
         position = req.request.position_base + n_tok

@@ -1,0 +1,114 @@
+"""Prefix-reuse benchmark: the same workloads with the prefix cache on and off, in one run.
+
+Workloads (token ids from a seeded generator, on the bench model):
+  (a) system prompt: requests sharing a long system prompt, each with a short unique suffix;
+  (b) multi-turn:    conversations whose every turn extends the previous prompt + answer;
+  (c) few-shot:      the same shared examples followed by different queries.
+For each: total prefill time, mean TTFT, reused-token fraction, and the ratio of measured
+prefill time (on / off) to the ideal (computed tokens on / off); plus the host-side time
+(matching, allocation, insertion) as a fraction of prefill time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+from kvjax import workloads
+from kvjax.config import EngineConfig, load_config
+from kvjax.model.transformer import init_params
+from kvjax.runtime.engine import Engine
+
+
+def _workloads(args, vocab: int) -> dict:
+    return {
+        "system_prompt": lambda eng: eng.generate(workloads.shared_system_prompt(
+            args.requests, args.system_len, args.suffix_len, vocab, args.new_tokens, seed=1)),
+        "multi_turn": lambda eng: [r for c in workloads.run_multi_turn(
+            eng, args.conversations, args.turns, args.turn_system_len, args.user_len, vocab,
+            args.new_tokens, seed=2) for r in c.results],
+        "few_shot": lambda eng: eng.generate(workloads.few_shot(
+            args.requests // 2, args.examples, args.example_len, args.suffix_len, vocab,
+            args.new_tokens, seed=3)),
+    }
+
+
+def _run(params, model, engine_config, workload) -> dict:
+    eng = Engine(params, model, engine_config)
+    t0 = time.perf_counter()
+    results = workload(eng)
+    wall = time.perf_counter() - t0
+    m = eng.metrics()
+    computed = sum(r.stats["computed_tokens"] for r in results)
+    return {"wall_s": wall, "prefill_s": m["prefill_s"], "mean_ttft_s": m["mean_ttft_s"],
+            "token_reuse_rate": m["token_reuse_rate"], "computed_tokens": computed,
+            "prompt_tokens": m["prompt_tokens"], "host_s": m["host_s"],
+            "tokens": [r.tokens for r in results]}
+
+
+def main(args) -> int:
+    config = load_config(args.config, args.set)
+    model = config.model
+    cache = dataclasses.replace(config.cache, num_pages=args.num_pages)
+    engine_config = EngineConfig(cache=cache, max_slots=args.slots, decode_steps=8)
+    params = init_params(model, seed=0)
+    print(f"bench prefix: {args.config}: {model.num_layers} layers, d_model {model.d_model}; "
+          f"page_size {cache.page_size}, prefill_chunk {cache.prefill_chunk}, "
+          f"{cache.num_pages} pages, {args.slots} slots")
+    loads = _workloads(args, model.vocab_size)
+    # Warm-up: compile the prefill and decode shapes once.
+    warm = Engine(params, model, engine_config)
+    warm.generate(workloads.shared_system_prompt(2, cache.prefill_chunk + 5, 3,
+                                                 model.vocab_size, args.new_tokens))
+    rows = []
+    for name, workload in loads.items():
+        runs = {"on": [], "off": []}
+        for rep in range(args.reps):
+            for setting in ("on", "off"):
+                ec = dataclasses.replace(engine_config, prefix_cache=setting == "on")
+                runs[setting].append(_run(params, model, ec, workload))
+                print(f"{name} rep {rep + 1}/{args.reps} cache {setting}: prefill "
+                      f"{runs[setting][-1]['prefill_s']:.2f} s")
+        on, off = runs["on"][0], runs["off"][0]
+        assert on["tokens"] == off["tokens"], "prefix cache changed the outputs"
+        med = {s: {k: statistics.median(r[k] for r in runs[s])
+                   for k in ("prefill_s", "mean_ttft_s", "host_s", "wall_s")} for s in runs}
+        measured = med["on"]["prefill_s"] / med["off"]["prefill_s"]
+        ideal = on["computed_tokens"] / off["computed_tokens"]
+        rows.append({
+            "workload": name, "prompt_tokens": on["prompt_tokens"],
+            "reused_fraction": on["token_reuse_rate"],
+            "prefill_s_on": med["on"]["prefill_s"], "prefill_s_off": med["off"]["prefill_s"],
+            "ttft_s_on": med["on"]["mean_ttft_s"], "ttft_s_off": med["off"]["mean_ttft_s"],
+            "measured_time_ratio": measured, "ideal_ratio": ideal,
+            "measured_over_ideal": measured / ideal,
+            "host_fraction_of_prefill": med["on"]["host_s"] / med["on"]["prefill_s"],
+        })
+    table = markdown_table(rows)
+    print("\n" + table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": args.config, "overrides": args.set,
+                               "jax": jax.__version__, "args": vars(args) | {"func": None},
+                               "results": rows}, indent=2, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| workload | prompt tokens | reused | prefill s on / off | mean TTFT s on / off "
+             "| time ratio | ideal ratio | measured / ideal | host / prefill |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['prompt_tokens']:,} | {r['reused_fraction']:.1%} | "
+            f"{r['prefill_s_on']:.2f} / {r['prefill_s_off']:.2f} | "
+            f"{r['ttft_s_on']:.2f} / {r['ttft_s_off']:.2f} | {r['measured_time_ratio']:.3f} | "
+            f"{r['ideal_ratio']:.3f} | {r['measured_over_ideal']:.2f}x | "
+            f"{r['host_fraction_of_prefill']:.2%} |")
+    return "\n".join(lines)
