@@ -93,11 +93,13 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache = None,
-                 batch: BatchInfo | None = None,
-                 adapter_ids: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+                 batch: BatchInfo | None = None, adapter_ids: jax.Array | None = None,
+                 logits_at: jax.Array | None = None) -> tuple[jax.Array, Cache]:
         """tokens, positions: int32[B, T] -> (logits [B, T, V] float32, cache).
 
         With a "lora" collection applied, `adapter_ids` int32[B] picks each row's adapter.
+        `logits_at` int32[B] computes the output head for that one token per row only
+        (logits [B, 1, V]): a prefill needs just its last token's.
         """
         cfg = self.config
         if cache is not None and not cfg.causal:
@@ -111,6 +113,8 @@ class Transformer(nn.Module):
         for layer in range(cfg.num_layers):
             x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, positions, cache, batch,
                                                                adapter_ids)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)

@@ -45,7 +45,13 @@ from kvjax.model.lora import stack_adapters
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table, pages_for
-from kvjax.runtime.requests import InvalidRequestError, Request, RequestResult, StreamEvent
+from kvjax.runtime.requests import (
+    InvalidRequestError,
+    Request,
+    RequestResult,
+    StreamEvent,
+    check_token_ids,
+)
 from kvjax.runtime.sampling import sample
 
 _sample = jax.jit(sample)
@@ -202,16 +208,7 @@ class Engine:
     # -- validation ---------------------------------------------------------------------------
     def _validate(self, request: Request) -> list[int]:
         cfg, cc = self.config, self.cache_config
-        ids = np.asarray(request.tokens)
-        if ids.ndim != 1 or ids.size == 0:
-            raise InvalidRequestError("the prompt is empty or not a flat list of token ids")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidRequestError(f"the prompt holds non-integer token ids ({ids.dtype})")
-        bad = np.flatnonzero((ids < 0) | (ids >= cfg.vocab_size))
-        if bad.size:
-            raise InvalidRequestError(
-                f"token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the "
-                f"vocabulary [0, {cfg.vocab_size})")
+        ids = np.asarray(check_token_ids(request.tokens, cfg.vocab_size))
         if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got "
                                       f"{request.max_new_tokens}")
@@ -239,7 +236,7 @@ class Engine:
             raise InvalidRequestError(
                 f"the request needs {need} pages of {cc.page_size} tokens, more than the whole "
                 f"cache ({cc.num_pages} pages)")
-        return [int(t) for t in ids]
+        return ids.tolist()
 
     # -- admission ----------------------------------------------------------------------------
     def _match(self, req: _Req, touch: bool) -> Match:
@@ -337,7 +334,7 @@ class Engine:
         table = page_table([pages], 1, cc.block_pages)
         offset = np.array([req.request.position_base], np.int32)
         ids = np.array([req.adapter_index], np.int32) if self._lora is not None else None
-        logits, last = None, 0
+        logits = None
         for s in range(start, len(req.tokens), cc.prefill_chunk):
             piece = req.tokens[s:s + cc.prefill_chunk]
             chunk = np.zeros((1, cc.prefill_chunk), np.int32)
@@ -345,9 +342,8 @@ class Engine:
             batch = BatchInfo(page_table=table, lengths=np.array([s], np.int32),
                               num_new=np.array([len(piece)], np.int32), position_offset=offset)
             logits, self.cache = steps.extend(self.params, self.config, self.cache, chunk, batch,
-                                              self._lora, ids)
-            last = len(piece) - 1
-        return logits[0, last]
+                                              self._lora, ids, last_only=True)
+        return logits[0, 0]
 
     def _record_admission(self, req: _Req, match: Match, reuse: int, start: int, copied: int,
                           prefill_s: float, unbounded_blocks: int) -> None:

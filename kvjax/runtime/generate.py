@@ -19,7 +19,7 @@ from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
 from kvjax.runtime.batching import bucket, page_table, pages_for
-from kvjax.runtime.requests import InvalidRequestError
+from kvjax.runtime.requests import InvalidRequestError, check_token_ids
 from kvjax.runtime.sampling import sample, sampling_arrays, sequence_keys
 
 
@@ -54,21 +54,12 @@ def validate_prompts(config: ModelConfig, prompts, max_new_tokens: int) -> list[
         raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
     out = []
     for i, prompt in enumerate(prompts):
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0:
-            raise InvalidRequestError(f"prompt {i} is empty or not a flat list of token ids")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidRequestError(f"prompt {i} holds non-integer token ids ({ids.dtype})")
-        bad = np.flatnonzero((ids < 0) | (ids >= config.vocab_size))
-        if bad.size:
+        ids = check_token_ids(prompt, config.vocab_size, f"prompt {i}")
+        if len(ids) + max_new_tokens > config.max_seq_len:
             raise InvalidRequestError(
-                f"prompt {i}: token id {int(ids[bad[0]])} at index {int(bad[0])} is outside "
-                f"the vocabulary [0, {config.vocab_size})")
-        if ids.size + max_new_tokens > config.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt {i}: {ids.size} prompt tokens + {max_new_tokens} new tokens exceed "
+                f"prompt {i}: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed "
                 f"the model's context max_seq_len={config.max_seq_len}")
-        out.append([int(t) for t in ids])
+        out.append(ids)
     return out
 
 
@@ -84,9 +75,9 @@ def _prefill(params, config: ModelConfig, pool: KVPool, prompt: list[int],
         tokens[0, : len(piece)] = piece
         batch = BatchInfo(page_table=table, lengths=np.array([start], np.int32),
                           num_new=np.array([len(piece)], np.int32))
-        logits, pool.cache = steps.extend(params, config, pool.cache, tokens, batch)
-        last = len(piece) - 1
-    return logits[0, last]
+        logits, pool.cache = steps.extend(params, config, pool.cache, tokens, batch,
+                                          last_only=True)
+    return logits[0, 0]
 
 
 _sample_jit = jax.jit(sample)

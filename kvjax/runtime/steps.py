@@ -33,20 +33,23 @@ def _variables(params: dict, lora: dict | None) -> dict:
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("config", "last_only"), donate_argnames=("cache",))
 def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
-           batch: BatchInfo, lora: dict | None = None,
-           adapter_ids: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+           batch: BatchInfo, lora: dict | None = None, adapter_ids: jax.Array | None = None,
+           last_only: bool = False) -> tuple[jax.Array, Cache]:
     """Appends `tokens` [B, T] to each sequence's cache; returns logits [B, T, V] and the cache.
 
     Donates `cache`. New token t of sequence b goes to cache slot `batch.lengths[b] + t` and
     attends to every cached slot up to and including its own. `lora` (stacked adapters, see
     `kvjax.model.lora`) and `adapter_ids` int32[B] select a LoRA adapter per sequence.
+    `last_only` returns only each row's last real token's logits, [B, 1, V] (the cache
+    contents are the same either way).
     """
     _TRACES["extend"] += 1
     positions = model_positions(batch, tokens.shape[1])
+    logits_at = jnp.maximum(batch.num_new - 1, 0) if last_only else None
     return Transformer(config).apply(_variables(params, lora), tokens, positions, cache, batch,
-                                     adapter_ids)
+                                     adapter_ids, logits_at)
 
 
 @partial(jax.jit, static_argnames=("config", "max_steps", "return_logits"),
