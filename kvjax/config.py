@@ -147,7 +147,7 @@ class EngineConfig:
     max_slots: int = 8  # decode batch rows (a request with n samples takes n)
     prefix_cache: bool = True
     partial_page_copy: bool = False  # copy the matching slots of a partly matching page
-    eviction: str = "lru"  # "lru" | "lfu" | "fifo"
+    eviction: str = "lru"  # a name in kvjax.cache.trie.EVICTION_POLICIES: lru, lfu, fifo
     schedule: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
     decode_steps: int = 16  # on-device decode steps between scheduling rounds
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
@@ -156,7 +156,6 @@ class EngineConfig:
     def __post_init__(self):
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        _choice(self.eviction, "eviction", ("lru", "lfu", "fifo"))
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
 
 

@@ -29,7 +29,7 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.eng = engine(P, cache=with_cache(num_pages=NUM_PAGES), max_slots=3,
-                          decode_steps=3)
+                          decode_steps=3, partial_page_copy=True, poison_freed=True)
         self.ids: list[int] = []
 
     @rule(prefix=st.integers(0, len(SYSTEM)), suffix=st.lists(st.integers(0, 5), max_size=9),

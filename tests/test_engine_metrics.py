@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from engine_helpers import CACHE, CONFIG, assert_same, engine, params, with_cache
 
-from kvjax import InvalidRequestError, Request, workloads
+from kvjax import ConfigError, InvalidRequestError, Request, workloads
 
 A = list(range(1, 13))  # 12 tokens: 3 full pages of 4
 
@@ -39,6 +39,12 @@ def test_hand_computed_reuse_and_causes(p):
     # Longer than anything cached: every cached page reused, then cold.
     s = _stats(eng, A + [50, 51, 52, 53, 54])
     assert (s["reused_tokens"], s["miss_cause"]) == (12, "cold")
+    # A never-seen prompt shorter than a page is cold; a tail that diverges inside a
+    # cached page is a divergence at that position.
+    s = _stats(eng, [55, 56, 57])
+    assert (s["reused_tokens"], s["miss_cause"]) == (0, "cold")
+    s = _stats(eng, A[:9] + [44])
+    assert (s["reused_tokens"], s["miss_cause"], s["miss_position"]) == (8, "divergence", 9)
     # Forced eviction of everything: the same prompt is now a capacity miss...
     evicted = eng.trie.evict(CACHE.num_pages)
     assert evicted == eng.metrics()["evictions"] > 0
@@ -47,15 +53,16 @@ def test_hand_computed_reuse_and_causes(p):
     # ... which an unbounded cache would have served.
     assert s["unbounded_reused_tokens"] == 8
     m = eng.metrics()
-    assert m["requests"] == 6
-    assert m["reused_tokens"] == 8 + 4 + 8 + 12
-    assert m["prompt_tokens"] == 12 * 3 + 12 + 10 + 17
-    assert m["misses_by_cause"] == {"cold": 2, "divergence": 1, "partial_page": 1,
+    m = eng.metrics()
+    assert m["requests"] == 8
+    assert m["reused_tokens"] == 8 + 4 + 8 + 12 + 8
+    assert m["prompt_tokens"] == 12 * 3 + 12 + 10 + 17 + 3 + 10
+    assert m["misses_by_cause"] == {"cold": 3, "divergence": 2, "partial_page": 1,
                                     "capacity": 1}
-    assert m["request_hit_rate"] == 4 / 6
-    assert m["unbounded_request_hit_rate"] == 5 / 6
-    assert m["token_reuse_rate"] == 32 / 75
-    assert m["unbounded_token_reuse_rate"] == 40 / 75
+    assert m["request_hit_rate"] == 5 / 8
+    assert m["unbounded_request_hit_rate"] == 6 / 8
+    assert m["token_reuse_rate"] == 40 / 88
+    assert m["unbounded_token_reuse_rate"] == 48 / 88
 
 
 def test_partial_page_copy_makes_reuse_token_granular(p):
@@ -80,18 +87,19 @@ def test_metrics_export_as_json_lines(p, tmp_path):
 
 
 def test_poisoned_freed_pages_are_never_read(p):
-    """A long random workload with eviction, preemption, n > 1 and cancellation, with every
-    freed page filled with NaN on device: no NaN reaches any logit, and outputs equal a
-    roomy engine's."""
+    """A long random workload with eviction, preemption, n > 1, partial-page copies and a
+    cancellation, with every freed (and never written) page filled with NaN on device: no
+    NaN reaches any logit, and outputs equal a roomy engine's."""
     rng = np.random.default_rng(3)
     system = [int(t) for t in rng.integers(0, 61, 11)]
     requests = []
-    for i in range(14):
+    for i in range(30):
         tokens = system[: int(rng.integers(1, 12))] + \
             [int(t) for t in rng.integers(0, 61, int(rng.integers(1, 20)))]
         requests.append(Request(tokens, int(rng.integers(2, 25)), n=1 + (i % 5 == 0),
                                 return_logits=True))
-    poisoned = engine(p, cache=with_cache(num_pages=40), poison_freed=True)
+    poisoned = engine(p, cache=with_cache(num_pages=24), poison_freed=True,
+                      partial_page_copy=True)
     victim = poisoned.submit(Request(system * 2, 20))
     for _ in range(2):
         poisoned.step()
@@ -102,7 +110,34 @@ def test_poisoned_freed_pages_are_never_read(p):
             assert np.isfinite(lg).all()
     m = poisoned.metrics()
     assert m["evictions"] > 0
+    assert m["preemptions"] > 0
+    assert m["partial_copies"] > 0
+    assert m["cow_copies"] > 0
     assert_same(got, engine(p, cache=with_cache(num_pages=400)).generate(requests))
+
+
+def test_load_params_is_refused_while_requests_are_live(p):
+    eng = engine(p)
+    eng.submit(Request(A, 3))
+    with pytest.raises(RuntimeError, match="1 live requests"):
+        eng.load_params(p)
+    eng.run()
+    eng.load_params(p)
+
+
+def test_eviction_policy_is_pluggable(p):
+    from kvjax.cache.trie import EVICTION_POLICIES
+
+    EVICTION_POLICIES["longest_first"] = lambda n: (-len(n.tokens), n.last_used)
+    try:
+        eng = engine(p, cache=with_cache(num_pages=24), eviction="longest_first")
+        requests = workloads.few_shot(4, 3, 6, 5, CONFIG.vocab_size, 3, seed=2,
+                                      return_logits=True)
+        assert_same(eng.generate(requests), engine(p).generate(requests))
+    finally:
+        del EVICTION_POLICIES["longest_first"]
+    with pytest.raises(ConfigError, match=r"engine\.eviction"):
+        engine(p, eviction="longest_first")
 
 
 @pytest.mark.parametrize(("request_", "message"), [

@@ -9,7 +9,8 @@ used (or by another policy) leaves that no live sequence references.
 Miss causes, for the first block that was not reused:
   capacity   - the same block under the same namespace was cached and has been evicted
   namespace  - the same token history is cached under another namespace (fields named)
-  divergence - this namespace caches other continuations; the tokens differ at `position`
+  divergence - the request shares some history with the cache, which then continues
+               differently; the tokens differ at `position`
   partial_page - the request's remaining tokens are fewer than a page and a cached page
                  continues them (only a partial-page copy could reuse them)
   cold       - never seen
@@ -142,12 +143,16 @@ class PrefixTrie:
                 break
             nodes.append(child)
             node = child
-        self._clock += 1
         if touch:
-            for n in nodes:
-                n.last_used = self._clock
-                n.hits += 1
+            self.touch(nodes)
         return self._explain(base, tokens, salts, digests, nodes, node)
+
+    def touch(self, nodes: list[Node]) -> None:
+        """Marks matched nodes as used now (for the eviction policy)."""
+        self._clock += 1
+        for n in nodes:
+            n.last_used = self._clock
+            n.hits += 1
 
     def _explain(self, base, tokens, salts, digests, nodes, node) -> Match:
         ps = self.page_size
@@ -155,14 +160,19 @@ class PrefixTrie:
         start = i * ps
         siblings = [c for c in node.child_list()
                     if c.salt == (salts[i] if i < len(salts) else None)] if node else []
-        if i >= len(tokens) // ps:  # every full block matched
+        if i >= len(tokens) // ps:  # every full block matched; a tail shorter than a page
             tail = tuple(tokens[start:])
             best = max(((c, _common_prefix(c.tokens, tail)) for c in siblings),
                        key=lambda x: x[1], default=None)
-            if tail and best is not None and best[1] == len(tail):
-                return Match(nodes, "partial_page", position=start + best[1], partial=best)
             partial = best if best is not None and best[1] > 0 else None
-            return Match(nodes, None, partial=partial)
+            if not tail:
+                return Match(nodes, None)
+            if partial is not None and best[1] == len(tail):
+                return Match(nodes, "partial_page", position=start + best[1], partial=partial)
+            if siblings and (nodes or partial):
+                return Match(nodes, "divergence", position=start + best[1], partial=partial)
+            # Nothing continues this history: a hit if any page matched, else never seen.
+            return Match(nodes, None if nodes else "cold")
         namespace = base.with_salt(salts[i])
         digest = digests[i]
         lcps = [(c, _common_prefix(c.tokens, tokens[start:start + ps])) for c in siblings]
@@ -174,7 +184,7 @@ class PrefixTrie:
         if elsewhere:
             fields = sorted({f for ns in elsewhere for f in namespace.differing_fields(ns)})
             return Match(nodes, "namespace", fields=fields, partial=partial)
-        if siblings:
+        if siblings and (nodes or partial):  # shared some history, then went elsewhere
             return Match(nodes, "divergence", position=start + best[1], partial=partial)
         return Match(nodes, "cold", partial=partial)
 
@@ -225,6 +235,20 @@ class PrefixTrie:
                 out.append(node)
             stack.extend(kids)
         return out
+
+    def num_evictable(self) -> int:
+        """Pages eviction could free now: nodes whose whole subtree only the trie holds."""
+        def count(node: Node) -> tuple[int, bool]:
+            total, free = 0, True
+            for child in node.child_list():
+                n, ok = count(child)
+                total, free = total + n, free and ok
+            if node.parent is None:
+                return total, free
+            free = free and self.allocator.refcount(node.page) == 1
+            return total + free, free
+
+        return sum(count(root)[0] for root in self._roots.values())
 
     def evictable(self) -> list[Node]:
         """Leaves that only the trie references."""

@@ -39,8 +39,8 @@ from kvjax.cache.paged import (
     padded_ids,
     poison_pages,
 )
-from kvjax.cache.trie import Match, PrefixTrie, history_digests
-from kvjax.config import EngineConfig, ModelConfig
+from kvjax.cache.trie import EVICTION_POLICIES, Match, PrefixTrie, history_digests
+from kvjax.config import ConfigError, EngineConfig, ModelConfig
 from kvjax.model.lora import stack_adapters
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
@@ -107,6 +107,9 @@ class Engine:
         self.load_params(params)
         self.cache = init_cache(config, ec.cache)
         self.allocator = PageAllocator(ec.cache.num_pages, track_freed=ec.poison_freed)
+        if ec.eviction not in EVICTION_POLICIES:
+            raise ConfigError("engine.eviction", f"{ec.eviction!r} is not one of "
+                              f"{', '.join(map(repr, EVICTION_POLICIES))}")
         trie_kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
         self.trie = PrefixTrie(ec.cache.page_size, self.allocator, ec.eviction,
                                evicted_record=ec.evicted_record, **trie_kwargs)
@@ -119,12 +122,19 @@ class Engine:
         self._counters = collections.Counter()
         self._timers = collections.Counter()
         self._stats_log: list[dict] = []
+        self._backlog: list[StreamEvent] = []
         if ec.poison_freed:
             self.cache = poison_pages(self.cache, np.arange(ec.cache.num_pages, dtype=np.int32))
 
     # -- public API ---------------------------------------------------------------------------
     def load_params(self, params) -> None:
-        """(Re)loads weights; the model fingerprint, and so the namespace, follows them."""
+        """(Re)loads weights; the model fingerprint, and so the namespace, follows them.
+
+        Refused while requests are live: their namespaces name the weights they started with.
+        """
+        if getattr(self, "_reqs", None):
+            raise RuntimeError(f"load_params with {len(self._reqs)} live requests: finish or "
+                               f"cancel them first")
         self.params = params
         self.fingerprint = model_fingerprint(self.config, params)
 
@@ -178,10 +188,22 @@ class Engine:
             raise RuntimeError("the engine cannot admit a request into an idle cache")
         return events
 
-    def stream(self) -> Iterator[StreamEvent]:
-        """Runs until every request is finished, yielding tokens as they are produced."""
-        while self._waiting or any(s is not None for s in self._slots):
-            yield from self.step()
+    def stream(self, request_id: int | None = None) -> Iterator[StreamEvent]:
+        """Runs the engine, yielding tokens as they are produced: every request's until all
+        are finished, or only `request_id`'s until it is finished (the other requests'
+        events are kept for a later `stream()`)."""
+        def wanted(event: StreamEvent) -> bool:
+            return request_id is None or event.request_id == request_id
+
+        yield from [e for e in self._backlog if wanted(e)]
+        self._backlog = [e for e in self._backlog if not wanted(e)]
+        while request_id in self._reqs if request_id is not None else \
+                (self._waiting or any(s is not None for s in self._slots)):
+            for event in self.step():
+                if wanted(event):
+                    yield event
+                else:
+                    self._backlog.append(event)
 
     def run(self) -> dict[int, RequestResult]:
         """Runs until every submitted request is finished; returns their results by id."""
@@ -247,7 +269,10 @@ class Engine:
     def _pick(self) -> _Req:
         if self.engine_config.schedule == "fcfs" or len(self._waiting) == 1:
             return self._waiting[0]
-        return max(self._waiting, key=lambda r: (len(self._match(r, touch=False).nodes), -r.id))
+        t_host = time.perf_counter()
+        best = max(self._waiting, key=lambda r: (len(self._match(r, touch=False).nodes), -r.id))
+        self._timers["host_s"] += time.perf_counter() - t_host
+        return best
 
     def _admit(self, events: list[StreamEvent]) -> None:
         while self._waiting:
@@ -260,7 +285,7 @@ class Engine:
         t_host = time.perf_counter()
         cc, ps = self.cache_config, self.cache_config.page_size
         n_tok = len(req.tokens)
-        match = self._match(req, touch=True)
+        match = self._match(req, touch=False)
         reuse = min(len(match.nodes), (n_tok - 1) // ps)  # at least one token is computed
         reused_pages = match.pages[:reuse]
         copy_from, copied = None, 0
@@ -278,9 +303,15 @@ class Engine:
             self.allocator.share(page)  # ours now: not evictable while we allocate
         if copy_from is not None:
             self.allocator.share(copy_from.page)
-        if not self._reserve(fresh_needed):
-            self.allocator.free(reused_pages + ([copy_from.page] if copy_from else []))
+            if self.allocator.num_free + self.trie.num_evictable() < fresh_needed:
+                self.allocator.free([copy_from.page])  # the copy does not fit: recompute
+                copy_from, copied = None, 0
+        if self.allocator.num_free + self.trie.num_evictable() < fresh_needed:
+            self.allocator.free(reused_pages)  # wait for running requests to finish
+            self._timers["host_s"] += time.perf_counter() - t_host
             return False
+        self._reserve(fresh_needed)
+        self.trie.touch(match.nodes)
         fresh = self.allocator.allocate(fresh_needed)
         pages = reused_pages + fresh
         self._timers["host_s"] += time.perf_counter() - t_host
@@ -321,6 +352,9 @@ class Engine:
             seq.slot = free_slots[j]
             self._slots[seq.slot] = seq
         self._waiting.remove(req)
+        for seq in req.seqs:
+            if seq.done:
+                self._release_seq(seq)
         self._admissions += 1
         req.admitted_order = self._admissions
         self._record_admission(req, match, reuse, start, copied, prefill_s, unbounded)
@@ -352,6 +386,10 @@ class Engine:
         cause = match.cause
         if reuse < len(match.nodes):
             cause = None  # all of it was cached; the last page is recomputed for its logits
+        if req.stats:  # re-admitted after a preemption: the first admission's reuse stands
+            req.stats["recomputed_tokens"] += n_tok - start
+            req.stats["prefill_s"] += prefill_s
+            return
         unbounded = min(unbounded_blocks, (n_tok - 1) // ps) * ps
         stats = {
             "prompt_tokens": n_tok,
@@ -364,8 +402,9 @@ class Engine:
             "miss_fields": match.fields if cause == "namespace" else [],
             "prefill_s": prefill_s,
             "unbounded_reused_tokens": max(unbounded, start),
-            "preemptions": req.stats.get("preemptions", 0),
-            "ttft_s": req.stats.get("ttft_s", time.perf_counter() - req.submitted),
+            "preemptions": 0,
+            "recomputed_tokens": 0,
+            "ttft_s": time.perf_counter() - req.submitted,
         }
         req.stats = stats
 
@@ -420,7 +459,10 @@ class Engine:
         shared = [i for i in range(seq.length // ps, min(end, len(seq.pages)))
                   if self.allocator.refcount(seq.pages[i]) > 1]
         need = max(end - len(seq.pages), 0)
-        if not self._reserve(need + len(shared), requester=seq.req):
+        t_host = time.perf_counter()
+        ok = self._reserve(need + len(shared), requester=seq.req)
+        self._timers["host_s"] += time.perf_counter() - t_host
+        if not ok:
             return False
         seq.pages += self.allocator.allocate(need)
         for i in shared:
@@ -543,6 +585,7 @@ class Engine:
             "prompt_tokens": prompt,
             "reused_tokens": reused,
             "computed_tokens": prompt - reused,
+            "recomputed_tokens": sum(s["recomputed_tokens"] for s in log),
             "misses_by_cause": dict(causes),
             "evictions": self.trie.evictions,
             "cow_copies": self.allocator.copies,
