@@ -58,6 +58,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     mlp: str = "swiglu"  # "swiglu" | "gelu"
     qkv_bias: bool = False
+    o_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False  # biases on the MLP projections
     sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
     tie_embeddings: bool = True
     causal: bool = True

@@ -38,7 +38,11 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     attn = d * h * (config.num_heads * 2 + config.num_kv_heads * 2)
     if config.qkv_bias:
         attn += h * (config.num_heads + 2 * config.num_kv_heads)
+    if config.o_bias:
+        attn += d
     mlp = d * config.d_ff * (3 if config.mlp == "swiglu" else 2)
+    if config.mlp_bias:
+        mlp += config.d_ff * (2 if config.mlp == "swiglu" else 1) + d
     norms = d * (2 if config.norm == "rms" else 4)
     embed = config.vocab_size * d
     return {

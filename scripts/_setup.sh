@@ -14,9 +14,9 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
 fi
 STAMP="${VIRTUAL_ENV}/.kvjax-installed"
 if [ ! -f "$STAMP" ] || ! cmp -s pyproject.toml "$STAMP" || ! python -c "import kvjax" 2>/dev/null; then
-  echo "kvjax: installing kvjax[${KVJAX_EXTRAS:-dev}] into ${VIRTUAL_ENV}" >&2
+  echo "kvjax: installing kvjax[${KVJAX_EXTRAS:-dev,hf}] into ${VIRTUAL_ENV}" >&2
   python -m pip install --quiet --upgrade pip
-  python -m pip install --quiet -e ".[${KVJAX_EXTRAS:-dev}]"
+  python -m pip install --quiet -e ".[${KVJAX_EXTRAS:-dev,hf}]"
   cp pyproject.toml "$STAMP"
 fi
 export PYTHONUNBUFFERED=1

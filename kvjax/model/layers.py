@@ -56,7 +56,7 @@ class MLP(nn.Module):
         cfg = self.config
 
         def dense(inputs: jax.Array, features: int, name: str) -> jax.Array:
-            y = nn.Dense(features, use_bias=False, dtype=cfg.dtype, name=name)(inputs)
+            y = nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype, name=name)(inputs)
             return add_lora(self, name, inputs, y, adapter_ids)
 
         if cfg.mlp == "swiglu":

@@ -67,7 +67,7 @@ class Attention(nn.Module):
             else:
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, cfg.sliding_window)
-        y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
+        y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
                             name="o")(out)
         return add_lora(self, "o", out, y, adapter_ids, in_dims=2), cache
 

@@ -1,0 +1,206 @@
+"""Hugging Face checkpoints: `config.json` + `*.safetensors` (sharded too) to kvjax, and back.
+
+Supported families: Llama, Mistral (sliding window), Qwen2 (QKV bias) and GPT-2 (learned
+positions, LayerNorm, tanh-GELU, fused QKV in Conv1D layout). Anything else, an option
+kvjax does not implement, or a missing tensor is a clear error naming it: a checkpoint is
+never loaded into a model that would compute something else.
+
+Layouts: a Hugging Face `Linear` stores `weight [out, in]` (y = x W^T); GPT-2's `Conv1D`
+stores `[in, out]` (y = x W). kvjax kernels are `[in, ...out]`: q/k/v `[D, heads, H]`,
+o `[heads, H, D]`, MLP `[in, out]`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.config import ModelConfig
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+FAMILIES = (*LLAMA_LIKE, "gpt2")
+
+
+class CheckpointError(ValueError):
+    """An unsupported architecture or option, a missing or misshapen tensor."""
+
+
+def _rope_theta(hf: dict) -> float:
+    params = hf.get("rope_parameters") or {}
+    for table in (params, hf.get("rope_scaling") or {}):
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind not in ("default", None):
+            raise CheckpointError(f"rope scaling {kind!r} is not supported (only plain RoPE)")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """Maps a Hugging Face `config.json` dict to a ModelConfig, refusing what kvjax lacks."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"unsupported architecture model_type={family!r} "
+                              f"(supported: {', '.join(FAMILIES)})")
+    if family == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"gpt2 activation_function={act!r} is not supported "
+                                  f"(kvjax implements the tanh GELU, gelu_new)")
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if hf.get(flag):
+                raise CheckpointError(f"gpt2 option {flag}=True is not supported")
+        d = hf["n_embd"]
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], num_layers=hf["n_layer"], d_model=d,
+            num_heads=hf["n_head"], num_kv_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d,
+            max_seq_len=hf["n_positions"], norm="layer",
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", mlp="gelu",
+            qkv_bias=True, o_bias=True, mlp_bias=True,
+            tie_embeddings=hf.get("tie_word_embeddings", True))
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{family} hidden_act={act!r} is not supported (SwiGLU uses silu)")
+    window = hf.get("sliding_window") if family == "mistral" else None
+    if family == "qwen2" and hf.get("use_sliding_window"):
+        raise CheckpointError("qwen2 use_sliding_window=True (per-layer windows) is not "
+                              "supported")
+    heads = hf["num_attention_heads"]
+    attention_bias = family == "qwen2" or bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"],
+        d_model=hf["hidden_size"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], norm="rms",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope", rope_theta=_rope_theta(hf),
+        mlp="swiglu", qkv_bias=attention_bias,
+        o_bias=family != "qwen2" and bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)), sliding_window=window,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint folder (single file or sharded with an index)."""
+    try:
+        from safetensors.numpy import load_file
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("reading safetensors needs the hf extra: pip install 'kvjax[hf]'") \
+            from e
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        if not (path / name).exists():
+            raise CheckpointError(f"shard {name} named in the index is missing from {path}")
+        tensors.update(load_file(str(path / name)))
+    return tensors
+
+
+class _Tensors:
+    """Looks tensors up by name (with or without a `model.`/`transformer.` prefix)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], prefixes: tuple[str, ...]):
+        self.tensors = tensors
+        self.prefixes = prefixes
+
+    def has(self, name: str) -> bool:
+        return any(p + name in self.tensors for p in self.prefixes)
+
+    def __call__(self, name: str) -> np.ndarray:
+        for prefix in self.prefixes:
+            if prefix + name in self.tensors:
+                return np.asarray(self.tensors[prefix + name], np.float32)
+        raise CheckpointError(f"missing tensor {self.prefixes[0]}{name}")
+
+
+def _llama_params(t: _Tensors, c: ModelConfig) -> dict:
+    d, h, n, k = c.d_model, c.head_dim, c.num_heads, c.num_kv_heads
+    params = {"embed": {"embedding": t("embed_tokens.weight")},
+              "final_norm": {"scale": t("norm.weight")}}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        attn = {}
+        for name, heads in (("q", n), ("k", k), ("v", k)):
+            attn[name] = {"kernel": t(f"{p}self_attn.{name}_proj.weight").T.reshape(d, heads, h)}
+            if c.qkv_bias:
+                attn[name]["bias"] = t(f"{p}self_attn.{name}_proj.bias").reshape(heads, h)
+        attn["o"] = {"kernel": t(f"{p}self_attn.o_proj.weight").T.reshape(n, h, d)}
+        if c.o_bias:
+            attn["o"]["bias"] = t(f"{p}self_attn.o_proj.bias")
+        mlp = {name: {"kernel": t(f"{p}mlp.{name}_proj.weight").T}
+               for name in ("gate", "up", "down")}
+        if c.mlp_bias:
+            for name in mlp:
+                mlp[name]["bias"] = t(f"{p}mlp.{name}_proj.bias")
+        params[f"layer_{i}"] = {
+            "attn_norm": {"scale": t(f"{p}input_layernorm.weight")}, "attn": attn,
+            "mlp_norm": {"scale": t(f"{p}post_attention_layernorm.weight")}, "mlp": mlp}
+    return params
+
+
+def _gpt2_params(t: _Tensors, c: ModelConfig) -> dict:
+    d, h, n = c.d_model, c.head_dim, c.num_heads
+    params = {"embed": {"embedding": t("wte.weight")}, "pos_embed": {"embedding": t("wpe.weight")},
+              "final_norm": {"scale": t("ln_f.weight"), "bias": t("ln_f.bias")}}
+    for i in range(c.num_layers):
+        p = f"h.{i}."
+        qkv_w, qkv_b = t(f"{p}attn.c_attn.weight"), t(f"{p}attn.c_attn.bias")  # [D, 3D], [3D]
+        attn = {name: {"kernel": qkv_w[:, j * d:(j + 1) * d].reshape(d, n, h),
+                       "bias": qkv_b[j * d:(j + 1) * d].reshape(n, h)}
+                for j, name in enumerate(("q", "k", "v"))}
+        attn["o"] = {"kernel": t(f"{p}attn.c_proj.weight").reshape(n, h, d),
+                     "bias": t(f"{p}attn.c_proj.bias")}
+        params[f"layer_{i}"] = {
+            "attn_norm": {"scale": t(f"{p}ln_1.weight"), "bias": t(f"{p}ln_1.bias")},
+            "attn": attn,
+            "mlp_norm": {"scale": t(f"{p}ln_2.weight"), "bias": t(f"{p}ln_2.bias")},
+            "mlp": {"up": {"kernel": t(f"{p}mlp.c_fc.weight"), "bias": t(f"{p}mlp.c_fc.bias")},
+                    "down": {"kernel": t(f"{p}mlp.c_proj.weight"),
+                             "bias": t(f"{p}mlp.c_proj.bias")}}}
+    return params
+
+
+def _check_shapes(config: ModelConfig, params: dict) -> None:
+    """Every tensor has exactly the shape the model expects; nothing is missing or extra."""
+    import jax
+
+    from kvjax.model.transformer import init_params
+
+    expected = jax.eval_shape(lambda: init_params(config))
+    flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, leaf in flat_expected.items():
+        name = jax.tree_util.keystr(path)
+        if path not in flat_got:
+            raise CheckpointError(f"no tensor was mapped to {name}")
+        if tuple(flat_got[path].shape) != tuple(leaf.shape):
+            raise CheckpointError(f"{name}: shape {tuple(flat_got[path].shape)} in the "
+                                  f"checkpoint, the config implies {tuple(leaf.shape)}")
+    extra = set(flat_got) - set(flat_expected)
+    if extra:
+        raise CheckpointError(f"unexpected tensors {sorted(map(jax.tree_util.keystr, extra))}")
+
+
+def load_hf(path) -> tuple[ModelConfig, dict]:
+    """Loads a Hugging Face checkpoint folder; returns (config, float32 params)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"no config.json in {path}")
+    hf = json.loads(config_file.read_text())
+    config = config_from_hf(hf)
+    tensors = read_safetensors(path)
+    if hf["model_type"] == "gpt2":
+        params = _gpt2_params(_Tensors(tensors, ("transformer.", "")), config)
+    else:
+        params = _llama_params(_Tensors(tensors, ("model.", "")), config)
+    if not config.tie_embeddings:
+        params["lm_head"] = {"kernel": _Tensors(tensors, ("",))("lm_head.weight").T}
+    _check_shapes(config, params)
+    return config, params
