@@ -93,10 +93,13 @@ class Engine:
     """Continuous-batching engine with an exact prefix cache (see the module docstring)."""
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig | None = None,
-                 adapters: dict | None = None, hash_fn=None):
+                 adapters: dict | None = None, hash_fn=None, tokenizer=None,
+                 chat_template=None):
         if not config.causal:
             raise NonCausalCacheError()
         self.config = config
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.engine_config = ec = engine_config or EngineConfig()
         self.cache_config = ec.cache
         self.adapters = dict(adapters or {})
@@ -150,7 +153,7 @@ class Engine:
 
     def submit(self, request: Request) -> int:
         """Queues a request; returns its id. Bad input raises before anything changes."""
-        tokens = self._validate(request)
+        tokens = self._validate(request, self._render(request))
         ps = self.cache_config.page_size
         num_blocks = pages_for(len(tokens), ps)
         salts = [None if request.tenant is None or (i + 1) * ps <= request.public_prefix
@@ -228,9 +231,27 @@ class Engine:
         return len({s.req.id for s in self._slots if s is not None})
 
     # -- validation ---------------------------------------------------------------------------
-    def _validate(self, request: Request) -> list[int]:
+    def _render(self, request: Request):
+        """The prompt's token ids: given, or rendered from text or chat messages."""
+        given = [x is not None for x in (request.tokens, request.text, request.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of tokens, text or messages")
+        if request.tokens is not None:
+            return request.tokens
+        if request.text is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("a text request needs an engine with a tokenizer")
+            return self.tokenizer.encode(request.text)
+        if self.chat_template is None:
+            raise InvalidRequestError("a messages request needs an engine with a chat template")
+        try:
+            return self.chat_template.render(request.messages)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def _validate(self, request: Request, tokens) -> list[int]:
         cfg, cc = self.config, self.cache_config
-        ids = np.asarray(check_token_ids(request.tokens, cfg.vocab_size))
+        ids = np.asarray(check_token_ids(tokens, cfg.vocab_size))
         if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got "
                                       f"{request.max_new_tokens}")
@@ -557,10 +578,14 @@ class Engine:
         if req.request.return_logits:
             logits = [np.stack(s.logits) if s.logits else np.zeros((0, self.config.vocab_size))
                       for s in req.seqs]
+        text = None
+        if self.tokenizer is not None:
+            decoded = [self.tokenizer.decode(t) for t in tokens]
+            text = decoded[0] if single else decoded
         self._results[req.id] = RequestResult(
             id=req.id, tokens=tokens[0] if single else tokens,
             logits=(logits[0] if single else logits) if logits is not None else None,
-            stats=dict(req.stats), status=status)
+            stats=dict(req.stats), status=status, prompt_ids=list(req.tokens), text=text)
         self._counters["finished" if status == "finished" else "cancelled"] += 1
         self._stats_log.append(dict(req.stats, id=req.id, status=status))
         del self._reqs[req.id]

@@ -31,17 +31,17 @@ def check_token_ids(tokens, vocab_size: int, label: str = "the prompt") -> list[
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One prompt to continue.
+    """One prompt to continue: token ids, or `text` / chat `messages` that the engine's
+    tokenizer and chat template render to ids (the cache identity is always the ids).
 
-    `tokens` are the rendered token ids (the cache identity is always these ids).
     `tenant` salts the cache: requests of different tenants never share pages, except the
     first `public_prefix` tokens (a shared system prompt), whose full pages stay public.
     `position_base` is the position of the first token. `n` samples share the prompt's
     pages and copy on write.
     """
 
-    tokens: Sequence[int]
-    max_new_tokens: int
+    tokens: Sequence[int] | None = None
+    max_new_tokens: int = 16
     sampling: SamplingConfig = SamplingConfig()
     adapter: str | None = None
     tenant: str | None = None
@@ -50,6 +50,8 @@ class Request:
     return_logits: bool = False
     position_base: int = 0
     stop_token: int | None = None
+    text: str | None = None
+    messages: Sequence[dict] | None = None
 
 
 @dataclasses.dataclass
@@ -59,6 +61,8 @@ class RequestResult:
     logits: np.ndarray | list[np.ndarray] | None  # [num_generated, vocab] per sample
     stats: dict
     status: str = "finished"  # "finished" | "cancelled"
+    prompt_ids: list[int] | None = None  # the rendered prompt the cache identity is made of
+    text: str | list[str] | None = None  # the generated tokens decoded, with a tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

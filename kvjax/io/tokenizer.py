@@ -1,0 +1,155 @@
+"""Text to token ids: a built-in byte-level tokenizer, `tokenizer.json` files through the
+`tokenizers` library, and chat templates (Jinja, as in Hugging Face `tokenizer_config.json`).
+
+The cache identity is always the rendered token ids, never the text: two texts that look
+alike but encode differently share only their common id prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>",
+                  "<|end|>", "<|tool|>")
+
+# A small default chat template for models that use the byte tokenizer.
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_token: str | None
+    eos_token: str | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_id(self, token: str) -> int | None: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; special tokens follow (256 = <|bos|>, 257 = <|eos|>, ...).
+
+    Special token strings in the text encode to their ids; everything else to its bytes.
+    """
+
+    def __init__(self, special_tokens: Sequence[str] = SPECIAL_TOKENS):
+        self.special = {tok: 256 + i for i, tok in enumerate(special_tokens)}
+        self.special_by_id = {i: tok for tok, i in self.special.items()}
+        self.vocab_size = 256 + len(special_tokens)
+        self.bos_token = "<|bos|>" if "<|bos|>" in self.special else None
+        self.eos_token = "<|eos|>" if "<|eos|>" in self.special else None
+        self._split = re.compile("(" + "|".join(map(re.escape, special_tokens)) + ")") \
+            if special_tokens else None
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in (self._split.split(text) if self._split else [text]):
+            if piece in self.special:
+                ids.append(self.special[piece])
+            elif piece:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            if i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", "replace"))
+            buf = bytearray()
+            out.append(self.special_by_id.get(i, ""))
+        out.append(buf.decode("utf-8", "replace"))
+        return "".join(out)
+
+    def token_id(self, token: str) -> int | None:
+        return self.special.get(token)
+
+
+class HFTokenizer:
+    """A `tokenizer.json` through the `tokenizers` library (no special tokens are added:
+    the chat template or the caller decides them)."""
+
+    def __init__(self, path, bos_token: str | None = None, eos_token: str | None = None):
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError as e:  # pragma: no cover
+            raise ImportError("tokenizer.json files need the hf extra: pip install "
+                              "'kvjax[hf]'") from e
+        self._tok = _Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class ChatTemplate:
+    """Renders messages with a Jinja chat template (sandboxed, as Hugging Face does)."""
+
+    def __init__(self, source: str, tokenizer: Tokenizer):
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:  # pragma: no cover
+            raise ImportError("chat templates need jinja2: pip install 'kvjax[hf]'") from e
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(source)
+        self.tokenizer = tokenizer
+
+    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    **kwargs) -> str:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"message {i} needs a 'role' and a 'content'")
+        return self.template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",
+            **kwargs)
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+               **kwargs) -> list[int]:
+        """The token ids the model sees (what the cache identity is made of)."""
+        return self.tokenizer.encode(self.render_text(messages, add_generation_prompt,
+                                                      **kwargs))
+
+
+def load_tokenizer(path) -> tuple[Tokenizer, ChatTemplate | None]:
+    """A folder with `tokenizer.json` (and optionally `tokenizer_config.json` holding the chat
+    template and the bos/eos tokens), or "byte" for the built-in byte tokenizer."""
+    if str(path) == "byte":
+        tok = ByteTokenizer()
+        return tok, ChatTemplate(BYTE_CHAT_TEMPLATE, tok)
+    path = Path(path)
+    config = {}
+    if (path / "tokenizer_config.json").exists():
+        config = json.loads((path / "tokenizer_config.json").read_text())
+
+    def token(name: str) -> str | None:
+        value = config.get(name)
+        return value.get("content") if isinstance(value, dict) else value
+
+    tok = HFTokenizer(path / "tokenizer.json", token("bos_token"), token("eos_token"))
+    template = config.get("chat_template")
+    return tok, (ChatTemplate(template, tok) if isinstance(template, str) else None)

@@ -1,0 +1,122 @@
+"""Tokenizers and chat templates: the cache identity is the rendered ids, never the text."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import pytest
+from engine_helpers import assert_same
+
+import kvjax
+from kvjax import CacheConfig, Engine, EngineConfig, ModelConfig, Request
+from kvjax.io.tokenizer import BYTE_CHAT_TEMPLATE, ByteTokenizer, ChatTemplate, load_tokenizer
+
+CONFIG = ModelConfig(vocab_size=264, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                     d_ff=64, max_seq_len=256)
+CACHE = CacheConfig(page_size=4, num_pages=96, prefill_chunk=16, attn_block=8)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return kvjax.init_params(CONFIG, seed=2)
+
+
+def _engine(params, tokenizer, template=None):
+    return Engine(params, CONFIG, EngineConfig(cache=CACHE, max_slots=4, decode_steps=4),
+                  tokenizer=tokenizer, chat_template=template)
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_byte_tokenizer_round_trip_and_specials():
+    tok = ByteTokenizer()
+    text = "<|bos|>héllo <|user|>wörld<|end|>"
+    ids = tok.encode(text)
+    assert ids[0] == 256 and 260 in ids and 262 in ids
+    assert tok.decode(ids) == text
+    assert tok.encode("abc") == [97, 98, 99]
+    assert tok.vocab_size == 264
+
+
+def test_lookalike_texts_get_no_false_reuse(params):
+    """'café' composed (é = U+00E9) and decomposed (e + U+0301) look the same but encode
+    differently: the second request reuses only pages inside the common id prefix, and its
+    output is its own cold output."""
+    tok = ByteTokenizer()
+    head = "The quick brown fox visited a "
+    composed = head + unicodedata.normalize("NFC", "café") + " and ordered tea."
+    decomposed = head + unicodedata.normalize("NFD", "café") + " and ordered tea."
+    assert composed != decomposed and unicodedata.normalize("NFC", decomposed) == composed
+    a_ids, b_ids = tok.encode(composed), tok.encode(decomposed)
+    common = _common_prefix(a_ids, b_ids)
+    eng = _engine(params, tok)
+    eng.generate([Request(text=composed, max_new_tokens=4)])
+    (b,) = eng.generate([Request(text=decomposed, max_new_tokens=4, return_logits=True)])
+    assert b.prompt_ids == b_ids
+    assert b.stats["reused_tokens"] == common // 4 * 4
+    assert b.stats["miss_cause"] == "divergence"
+    assert b.stats["miss_position"] == common
+    assert_same([b], _engine(params, tok).generate([Request(text=decomposed, max_new_tokens=4,
+                                                            return_logits=True)]))
+    assert b.text == tok.decode(b.tokens)
+
+
+def test_hf_tokenizer_json_and_chat_template(params, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|tool|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["hello world, hello there", "the weather is nice today", "tools and users"] * 20
+    bpe.train_from_iterator(corpus, trainer)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+    tok, chat = load_tokenizer(tmp_path)
+    assert tok.vocab_size <= CONFIG.vocab_size
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+    system = {"role": "user", "content": "hello there, the weather is nice today"}
+    as_user = [system, {"role": "user", "content": "hello world"}]
+    as_tool = [system, {"role": "tool", "content": "hello world"}]
+    user_ids, tool_ids = chat.render(as_user), chat.render(as_tool)
+    common = _common_prefix(user_ids, tool_ids)
+    assert user_ids[common] == tok.token_id("<|user|>")
+    assert tool_ids[common] == tok.token_id("<|tool|>")
+    assert user_ids[common + 1:] == tool_ids[common + 1:]  # only the control token differs
+
+    eng = _engine(params, tok, chat)
+    eng.generate([Request(messages=as_user, max_new_tokens=3)])
+    (b,) = eng.generate([Request(messages=as_tool, max_new_tokens=3, return_logits=True)])
+    assert b.prompt_ids == tool_ids
+    assert b.stats["reused_tokens"] == common // 4 * 4  # nothing beyond the divergence
+    assert_same([b], _engine(params, tok, chat).generate(
+        [Request(messages=as_tool, max_new_tokens=3, return_logits=True)]))
+
+
+def test_byte_chat_template_and_request_errors(params):
+    tok = ByteTokenizer()
+    chat = ChatTemplate(BYTE_CHAT_TEMPLATE, tok)
+    ids = chat.render([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == "<|bos|><|user|>hi<|end|><|assistant|>"
+    eng = _engine(params, tok)
+    with pytest.raises(kvjax.InvalidRequestError, match="chat template"):
+        eng.submit(Request(messages=[{"role": "user", "content": "hi"}]))
+    with pytest.raises(kvjax.InvalidRequestError, match="exactly one"):
+        eng.submit(Request(tokens=[1, 2], text="hi"))
+    with pytest.raises(kvjax.InvalidRequestError, match="tokenizer"):
+        _engine(params, None).submit(Request(text="hi"))
+    with pytest.raises(kvjax.InvalidRequestError, match="'role'"):
+        _engine(params, tok, chat).submit(Request(messages=[{"content": "hi"}]))
