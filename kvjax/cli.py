@@ -55,6 +55,17 @@ def _memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from kvjax.train import train
+
+    config = load_config(args.config, args.set)
+    result = train(config, out_dir=args.out, resume=not args.no_resume)
+    print(f"done: step {result['step']}, train loss {result['train_loss']:.4f}"
+          + (f", validation loss {result['val_loss']:.4f}" if "val_loss" in result else "")
+          + f" ({result['train_seconds']:.0f} s of training); model in {result['out']}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.which == "prefix":
         from kvjax import bench_prefix
@@ -74,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set model.num_layers=4")
     gen.set_defaults(func=_generate)
+
+    tr = sub.add_parser("train", help="train a small model on the stdlib corpus (optax)")
+    tr.add_argument("config", help="a TOML file with [model] and [train] tables")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    tr.add_argument("--out", help="output folder (default: train.out_dir)")
+    tr.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    tr.set_defaults(func=_train)
 
     mem = sub.add_parser("memory", help="KV memory calculator and prefill/decode cost explorer")
     mem.add_argument("--config", help="take the model from this TOML file")

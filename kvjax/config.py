@@ -162,6 +162,36 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """`kvjax train`: AdamW with linear warmup + cosine decay on the stdlib corpus."""
+
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # the cosine decays to learning_rate * min_lr_ratio
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    out_dir: str = "checkpoints/run"
+    seed: int = 0
+    validation_fraction: float = 0.05
+    max_files: int | None = None  # use only the first N stdlib files (tests)
+    time_limit_s: float | None = None  # checkpoint and stop after this much training time
+
+    def __post_init__(self):
+        for key in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches",
+                    "checkpoint_every"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.learning_rate > 0, "learning_rate", "must be > 0")
+        _require(0 <= self.warmup_steps < self.steps, "warmup_steps", "must be in [0, steps)")
+        _require(0 < self.validation_fraction < 1, "validation_fraction", "must be in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerateConfig:
     """What `scripts/quickstart` and `kvjax generate` run."""
 
@@ -185,6 +215,7 @@ class Config:
     sampling: SamplingConfig = SamplingConfig()
     generate: GenerateConfig = GenerateConfig()
     engine: EngineConfig = EngineConfig()
+    train: TrainConfig = TrainConfig()
 
 
 _SECTIONS: dict[str, type] = typing.get_type_hints(Config)
