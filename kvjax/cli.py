@@ -71,6 +71,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvjax import bench_prefix
 
         return bench_prefix.main(args)
+    if args.which == "peer":
+        from kvjax import bench_peer
+
+        return bench_peer.main(args)
     from kvjax import bench
 
     return bench.main(args)
@@ -116,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="machine memory bandwidth (default: H100 SXM HBM3)")
     mem.set_defaults(func=_memory)
 
-    bench = sub.add_parser("bench", help="benchmarks: decode (paged vs dense vs no cache) or "
-                                         "prefix (prefix cache on vs off)")
-    bench.add_argument("which", nargs="?", choices=("decode", "prefix"), default="decode")
+    bench = sub.add_parser("bench", help="benchmarks: decode (paged vs dense vs no cache), "
+                                         "prefix (prefix cache on vs off), peer (vs "
+                                         "transformers generate)")
+    bench.add_argument("which", nargs="?", choices=("decode", "prefix", "peer"),
+                       default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bench.add_argument("--out", help="JSON output (default results/bench_<which>.json)")
@@ -141,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--new-tokens", type=int, default=16)
     prefix.add_argument("--slots", type=int, default=8)
     prefix.add_argument("--num-pages", type=int, default=2048)
+    peer = bench.add_argument_group("peer")
+    peer.add_argument("--prompt-len", type=int, default=512)
+    peer.add_argument("--gen-tokens", type=int, default=128)
+    peer.add_argument("--threads", type=int, default=2, help="torch threads")
     bench.set_defaults(func=_bench)
     return parser
 
@@ -149,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         args.out = args.out or f"results/bench_{args.which}.json"
-        args.reps = args.reps or (5 if args.which == "decode" else 1)
+        args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3}[args.which]
     try:
         return args.func(args)
     except ConfigError as e:

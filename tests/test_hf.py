@@ -92,6 +92,20 @@ def test_paged_cache_logits_and_greedy_tokens_match(family):
         assert np.abs(logits - hf_logits).max() <= TOL, name
 
 
+def test_export_back_to_safetensors(family, tmp_path):
+    """kvjax -> safetensors: transformers loads the export and computes the same logits."""
+    from kvjax.io import save_hf
+
+    _, model, config, params = family
+    save_hf(tmp_path, config, params)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = torch.tensor(_tokens(12, 3))
+    with torch.no_grad():
+        np.testing.assert_allclose(exported(tokens).logits.numpy(),
+                                   model(tokens).logits.numpy(), atol=1e-5, rtol=0)
+    assert load_hf(tmp_path)[0] == config
+
+
 def test_sharded_checkpoint(tmp_path):
     model = _save("llama", tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()

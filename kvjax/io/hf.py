@@ -204,3 +204,110 @@ def load_hf(path) -> tuple[ModelConfig, dict]:
         params["lm_head"] = {"kernel": _Tensors(tensors, ("",))("lm_head.weight").T}
     _check_shapes(config, params)
     return config, params
+
+
+def _family_of(c: ModelConfig) -> str:
+    if (c.position == "learned" and c.norm == "layer" and c.mlp == "gelu" and c.qkv_bias
+            and c.o_bias and c.mlp_bias and c.num_kv_heads == c.num_heads and c.tie_embeddings
+            and c.head_dim * c.num_heads == c.d_model):
+        return "gpt2"
+    if c.position != "rope" or c.norm != "rms" or c.mlp != "swiglu":
+        raise CheckpointError("no supported Hugging Face family expresses this config")
+    if c.sliding_window is not None:
+        if c.qkv_bias or c.o_bias or c.mlp_bias:
+            raise CheckpointError("mistral has no biases")
+        return "mistral"
+    if c.qkv_bias and not c.o_bias and not c.mlp_bias:
+        return "qwen2"
+    if c.qkv_bias != c.o_bias:
+        raise CheckpointError("llama's attention_bias covers q, k, v and o together")
+    return "llama"
+
+
+def hf_config(config: ModelConfig) -> dict:
+    """The `config.json` dict of the Hugging Face family that expresses `config`."""
+    c, family = config, _family_of(config)
+    if family == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": c.vocab_size, "n_positions": c.max_seq_len, "n_embd": c.d_model,
+                "n_layer": c.num_layers, "n_head": c.num_heads, "n_inner": c.d_ff,
+                "activation_function": "gelu_new", "layer_norm_epsilon": c.norm_eps,
+                "tie_word_embeddings": True}
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}[family]
+    out = {"model_type": family, "architectures": [arch], "vocab_size": c.vocab_size,
+           "hidden_size": c.d_model, "intermediate_size": c.d_ff,
+           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+           "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+           "rope_theta": c.rope_theta, "hidden_act": "silu",
+           "tie_word_embeddings": c.tie_embeddings}
+    if family == "llama":
+        out |= {"attention_bias": c.qkv_bias, "mlp_bias": c.mlp_bias}
+    if family == "mistral":
+        out["sliding_window"] = c.sliding_window
+    return out
+
+
+def _hf_tensors(config: ModelConfig, params) -> dict[str, np.ndarray]:
+    c, p = config, params
+
+    def a(x) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(x, np.float32))
+
+    if _family_of(c) == "gpt2":
+        out = {"transformer.wte.weight": a(p["embed"]["embedding"]),
+               "transformer.wpe.weight": a(p["pos_embed"]["embedding"]),
+               "transformer.ln_f.weight": a(p["final_norm"]["scale"]),
+               "transformer.ln_f.bias": a(p["final_norm"]["bias"])}
+        for i in range(c.num_layers):
+            layer, pre = p[f"layer_{i}"], f"transformer.h.{i}."
+            attn = layer["attn"]
+            out[pre + "attn.c_attn.weight"] = a(np.concatenate(
+                [np.asarray(attn[n]["kernel"]).reshape(c.d_model, -1) for n in "qkv"], axis=1))
+            out[pre + "attn.c_attn.bias"] = a(np.concatenate(
+                [np.asarray(attn[n]["bias"]).reshape(-1) for n in "qkv"]))
+            out[pre + "attn.c_proj.weight"] = a(np.asarray(attn["o"]["kernel"]).reshape(
+                -1, c.d_model))
+            out[pre + "attn.c_proj.bias"] = a(attn["o"]["bias"])
+            for norm, name in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[pre + f"{name}.weight"] = a(layer[norm]["scale"])
+                out[pre + f"{name}.bias"] = a(layer[norm]["bias"])
+            for ours, theirs in (("up", "c_fc"), ("down", "c_proj")):
+                out[pre + f"mlp.{theirs}.weight"] = a(layer["mlp"][ours]["kernel"])
+                out[pre + f"mlp.{theirs}.bias"] = a(layer["mlp"][ours]["bias"])
+        return out
+    out = {"model.embed_tokens.weight": a(p["embed"]["embedding"]),
+           "model.norm.weight": a(p["final_norm"]["scale"])}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = a(np.asarray(p["lm_head"]["kernel"]).T)
+    for i in range(c.num_layers):
+        layer, pre = p[f"layer_{i}"], f"model.layers.{i}."
+        for n in "qkv":
+            kernel = np.asarray(layer["attn"][n]["kernel"])
+            out[pre + f"self_attn.{n}_proj.weight"] = a(kernel.reshape(c.d_model, -1).T)
+            if c.qkv_bias:
+                out[pre + f"self_attn.{n}_proj.bias"] = a(
+                    np.asarray(layer["attn"][n]["bias"]).reshape(-1))
+        out[pre + "self_attn.o_proj.weight"] = a(
+            np.asarray(layer["attn"]["o"]["kernel"]).reshape(-1, c.d_model).T)
+        if c.o_bias:
+            out[pre + "self_attn.o_proj.bias"] = a(layer["attn"]["o"]["bias"])
+        for n in ("gate", "up", "down"):
+            out[pre + f"mlp.{n}_proj.weight"] = a(np.asarray(layer["mlp"][n]["kernel"]).T)
+            if c.mlp_bias:
+                out[pre + f"mlp.{n}_proj.bias"] = a(layer["mlp"][n]["bias"])
+        out[pre + "input_layernorm.weight"] = a(layer["attn_norm"]["scale"])
+        out[pre + "post_attention_layernorm.weight"] = a(layer["mlp_norm"]["scale"])
+    return out
+
+
+def save_hf(path, config: ModelConfig, params) -> None:
+    """Writes `config.json` + `model.safetensors` that `transformers` (and `load_hf`) load."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = _hf_tensors(config, params)
+    (path / "config.json").write_text(json.dumps(hf_config(config), indent=2))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
