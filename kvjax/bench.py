@@ -8,11 +8,8 @@ step divided by the bandwidth a jitted matrix-vector product reaches on this mac
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +20,7 @@ from kvjax.cache.dense import init_dense_cache
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig, load_config
 from kvjax.model.transformer import forward, init_params
+from kvjax.reporting import write_results
 from kvjax.runtime import steps
 from kvjax.runtime.batching import bucket, page_table, pages_for
 from kvjax.runtime.sampling import sample
@@ -179,15 +177,7 @@ def main(args) -> int:
         print(f"[{i}/{len(points)}] batch {b}, context {c}: paged "
               f"{results[-1]['paged_step_ms']:.2f} ms/step, dense "
               f"{results[-1]['dense_step_ms']:.2f} ms/step ({time.perf_counter() - t0:.0f} s)")
-    table = markdown_table(results)
-    print("\n" + table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "config": args.config, "overrides": args.set, "bandwidth_gbs": bandwidth / 1e9,
-        "jax": jax.__version__, "device": str(jax.devices()[0]),
-        "machine": platform.machine(), "processor": platform.processor(),
-        "steps": args.steps, "reps": args.reps, "results": results,
-    }, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.out, markdown_table(results), results, config=args.config,
+                  overrides=args.set, bandwidth_gbs=bandwidth / 1e9, steps=args.steps,
+                  reps=args.reps, jax=jax.__version__)
     return 0

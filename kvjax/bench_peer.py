@@ -8,7 +8,6 @@ end-to-end time, and whether the greedy tokens agree. Medians after a warm-up.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -19,6 +18,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig, load_config
 from kvjax.io.hf import load_hf
+from kvjax.reporting import write_results
 from kvjax.runtime.generate import KVPool, generate
 
 
@@ -101,14 +101,8 @@ def main(args) -> int:
         print(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "
               f"({row['speedup_end_to_end']:.2f}x); identical greedy sequences "
               f"{row['identical_sequences']}/{batch}")
-    table = markdown_table(rows)
-    print("\n" + table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "torch": torch.__version__,
-                               "jax": jax.__version__, "threads": args.threads,
-                               "results": rows}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.out, markdown_table(rows), rows, config=args.config,
+                  torch=torch.__version__, threads=args.threads)
     return 0
 
 

@@ -12,16 +12,13 @@ prefill time (on / off) to the ideal (computed tokens on / off); plus the host-s
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
-from pathlib import Path
-
-import jax
 
 from kvjax import workloads
 from kvjax.config import EngineConfig, load_config
 from kvjax.model.transformer import init_params
+from kvjax.reporting import write_results
 from kvjax.runtime.engine import Engine
 
 
@@ -89,14 +86,8 @@ def main(args) -> int:
             "measured_over_ideal": measured / ideal,
             "host_fraction_of_prefill": med["on"]["host_s"] / med["on"]["prefill_s"],
         })
-    table = markdown_table(rows)
-    print("\n" + table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "overrides": args.set,
-                               "jax": jax.__version__, "args": vars(args) | {"func": None},
-                               "results": rows}, indent=2, default=str))
-    print(f"\nwrote {out}")
+    write_results(args.out, markdown_table(rows), rows, config=args.config,
+                  overrides=args.set, args=vars(args) | {"func": None})
     return 0
 
 
