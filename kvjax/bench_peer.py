@@ -8,6 +8,7 @@ end-to-end time, and whether the greedy tokens agree. Medians after a warm-up.
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -48,6 +49,9 @@ def _median(fn, reps: int) -> tuple[float, object]:
 
 
 def main(args) -> int:
+    # PyTorch's OpenMP workers spin after each op by default and would steal the cores from
+    # the kvjax runs that follow in this process; passive waiting keeps the comparison fair.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(args.threads)

@@ -188,7 +188,7 @@ def _check_shapes(config: ModelConfig, params: dict) -> None:
 
 
 def load_hf(path) -> tuple[ModelConfig, dict]:
-    """Loads a Hugging Face checkpoint folder; returns (config, float32 params)."""
+    """Loads a Hugging Face checkpoint folder; returns (config, float32 params on device)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -203,7 +203,9 @@ def load_hf(path) -> tuple[ModelConfig, dict]:
     if not config.tie_embeddings:
         params["lm_head"] = {"kernel": _Tensors(tensors, ("",))("lm_head.weight").T}
     _check_shapes(config, params)
-    return config, params
+    import jax
+
+    return config, jax.device_put(params)  # on device once, not copied at every step
 
 
 def _family_of(c: ModelConfig) -> str:

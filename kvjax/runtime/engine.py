@@ -138,7 +138,7 @@ class Engine:
         if getattr(self, "_reqs", None):
             raise RuntimeError(f"load_params with {len(self._reqs)} live requests: finish or "
                                f"cancel them first")
-        self.params = params
+        self.params = jax.device_put(params)  # host arrays would be copied at every step
         self.fingerprint = model_fingerprint(self.config, params)
 
     def namespace(self, request: Request) -> CacheNamespace:
