@@ -1,0 +1,120 @@
+"""Speculative generation: greedy equals the target's greedy output, rollback equals a fresh
+prefill bitwise, and the statistics of hand-built drafters come out exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import gather_sequence, prefill, small_model
+
+import kvjax
+from kvjax import CacheConfig, SamplingConfig, init_cache
+from kvjax.runtime.drafters import NGramDrafter
+from kvjax.runtime.spec_generate import speculative_generate
+
+CACHE = CacheConfig(page_size=4, num_pages=128, prefill_chunk=16, attn_block=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = small_model(vocab_size=16, max_seq_len=256)
+    return config, kvjax.init_params(config, seed=11)
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    motif = [int(t) for t in rng.integers(0, 16, 6)]
+    return [motif * 3 + [1, 2], motif * 2 + [3], [int(t) for t in rng.integers(0, 16, 9)]]
+
+
+class Oracle:
+    """Proposes the target's own greedy continuation (always right)."""
+
+    def __init__(self, continuations):
+        self.continuations = continuations
+
+    def propose(self, histories, gamma):
+        out = []
+        for h in histories:
+            for prompt, cont in self.continuations:
+                full = prompt + cont
+                if full[: len(h)] == list(h):
+                    out.append((full[len(h): len(h) + gamma], None))
+                    break
+        return out
+
+
+class Contrarian:
+    """Proposes a token the target never picks (always wrong)."""
+
+    def __init__(self, continuations):
+        self.oracle = Oracle(continuations)
+
+    def propose(self, histories, gamma):
+        return [([(t + 1) % 16 for t in toks], None)
+                for toks, _ in self.oracle.propose(histories, gamma)]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+def test_greedy_speculative_equals_target_greedy(model, gamma):
+    config, params = model
+    prompts = _prompts()
+    reference = kvjax.generate(params, config, prompts, 20, cache=CACHE).tokens
+    got = speculative_generate(params, config, prompts, 20, NGramDrafter(), gamma, cache=CACHE)
+    assert got.tokens == reference
+    assert got.stats.drafted > 0 and got.stats.target_calls < 3 * 20
+
+
+def test_rollback_leaves_exactly_a_fresh_prefill(model):
+    """Rejected drafts wrote K/V past the kept history (across page boundaries, page size
+    4, γ = 8); after rollback the kept pages hold bitwise what a fresh prefill of the
+    accepted history writes, and pages past the end were returned."""
+    config, params = model
+    prompts = _prompts()
+    res = speculative_generate(params, config, prompts, 24, NGramDrafter(), 8, cache=CACHE,
+                               keep_pages=True)
+    assert res.stats.wasted > 0
+    for prompt, tokens, row, length in zip(prompts, res.tokens, res.rows, res.lengths,
+                                           strict=True):
+        history = (prompt + tokens)[:length]
+        assert len(row) == -(-length // 4)
+        _, fresh = prefill(params, config, CACHE, init_cache(config, CACHE), history,
+                           list(range(len(row))))
+        for x, y in zip(gather_sequence(res.pool.cache, row, length),
+                        gather_sequence(fresh, list(range(len(row))), length), strict=True):
+            np.testing.assert_array_equal(x, y)
+    held = sum(len(r) for r in res.rows)
+    assert res.pool.allocator.num_free == CACHE.num_pages - held
+
+
+def test_statistics_of_always_right_and_always_wrong_drafters(model):
+    config, params = model
+    prompts = _prompts()
+    greedy = kvjax.generate(params, config, prompts, 13, cache=CACHE).tokens
+    conts = list(zip(prompts, greedy, strict=True))
+    right = speculative_generate(params, config, prompts, 13, Oracle(conts), 4, cache=CACHE)
+    assert right.tokens == greedy
+    s = right.stats
+    # 1 token from prefill, then 12 more in rounds of 5 (4 drafts + 1): 5, 5, 2 (1 + 1).
+    assert (s.target_calls, s.drafted, s.accepted) == (3 * 3, 3 * 9, 3 * 9)
+    assert s.acceptance_rate == 1.0
+    assert s.mean_accepted_length == 12 / 3
+    assert s.accepted_by_position == s.drafted_by_position == [9, 6, 6, 6]
+    wrong = speculative_generate(params, config, prompts, 13, Contrarian(conts), 4, cache=CACHE)
+    assert wrong.tokens == greedy
+    w = wrong.stats
+    assert (w.target_calls, w.accepted, w.acceptance_rate, w.mean_accepted_length) == \
+        (3 * 12, 0, 0.0, 1.0)
+    assert w.wasted == w.drafted
+
+
+def test_sampled_speculation_is_reproducible(model):
+    config, params = model
+    sampling = SamplingConfig(temperature=1.0, seed=4)
+    a = speculative_generate(params, config, _prompts(), 16, NGramDrafter(), 3,
+                             sampling=sampling, cache=CACHE)
+    b = speculative_generate(params, config, _prompts(), 16, NGramDrafter(), 3,
+                             sampling=sampling, cache=CACHE)
+    assert a.tokens == b.tokens
+    assert all(len(t) == 16 for t in a.tokens)
+    assert a.stats.drafted > 0
