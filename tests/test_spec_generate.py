@@ -33,7 +33,7 @@ class Oracle:
     def __init__(self, continuations):
         self.continuations = continuations
 
-    def propose(self, histories, gamma):
+    def propose(self, histories, gamma, seq_ids=None):
         out = []
         for h in histories:
             for prompt, cont in self.continuations:
@@ -50,7 +50,7 @@ class Contrarian:
     def __init__(self, continuations):
         self.oracle = Oracle(continuations)
 
-    def propose(self, histories, gamma):
+    def propose(self, histories, gamma, seq_ids=None):
         return [([(t + 1) % 16 for t in toks], None)
                 for toks, _ in self.oracle.propose(histories, gamma)]
 
@@ -118,3 +118,36 @@ def test_sampled_speculation_is_reproducible(model):
     assert a.tokens == b.tokens
     assert all(len(t) == 16 for t in a.tokens)
     assert a.stats.drafted > 0
+
+
+def test_model_drafter_greedy_equals_target_greedy(model):
+    from kvjax.runtime.drafters import ModelDrafter
+
+    config, params = model
+    prompts = _prompts()
+    reference = kvjax.generate(params, config, prompts, 20, cache=CACHE).tokens
+    # The target drafting for itself: nearly every draft is accepted.
+    self_draft = ModelDrafter(params, config, CACHE)
+    got = speculative_generate(params, config, prompts, 20, self_draft, 4, cache=CACHE)
+    assert got.tokens == reference
+    assert got.stats.acceptance_rate >= 0.9
+    assert self_draft.pool.allocator.num_free == CACHE.num_pages  # released
+    # A different (random) draft model: the output is still exactly the target's.
+    draft_config = small_model(vocab_size=16, num_layers=1, d_model=16, num_heads=2,
+                               num_kv_heads=1, d_ff=32, max_seq_len=256)
+    other = ModelDrafter(kvjax.init_params(draft_config, seed=3), draft_config, CACHE)
+    got = speculative_generate(params, config, prompts, 20, other, 3, cache=CACHE)
+    assert got.tokens == reference
+    assert got.stats.acceptance_rate < 0.9
+
+
+def test_model_drafter_sampling_is_reproducible(model):
+    from kvjax.runtime.drafters import ModelDrafter
+
+    config, params = model
+    sampling = SamplingConfig(temperature=0.8, seed=2)
+    runs = [speculative_generate(params, config, _prompts(), 12,
+                                 ModelDrafter(params, config, CACHE, sampling), 3,
+                                 sampling=sampling, cache=CACHE) for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].stats.accepted > 0

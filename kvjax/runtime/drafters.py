@@ -3,7 +3,9 @@
 A drafter is anything with `propose(histories, gamma) -> list of (tokens, q)` (the
 `Drafter` protocol): `tokens` are up to γ proposed ids, `q` is float32[len(tokens), V] —
 the distributions they were drawn from — or None for a deterministic proposal (treated as
-one-hot by the exact sampling rule). Host code: plain Python + numpy.
+one-hot by the exact sampling rule). `seq_ids` name the sequences across calls, for
+drafters that keep per-sequence state. The n-gram drafter is plain Python + numpy; the
+model drafter drives its own paged cache through the jitted steps.
 """
 
 from __future__ import annotations
@@ -11,12 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import jax
 import numpy as np
+
+from kvjax.cache.paged import BatchInfo
+from kvjax.runtime import steps
+from kvjax.runtime.batching import page_table, pages_for
+from kvjax.runtime.generate import KVPool
+from kvjax.runtime.sampling import adjusted_logits, sequence_keys
 
 
 class Drafter(Protocol):
-    def propose(self, histories: Sequence[Sequence[int]],
-                gamma: int) -> list[tuple[list[int], np.ndarray | None]]: ...
+    def propose(self, histories: Sequence[Sequence[int]], gamma: int,
+                seq_ids: Sequence[int] | None = None
+                ) -> list[tuple[list[int], np.ndarray | None]]: ...
 
 
 class NGramDrafter:
@@ -41,5 +51,69 @@ class NGramDrafter:
                     return follow.tolist()
         return []
 
-    def propose(self, histories, gamma):
+    def propose(self, histories, gamma, seq_ids=None):
         return [(self.propose_one(h, gamma), None) for h in histories]
+
+
+class ModelDrafter:
+    """A small kvjax Transformer (same vocabulary as the target) drafting with its own paged
+    cache. Per sequence the cache holds the history minus its newest token; after a
+    verification it keeps the longest prefix still on the history (its own rollback) and
+    feeds the rest before drafting again. With temperature 0 it drafts greedily
+    (deterministic proposals); otherwise it samples and returns its distributions q.
+    """
+
+    def __init__(self, params, config, cache_config, sampling=None):
+        self.params, self.config = params, config
+        self.pool = KVPool(config, cache_config)
+        self.sampling = sampling
+        self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (cached, pages)
+        self.steps = 0
+
+    def release(self, seq_id: int) -> None:
+        _, pages = self._state.pop(seq_id, ([], []))
+        if pages:
+            self.pool.allocator.free(pages)
+
+    def propose(self, histories, gamma, seq_ids=None):
+        seq_ids = range(len(histories)) if seq_ids is None else seq_ids
+        return [self._propose_one(list(h), gamma, i)
+                for h, i in zip(histories, seq_ids, strict=True)]
+
+    def _propose_one(self, history: list[int], gamma: int, seq_id: int):
+        cc = self.pool.cache_config
+        cached, pages = self._state.get(seq_id, ([], []))
+        keep = 0
+        while keep < min(len(cached), len(history) - 1) and cached[keep] == history[keep]:
+            keep += 1
+        need = pages_for(len(history) + gamma, cc.page_size) - len(pages)
+        if need > 0:
+            pages += self.pool.allocator.allocate(need)
+        table = page_table([pages], 1, cc.block_pages)
+        feed = history[keep:-1]
+        for s in range(0, len(feed), cc.prefill_chunk):  # catch up on the accepted history
+            piece = feed[s:s + cc.prefill_chunk]
+            tokens = np.zeros((1, cc.prefill_chunk), np.int32)
+            tokens[0, : len(piece)] = piece
+            batch = BatchInfo(table, np.array([keep + s], np.int32),
+                              np.array([len(piece)], np.int32))
+            _, self.pool.cache = steps.extend(self.params, self.config, self.pool.cache, tokens,
+                                              batch, last_only=True)
+        length = len(history) - 1
+        sampling = self.sampling
+        temp = 0.0 if sampling is None else sampling.temperature
+        knobs = (np.full(1, temp, np.float32),
+                 np.full(1, 0 if sampling is None else sampling.top_k, np.int32),
+                 np.full(1, 1.0 if sampling is None else sampling.top_p, np.float32))
+        keys = np.asarray(sequence_keys(0 if sampling is None else sampling.seed + 7919, 1))
+        out, logits, self.pool.cache, _ = steps.decode_loop(
+            self.params, self.config, self.pool.cache, table, np.array([length], np.int32),
+            np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,
+            np.full(1, -1, np.int32), max_steps=gamma, return_logits=temp > 0)
+        self.steps += gamma
+        draft = np.asarray(out)[0, :gamma].tolist()
+        self._state[seq_id] = (history + draft[:-1], pages)
+        if temp == 0:
+            return draft, None
+        q = jax.nn.softmax(adjusted_logits(logits[0], *(np.repeat(x, gamma) for x in knobs)), -1)
+        return draft, np.asarray(q)

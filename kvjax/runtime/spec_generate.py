@@ -111,7 +111,8 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         if not active:
             break
         t0 = time.perf_counter()
-        proposals = drafter.propose([histories[i] + outs[i] for i in active], gamma)
+        proposals = drafter.propose([histories[i] + outs[i] for i in active], gamma,
+                                    seq_ids=active)
         stats.draft_s += time.perf_counter() - t0
         for i, (draft, q) in zip(active, proposals, strict=True):
             draft = list(draft)[: min(gamma, max_new_tokens - len(outs[i]) - 1)]
@@ -120,6 +121,9 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
             lengths[i] += len(emitted)  # the fed token and the accepted drafts are now cached
             outs[i] += emitted[: max_new_tokens - len(outs[i])]
             _truncate(pool, rows[i], lengths[i], ps)
+    for i in range(n):
+        if hasattr(drafter, "release"):
+            drafter.release(i)
     result = SpecResult(tokens=outs, stats=stats, pool=pool, rows=rows, lengths=lengths)
     if not keep_pages:
         for row in rows:
