@@ -167,3 +167,26 @@ def test_generate_compiles_decode_loop_once_per_bucket():
             == [n, n]
         assert steps.trace_counts()["decode_loop"] - before == compiles
     assert cache.allocator.num_free == 32
+
+
+@pytest.mark.parametrize(("d_model", "chunk", "page_size"),
+                         [(64, 64, 4), (128, 128, 16), (256, 64, 16)])
+def test_split_prefill_is_bitwise_across_model_and_chunk_shapes(d_model, chunk, page_size):
+    """The split-prefill promise on wider models and longer chunks (the token's row inside
+    the [1, chunk] shape changes with the split; its bits must not)."""
+    config = small_model(d_model=d_model, d_ff=2 * d_model, max_seq_len=512)
+    params = kvjax.init_params(config, seed=0)
+    cache_cfg = CacheConfig(page_size=page_size, num_pages=64, prefill_chunk=chunk,
+                            attn_block=max(page_size, 16))
+    (seq,) = random_tokens(2, [3 * chunk], config.vocab_size)
+    pages = list(range(-(-3 * chunk // page_size)))
+    whole, cache_whole = prefill(params, config, cache_cfg, init_cache(config, cache_cfg), seq,
+                                 pages)
+    for split in (page_size, chunk // 2 + page_size, 2 * chunk - page_size):
+        first, cache = prefill(params, config, cache_cfg, init_cache(config, cache_cfg),
+                               seq[:split], pages)
+        rest, cache = prefill(params, config, cache_cfg, cache, seq, pages, start=split)
+        np.testing.assert_array_equal(whole, np.concatenate([first, rest]))
+        for x, y in zip(gather_sequence(cache_whole, pages, len(seq)),
+                        gather_sequence(cache, pages, len(seq)), strict=True):
+            np.testing.assert_array_equal(x, y)
