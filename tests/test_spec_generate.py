@@ -151,3 +151,39 @@ def test_model_drafter_sampling_is_reproducible(model):
                                  sampling=sampling, cache=CACHE) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].stats.accepted > 0
+
+
+def test_batched_verify_matches_within_tolerance(model):
+    """The fast path scores all sequences in one [slots, γ + 1] call: same greedy tokens
+    here, and the kept K/V equal a fresh prefill within float32 tolerance."""
+    config, params = model
+    prompts = _prompts()
+    reference = kvjax.generate(params, config, prompts, 20, cache=CACHE).tokens
+    res = speculative_generate(params, config, prompts, 20, NGramDrafter(), 4, cache=CACHE,
+                               keep_pages=True, batched_verify=True)
+    assert res.tokens == reference
+    assert res.stats.target_calls < 20  # one call per round for all sequences
+    for prompt, tokens, row, length in zip(prompts, res.tokens, res.rows, res.lengths,
+                                           strict=True):
+        history = (prompt + tokens)[:length]
+        _, fresh = prefill(params, config, CACHE, init_cache(config, CACHE), history,
+                           list(range(len(row))))
+        for x, y in zip(gather_sequence(res.pool.cache, row, length),
+                        gather_sequence(fresh, list(range(len(row))), length), strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+
+
+def test_alpha_estimate(model):
+    """α = E[min(p, q)]: 1 for an always-right drafter, 0 for an always-wrong one, and in
+    sampling mode a probability in (0, 1)."""
+    config, params = model
+    prompts = _prompts()
+    greedy = kvjax.generate(params, config, prompts, 9, cache=CACHE).tokens
+    conts = list(zip(prompts, greedy, strict=True))
+    assert speculative_generate(params, config, prompts, 9, Oracle(conts), 2,
+                                cache=CACHE).stats.alpha == 1.0
+    assert speculative_generate(params, config, prompts, 9, Contrarian(conts), 2,
+                                cache=CACHE).stats.alpha == 0.0
+    hot = speculative_generate(params, config, prompts, 9, NGramDrafter(), 2, cache=CACHE,
+                               sampling=SamplingConfig(temperature=1.0, seed=1))
+    assert 0.0 < hot.stats.alpha < 1.0

@@ -22,7 +22,7 @@ import numpy as np
 from kvjax.cache.paged import BatchInfo
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.runtime import steps
-from kvjax.runtime.batching import page_table, pages_for
+from kvjax.runtime.batching import bucket, page_table, pages_for
 from kvjax.runtime.drafters import Drafter
 from kvjax.runtime.generate import KVPool, _prefill, validate_prompts
 from kvjax.runtime.requests import InvalidRequestError
@@ -40,10 +40,18 @@ class SpecStats:
     drafted_by_position: list[int] = dataclasses.field(default_factory=list)
     verify_s: float = 0.0
     draft_s: float = 0.0
+    alpha_sum: float = 0.0  # sum of E[min(p, q)] over tested positions (greedy: p one-hot)
+    alpha_count: int = 0  # drafted positions whose whole prefix was accepted
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """α estimated as the mean of E[min(p, q)] over drafted positions that were tested
+        on the accepted history (every drafted position up to the first rejection)."""
+        return self.alpha_sum / self.alpha_count if self.alpha_count else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -57,6 +65,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
+                "alpha": self.alpha,
                 "mean_accepted_length": self.mean_accepted_length, "wasted": self.wasted}
 
 
@@ -79,12 +88,14 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
                          drafter: Drafter, gamma: int,
                          sampling: SamplingConfig | None = None,
                          cache: CacheConfig | None = None,
-                         keep_pages: bool = False) -> SpecResult:
+                         keep_pages: bool = False, batched_verify: bool = False) -> SpecResult:
     """Generates like `kvjax.generate`, drafting γ tokens per target call.
 
     Greedy (temperature 0) output is token for token the target's greedy output; sampled
     output follows the target's distribution exactly. `keep_pages` leaves the pages
     allocated in the returned pool (to inspect the cache); otherwise they are freed.
+    `batched_verify` scores every sequence in one [slots, γ + 1] call: faster, but the kept
+    K/V then match a fresh prefill within float tolerance, not bitwise.
     """
     sampling = sampling or SamplingConfig()
     prompts = validate_prompts(config, prompts, max_new_tokens)
@@ -98,6 +109,7 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     rows = [pool.allocator.allocate(pages_for(len(p), ps)) for p in prompts]
     stats = SpecStats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma)
     n = len(prompts)
+    slots = bucket(n)
     keys = np.asarray(sequence_keys(sampling.seed, n))
     t, k, p_ = (np.full(1, sampling.temperature, np.float32), np.full(1, sampling.top_k, np.int32),
                 np.full(1, sampling.top_p, np.float32))
@@ -114,12 +126,18 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         proposals = drafter.propose([histories[i] + outs[i] for i in active], gamma,
                                     seq_ids=active)
         stats.draft_s += time.perf_counter() - t0
-        for i, (draft, q) in zip(active, proposals, strict=True):
-            draft = list(draft)[: min(gamma, max_new_tokens - len(outs[i]) - 1)]
-            emitted = _verify_one(params, config, pool, rows[i], lengths[i], outs[i][-1], draft,
-                                  q, keys[i], sampling, stats, gamma)
-            lengths[i] += len(emitted)  # the fed token and the accepted drafts are now cached
-            outs[i] += emitted[: max_new_tokens - len(outs[i])]
+        seqs = [(rows[i], lengths[i], outs[i][-1],
+                 list(draft)[: min(gamma, max_new_tokens - len(outs[i]) - 1)], q, keys[i])
+                for i, (draft, q) in zip(active, proposals, strict=True)]
+        if batched_verify:  # one [slots, γ + 1] call for every active sequence
+            emitted = _verify(params, config, pool, seqs, sampling, stats, gamma, slots,
+                              gamma + 1)
+        else:  # exact: each sequence in the prefill chunk shape
+            emitted = [_verify(params, config, pool, [seq], sampling, stats, gamma, 1,
+                               cache.prefill_chunk)[0] for seq in seqs]
+        for i, tokens in zip(active, emitted, strict=True):
+            lengths[i] += len(tokens)  # the fed token and the accepted drafts are now cached
+            outs[i] += tokens[: max_new_tokens - len(outs[i])]
             _truncate(pool, rows[i], lengths[i], ps)
     for i in range(n):
         if hasattr(drafter, "release"):
@@ -139,46 +157,65 @@ def _truncate(pool: KVPool, row: list[int], length: int, page_size: int) -> None
         del row[keep:]
 
 
-def _verify_one(params, config, pool: KVPool, row: list[int], length: int, last: int,
-                draft: list[int], q, key, sampling: SamplingConfig, stats: SpecStats,
-                gamma: int) -> list[int]:
-    """One target call over [last] + draft; returns the emitted tokens (>= 1)."""
+def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingConfig,
+            stats: SpecStats, gamma: int, rows_out: int, width: int) -> list[list[int]]:
+    """One target call over [last] + draft for each of `seqs`; returns the emitted tokens.
+
+    `seqs` holds (row, length, last, draft, q, key) per sequence; the call has the shape
+    [rows_out, width] (padded rows verify nothing).
+    """
     cc = pool.cache_config
-    g = len(draft)
-    need = pages_for(length + 1 + g, cc.page_size) - len(row)
-    if need > 0:
-        row += pool.allocator.allocate(need)
-    tokens = np.zeros((1, cc.prefill_chunk), np.int32)
-    tokens[0, : 1 + g] = [last, *draft]
-    batch = BatchInfo(page_table=page_table([row], 1, cc.block_pages),
-                      lengths=np.array([length], np.int32), num_new=np.array([1 + g], np.int32))
+    tokens = np.zeros((rows_out, width), np.int32)
+    lengths = np.zeros(rows_out, np.int32)
+    num_new = np.zeros(rows_out, np.int32)
+    drafts = np.zeros((rows_out, gamma), np.int32)
+    num_draft = np.zeros(rows_out, np.int32)
+    keys = np.zeros((rows_out, 2), np.uint32)
+    q_full = np.zeros((rows_out, gamma, config.vocab_size), np.float32)
+    page_rows = []
+    for j, (row, length, last, draft, q, key) in enumerate(seqs):
+        g = len(draft)
+        need = pages_for(length + 1 + g, cc.page_size) - len(row)
+        if need > 0:
+            row += pool.allocator.allocate(need)
+        page_rows.append(row)
+        tokens[j, : 1 + g] = [last, *draft]
+        lengths[j], num_new[j], num_draft[j], keys[j] = length, 1 + g, g, key
+        drafts[j, :g] = draft
+        if q is None:  # a deterministic proposal is one-hot
+            q_full[j, np.arange(g), draft] = 1.0
+        else:
+            q_full[j, :g] = np.asarray(q)[:g]
+    page_rows += [[]] * (rows_out - len(seqs))
+    batch = BatchInfo(page_table=page_table(page_rows, rows_out, cc.block_pages),
+                      lengths=lengths, num_new=num_new)
     t0 = time.perf_counter()
     logits, pool.cache = steps.extend(params, config, pool.cache, tokens, batch)
-    logits = logits[:, : gamma + 1]  # [1, γ + 1, V] (positions past 1 + g unused)
-    padded = np.zeros((1, gamma), np.int32)
-    padded[0, :g] = draft
-    num = np.array([g], np.int32)
+    logits = logits[:, : gamma + 1]  # [rows, γ + 1, V]
     if sampling.temperature == 0:
-        accepted, nxt = _greedy(padded, logits, num)
+        accepted, nxt = _greedy(drafts, logits, num_draft)
+        alpha_terms = (np.asarray(jax.numpy.argmax(logits[:, :gamma], -1)) == drafts)
     else:
-        knobs = (np.full(gamma + 1, sampling.temperature, np.float32),
-                 np.full(gamma + 1, sampling.top_k, np.int32),
-                 np.full(gamma + 1, sampling.top_p, np.float32))
-        p = _probs(logits[0], *knobs)[None]  # [1, γ + 1, V]
-        q_full = np.zeros((1, gamma, config.vocab_size), np.float32)
-        if q is None:  # deterministic proposal: one-hot
-            q_full[0, np.arange(g), draft] = 1.0
-        else:
-            q_full[0, :g] = np.asarray(q)[:g]
-        accepted, nxt = _exact(padded, q_full, p, num, key[None],
-                               np.array([length + 1], np.int32))
-    a, nxt = int(accepted[0]), int(nxt[0])
+        knobs = (np.full(rows_out * (gamma + 1), sampling.temperature, np.float32),
+                 np.full(rows_out * (gamma + 1), sampling.top_k, np.int32),
+                 np.full(rows_out * (gamma + 1), sampling.top_p, np.float32))
+        p = _probs(logits.reshape(-1, logits.shape[-1]), *knobs).reshape(logits.shape)
+        accepted, nxt = _exact(drafts, q_full, p, num_draft, keys, lengths + 1)
+        alpha_terms = np.asarray(np.minimum(np.asarray(p)[:, :gamma], q_full).sum(-1))
+    accepted, nxt = np.asarray(accepted), np.asarray(nxt)
     stats.verify_s += time.perf_counter() - t0
     stats.target_calls += 1
-    stats.drafted += g
-    stats.accepted += a
-    stats.emitted += a + 1
-    for j in range(g):
-        stats.drafted_by_position[j] += 1
-        stats.accepted_by_position[j] += j < a
-    return [*draft[:a], nxt]
+    out = []
+    for j, (_, _, _, draft, _, _) in enumerate(seqs):
+        a, g = int(accepted[j]), len(draft)
+        stats.drafted += g
+        stats.accepted += a
+        stats.emitted += a + 1
+        for pos in range(g):
+            stats.drafted_by_position[pos] += 1
+            stats.accepted_by_position[pos] += pos < a
+            if pos <= a:
+                stats.alpha_sum += float(alpha_terms[j, pos])
+                stats.alpha_count += 1
+        out.append([*draft[:a], int(nxt[j])])
+    return out
