@@ -33,6 +33,7 @@ from kvjax.runtime.speculative import greedy_accept, sampling_accept
 @dataclasses.dataclass
 class SpecStats:
     target_calls: int = 0
+    verifications: int = 0  # sequences verified (a batched call verifies several)
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -55,8 +56,9 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target call (accepted drafts + the target's own token)."""
-        return self.emitted / self.target_calls if self.target_calls else 0.0
+        """Tokens emitted per sequence per verification (accepted drafts + the target's own
+        token): what one target call yields for one sequence."""
+        return self.emitted / self.verifications if self.verifications else 0.0
 
     @property
     def wasted(self) -> int:
@@ -205,6 +207,7 @@ def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingC
     accepted, nxt = np.asarray(accepted), np.asarray(nxt)
     stats.verify_s += time.perf_counter() - t0
     stats.target_calls += 1
+    stats.verifications += len(seqs)
     out = []
     for j, (_, _, _, draft, _, _) in enumerate(seqs):
         a, g = int(accepted[j]), len(draft)
