@@ -20,7 +20,7 @@ from kvjax.cache.dense import init_dense_cache
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig, load_config
 from kvjax.model.transformer import forward, init_params
-from kvjax.reporting import write_results
+from kvjax.reporting import emit, markdown_table, write_results
 from kvjax.runtime import steps
 from kvjax.runtime.batching import bucket, page_table, pages_for
 from kvjax.runtime.sampling import sample
@@ -138,22 +138,20 @@ def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int,
     }
 
 
-def markdown_table(results: list[dict]) -> str:
-    lines = [
-        "| batch | context | paged ms/step | dense ms/step | paged/dense | no-cache ms/token "
-        "| no-cache/paged | multi-step ms/token | Python-loop ms/token | loop/multi-step "
-        "| floor ms | multi-step/floor |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['paged_step_ms']:.2f} | "
-            f"{r['dense_step_ms']:.2f} | {r['paged_over_dense']:.2f}x | "
-            f"{r['nocache_ms_per_token']:.1f} | {r['nocache_over_paged']:.1f}x | "
-            f"{r['multistep_ms_per_token']:.2f} | {r['python_loop_ms_per_token']:.2f} | "
-            f"{r['python_loop_over_multistep']:.2f}x | {r['floor_ms']:.2f} | "
-            f"{r['multistep_over_floor']:.2f}x |")
-    return "\n".join(lines)
+COLUMNS = [
+    ("batch", lambda r: str(r["batch"])),
+    ("context", lambda r: str(r["context"])),
+    ("paged ms/step", lambda r: f"{r['paged_step_ms']:.2f}"),
+    ("dense ms/step", lambda r: f"{r['dense_step_ms']:.2f}"),
+    ("paged/dense", lambda r: f"{r['paged_over_dense']:.2f}x"),
+    ("no-cache ms/token", lambda r: f"{r['nocache_ms_per_token']:.1f}"),
+    ("no-cache/paged", lambda r: f"{r['nocache_over_paged']:.1f}x"),
+    ("multi-step ms/token", lambda r: f"{r['multistep_ms_per_token']:.2f}"),
+    ("Python-loop ms/token", lambda r: f"{r['python_loop_ms_per_token']:.2f}"),
+    ("loop/multi-step", lambda r: f"{r['python_loop_over_multistep']:.2f}x"),
+    ("floor ms", lambda r: f"{r['floor_ms']:.2f}"),
+    ("multi-step/floor", lambda r: f"{r['multistep_over_floor']:.2f}x"),
+]
 
 
 def main(args) -> int:
@@ -161,12 +159,12 @@ def main(args) -> int:
     model, cache_cfg = config.model, config.cache
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    print(f"bench: {args.config}: {model.num_layers} layers, d_model {model.d_model}, "
+    emit(f"bench: {args.config}: {model.num_layers} layers, d_model {model.d_model}, "
           f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}, "
           f"{memory.num_params(model):,} params, cache {cache_cfg.dtype}, page_size "
           f"{cache_cfg.page_size}, attn_block {cache_cfg.attn_block}")
     bandwidth = measure_bandwidth()
-    print(f"measured matvec bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    emit(f"measured matvec bandwidth: {bandwidth / 1e9:.1f} GB/s")
     params = init_params(model, seed=0)
     results = []
     points = [(b, c) for b in batches for c in contexts]
@@ -174,10 +172,10 @@ def main(args) -> int:
         t0 = time.perf_counter()
         results.append(bench_point(params, model, cache_cfg, b, c, args.steps, args.reps,
                                    bandwidth))
-        print(f"[{i}/{len(points)}] batch {b}, context {c}: paged "
+        emit(f"[{i}/{len(points)}] batch {b}, context {c}: paged "
               f"{results[-1]['paged_step_ms']:.2f} ms/step, dense "
               f"{results[-1]['dense_step_ms']:.2f} ms/step ({time.perf_counter() - t0:.0f} s)")
-    write_results(args.out, markdown_table(results), results, config=args.config,
+    write_results(args.out, markdown_table(results, COLUMNS), results, config=args.config,
                   overrides=args.set, bandwidth_gbs=bandwidth / 1e9, steps=args.steps,
                   reps=args.reps, jax=jax.__version__)
     return 0

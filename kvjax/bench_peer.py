@@ -19,7 +19,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig, load_config
 from kvjax.io.hf import load_hf
-from kvjax.reporting import write_results
+from kvjax.reporting import emit, markdown_table, write_results
 from kvjax.runtime.generate import KVPool, generate
 
 
@@ -60,7 +60,7 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         hf = _hf_model(model_cfg, Path(tmp), seed=0)
         config, params = load_hf(tmp)
-    print(f"bench peer: {config.num_layers} layers, d_model {config.d_model}, "
+    emit(f"bench peer: {config.num_layers} layers, d_model {config.d_model}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32; "
           f"torch {torch.__version__} ({args.threads} threads), jax {jax.__version__}")
     rows = []
@@ -102,22 +102,22 @@ def main(args) -> int:
             "identical_sequences": int(same.sum()), "first_divergence": first_diff,
         }
         rows.append(row)
-        print(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "
+        emit(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "
               f"({row['speedup_end_to_end']:.2f}x); identical greedy sequences "
               f"{row['identical_sequences']}/{batch}")
-    write_results(args.out, markdown_table(rows), rows, config=args.config,
+    write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
                   torch=torch.__version__, threads=args.threads)
     return 0
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | prefill s kvjax / transformers | decode tok/s kvjax / transformers "
-             "| end-to-end s kvjax / transformers | kvjax speedup | identical greedy |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['batch']} | {r['kvjax_prefill_s']:.2f} / {r['hf_prefill_s']:.2f} | "
-            f"{r['kvjax_decode_tok_s']:.1f} / {r['hf_decode_tok_s']:.1f} | "
-            f"{r['kvjax_total_s']:.2f} / {r['hf_total_s']:.2f} | "
-            f"{r['speedup_end_to_end']:.2f}x | {r['identical_sequences']}/{r['batch']} |")
-    return "\n".join(lines)
+COLUMNS = [
+    ("batch", lambda r: str(r["batch"])),
+    ("prefill s kvjax / transformers",
+     lambda r: f"{r['kvjax_prefill_s']:.2f} / {r['hf_prefill_s']:.2f}"),
+    ("decode tok/s kvjax / transformers",
+     lambda r: f"{r['kvjax_decode_tok_s']:.1f} / {r['hf_decode_tok_s']:.1f}"),
+    ("end-to-end s kvjax / transformers",
+     lambda r: f"{r['kvjax_total_s']:.2f} / {r['hf_total_s']:.2f}"),
+    ("kvjax speedup", lambda r: f"{r['speedup_end_to_end']:.2f}x"),
+    ("identical greedy", lambda r: f"{r['identical_sequences']}/{r['batch']}"),
+]

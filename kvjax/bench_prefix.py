@@ -18,7 +18,7 @@ import time
 from kvjax import workloads
 from kvjax.config import EngineConfig, load_config
 from kvjax.model.transformer import init_params
-from kvjax.reporting import write_results
+from kvjax.reporting import emit, markdown_table, write_results
 from kvjax.runtime.engine import Engine
 
 
@@ -54,22 +54,20 @@ def main(args) -> int:
     cache = dataclasses.replace(config.cache, num_pages=args.num_pages)
     engine_config = EngineConfig(cache=cache, max_slots=args.slots, decode_steps=8)
     params = init_params(model, seed=0)
-    print(f"bench prefix: {args.config}: {model.num_layers} layers, d_model {model.d_model}; "
+    emit(f"bench prefix: {args.config}: {model.num_layers} layers, d_model {model.d_model}; "
           f"page_size {cache.page_size}, prefill_chunk {cache.prefill_chunk}, "
           f"{cache.num_pages} pages, {args.slots} slots")
     loads = _workloads(args, model.vocab_size)
-    # Warm-up: compile the prefill and decode shapes once.
-    warm = Engine(params, model, engine_config)
-    warm.generate(workloads.shared_system_prompt(2, cache.prefill_chunk + 5, 3,
-                                                 model.vocab_size, args.new_tokens))
     rows = []
     for name, workload in loads.items():
+        # Warm-up: one untimed run compiles every shape (page-table widths, slots) it uses.
+        _run(params, model, engine_config, workload)
         runs = {"on": [], "off": []}
         for rep in range(args.reps):
             for setting in ("on", "off"):
                 ec = dataclasses.replace(engine_config, prefix_cache=setting == "on")
                 runs[setting].append(_run(params, model, ec, workload))
-                print(f"{name} rep {rep + 1}/{args.reps} cache {setting}: prefill "
+                emit(f"{name} rep {rep + 1}/{args.reps} cache {setting}: prefill "
                       f"{runs[setting][-1]['prefill_s']:.2f} s")
         on, off = runs["on"][0], runs["off"][0]
         assert on["tokens"] == off["tokens"], "prefix cache changed the outputs"
@@ -86,20 +84,19 @@ def main(args) -> int:
             "measured_over_ideal": measured / ideal,
             "host_fraction_of_prefill": med["on"]["host_s"] / med["on"]["prefill_s"],
         })
-    write_results(args.out, markdown_table(rows), rows, config=args.config,
+    write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
                   overrides=args.set, args=vars(args) | {"func": None})
     return 0
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| workload | prompt tokens | reused | prefill s on / off | mean TTFT s on / off "
-             "| time ratio | ideal ratio | measured / ideal | host / prefill |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['workload']} | {r['prompt_tokens']:,} | {r['reused_fraction']:.1%} | "
-            f"{r['prefill_s_on']:.2f} / {r['prefill_s_off']:.2f} | "
-            f"{r['ttft_s_on']:.2f} / {r['ttft_s_off']:.2f} | {r['measured_time_ratio']:.3f} | "
-            f"{r['ideal_ratio']:.3f} | {r['measured_over_ideal']:.2f}x | "
-            f"{r['host_fraction_of_prefill']:.2%} |")
-    return "\n".join(lines)
+COLUMNS = [
+    ("workload", lambda r: r["workload"]),
+    ("prompt tokens", lambda r: f"{r['prompt_tokens']:,}"),
+    ("reused", lambda r: f"{r['reused_fraction']:.1%}"),
+    ("prefill s on / off", lambda r: f"{r['prefill_s_on']:.2f} / {r['prefill_s_off']:.2f}"),
+    ("mean TTFT s on / off", lambda r: f"{r['ttft_s_on']:.2f} / {r['ttft_s_off']:.2f}"),
+    ("time ratio", lambda r: f"{r['measured_time_ratio']:.3f}"),
+    ("ideal ratio", lambda r: f"{r['ideal_ratio']:.3f}"),
+    ("measured / ideal", lambda r: f"{r['measured_over_ideal']:.2f}x"),
+    ("host / prefill", lambda r: f"{r['host_fraction_of_prefill']:.2%}"),
+]
