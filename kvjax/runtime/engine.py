@@ -52,7 +52,7 @@ from kvjax.runtime.requests import (
     StreamEvent,
     check_token_ids,
 )
-from kvjax.runtime.sampling import sample
+from kvjax.runtime.sampling import sample, sequence_keys
 
 _sample = jax.jit(sample)
 
@@ -164,8 +164,7 @@ class Engine:
                    salts=salts, digests=history_digests(tokens, ps),
                    adapter_index=self._adapter_index.get(request.adapter, 0),
                    submitted=time.perf_counter())
-        keys = np.asarray(jax.vmap(lambda j: jax.random.fold_in(
-            jax.random.PRNGKey(request.sampling.seed), j))(np.arange(request.n)))
+        keys = np.asarray(sequence_keys(request.sampling.seed, request.n))
         req.seqs = [_Seq(req=req, index=j, key=keys[j]) for j in range(request.n)]
         self._reqs[rid] = req
         self._waiting.append(req)
