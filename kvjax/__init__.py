@@ -1,6 +1,6 @@
 """kvjax: a JAX research framework for provably exact cached decoding."""
 
-from kvjax import memory
+from kvjax import memory, speculative
 from kvjax.cache.allocator import AllocatorError, PageAllocator
 from kvjax.cache.identity import CacheNamespace
 from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
@@ -12,6 +12,7 @@ from kvjax.config import (
     GenerateConfig,
     ModelConfig,
     SamplingConfig,
+    SpecConfig,
     load_config,
 )
 from kvjax.model.lora import init_adapter
@@ -42,6 +43,7 @@ __all__ = [
     "Request",
     "RequestResult",
     "SamplingConfig",
+    "SpecConfig",
     "StreamEvent",
     "Transformer",
     "cache_bytes",
@@ -52,4 +54,5 @@ __all__ = [
     "init_params",
     "load_config",
     "memory",
+    "speculative",
 ]

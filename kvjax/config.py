@@ -162,6 +162,23 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which drafter, how many tokens it drafts per target call."""
+
+    drafter: str = "model"  # "model" | "ngram"
+    gamma: int = 4
+    adaptive: bool = False  # not implemented yet: choosing gamma from a running alpha
+    batched_verify: bool = False  # one [slots, gamma + 1] verify call (rollback not bitwise)
+    ngram_max: int = 3
+
+    def __post_init__(self):
+        _choice(self.drafter, "drafter", ("model", "ngram"))
+        _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
+        _require(self.ngram_max >= 1, "ngram_max", f"must be >= 1, got {self.ngram_max}")
+        _require(not self.adaptive, "adaptive", "adaptive gamma is not implemented yet")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """`kvjax train`: AdamW with linear warmup + cosine decay on the stdlib corpus."""
 
@@ -216,6 +233,7 @@ class Config:
     generate: GenerateConfig = GenerateConfig()
     engine: EngineConfig = EngineConfig()
     train: TrainConfig = TrainConfig()
+    spec: SpecConfig = SpecConfig()
 
 
 _SECTIONS: dict[str, type] = typing.get_type_hints(Config)

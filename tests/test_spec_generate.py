@@ -187,3 +187,20 @@ def test_alpha_estimate(model):
     hot = speculative_generate(params, config, prompts, 9, NGramDrafter(), 2, cache=CACHE,
                                sampling=SamplingConfig(temperature=1.0, seed=1))
     assert 0.0 < hot.stats.alpha < 1.0
+
+
+def test_spec_config_and_public_facade(model):
+    config, params = model
+    spec = kvjax.SpecConfig(drafter="ngram", gamma=3)
+    drafter = kvjax.speculative.make_drafter(spec)
+    res = kvjax.speculative.speculative_generate(params, config, _prompts(), 10, drafter,
+                                                 spec.gamma, cache=CACHE)
+    assert res.tokens == kvjax.generate(params, config, _prompts(), 10, cache=CACHE).tokens
+    model_drafter = kvjax.speculative.make_drafter(kvjax.SpecConfig(), draft=(params, config),
+                                                   cache=CACHE)
+    assert isinstance(model_drafter, kvjax.speculative.ModelDrafter)
+    with pytest.raises(kvjax.ConfigError, match="gamma"):
+        kvjax.SpecConfig(gamma=0)
+    with pytest.raises(ValueError, match="draft="):
+        kvjax.speculative.make_drafter(kvjax.SpecConfig())
+    assert kvjax.speculative.predicted_speedup(0.8, 4, 0.1) == pytest.approx(2.4011428571)

@@ -1,0 +1,29 @@
+"""Speculative decoding, the public face: drafters, acceptance rules, the speedup model.
+
+`speculative_generate(target_params, target_config, prompts, max_new_tokens,
+make_drafter(SpecConfig(...), draft=(draft_params, draft_config)), gamma)`; see the
+README's speculative decoding section for what is and is not implemented yet.
+"""
+
+from __future__ import annotations
+
+from kvjax.config import CacheConfig, SamplingConfig, SpecConfig
+from kvjax.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
+from kvjax.runtime.spec_generate import SpecResult, SpecStats, speculative_generate
+from kvjax.runtime.speculative import greedy_accept, predicted_speedup, sampling_accept
+
+
+def make_drafter(spec: SpecConfig, draft: tuple | None = None,
+                 cache: CacheConfig | None = None,
+                 sampling: SamplingConfig | None = None) -> Drafter:
+    """The drafter a SpecConfig names; `draft=(params, config)` for the model drafter."""
+    if spec.drafter == "ngram":
+        return NGramDrafter(max_ngram=spec.ngram_max)
+    if draft is None:
+        raise ValueError("the model drafter needs draft=(draft_params, draft_config)")
+    return ModelDrafter(draft[0], draft[1], cache or CacheConfig(), sampling)
+
+
+__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "SpecConfig", "SpecResult", "SpecStats",
+           "greedy_accept", "make_drafter", "predicted_speedup", "sampling_accept",
+           "speculative_generate"]
