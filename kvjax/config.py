@@ -167,7 +167,7 @@ class SpecConfig:
 
     drafter: str = "model"  # "model" | "ngram"
     gamma: int = 4
-    adaptive: bool = False  # not implemented yet: choosing gamma from a running alpha
+    adaptive: bool = False  # choose each round's gamma (<= gamma) from the running alpha
     batched_verify: bool = False  # one [slots, gamma + 1] verify call (rollback not bitwise)
     ngram_max: int = 3
 
@@ -175,7 +175,6 @@ class SpecConfig:
         _choice(self.drafter, "drafter", ("model", "ngram"))
         _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
         _require(self.ngram_max >= 1, "ngram_max", f"must be >= 1, got {self.ngram_max}")
-        _require(not self.adaptive, "adaptive", "adaptive gamma is not implemented yet")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -204,3 +204,24 @@ def test_spec_config_and_public_facade(model):
     with pytest.raises(ValueError, match="draft="):
         kvjax.speculative.make_drafter(kvjax.SpecConfig())
     assert kvjax.speculative.predicted_speedup(0.8, 4, 0.1) == pytest.approx(2.4011428571)
+
+
+def test_adaptive_gamma_follows_alpha(model):
+    """α = 1 drives γ to its maximum, α = 0 to 1; outputs stay the target's."""
+    from kvjax.runtime.speculative import choose_gamma
+
+    assert choose_gamma(1.0, 0.1, 8) == 8
+    assert choose_gamma(0.0, 0.1, 8) == 1
+    assert choose_gamma(0.7, 0.05, 8) == max(range(1, 9), key=lambda g: (
+        kvjax.speculative.predicted_speedup(0.7, g, 0.05), -g))
+    config, params = model
+    prompts = _prompts()
+    greedy = kvjax.generate(params, config, prompts, 25, cache=CACHE).tokens
+    conts = list(zip(prompts, greedy, strict=True))
+    right = speculative_generate(params, config, prompts, 25, Oracle(conts), 6, cache=CACHE,
+                                 adaptive=True, batched_verify=True)
+    wrong = speculative_generate(params, config, prompts, 25, Contrarian(conts), 6,
+                                 cache=CACHE, adaptive=True, batched_verify=True)
+    assert right.tokens == wrong.tokens == greedy
+    assert right.stats.gamma_history[-1] == 6
+    assert set(wrong.stats.gamma_history[1:]) == {1}

@@ -27,7 +27,7 @@ from kvjax.runtime.drafters import Drafter
 from kvjax.runtime.generate import KVPool, _prefill, validate_prompts
 from kvjax.runtime.requests import InvalidRequestError
 from kvjax.runtime.sampling import adjusted_logits, sample, sequence_keys
-from kvjax.runtime.speculative import greedy_accept, sampling_accept
+from kvjax.runtime.speculative import choose_gamma, greedy_accept, sampling_accept
 
 
 @dataclasses.dataclass
@@ -43,6 +43,7 @@ class SpecStats:
     draft_s: float = 0.0
     alpha_sum: float = 0.0  # sum of E[min(p, q)] over tested positions (greedy: p one-hot)
     alpha_count: int = 0  # drafted positions whose whole prefix was accepted
+    gamma_history: list[int] = dataclasses.field(default_factory=list)  # γ of each round
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,6 +54,13 @@ class SpecStats:
         """α estimated as the mean of E[min(p, q)] over drafted positions that were tested
         on the accepted history (every drafted position up to the first rejection)."""
         return self.alpha_sum / self.alpha_count if self.alpha_count else 0.0
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: measured draft time per drafted token / target time per verification call."""
+        if not self.drafted or not self.target_calls or self.verify_s <= 0:
+            return 0.0
+        return (self.draft_s / self.drafted) / (self.verify_s / self.target_calls)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -67,7 +75,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
-                "alpha": self.alpha,
+                "alpha": self.alpha, "cost_ratio": self.cost_ratio,
                 "mean_accepted_length": self.mean_accepted_length, "wasted": self.wasted}
 
 
@@ -90,14 +98,17 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
                          drafter: Drafter, gamma: int,
                          sampling: SamplingConfig | None = None,
                          cache: CacheConfig | None = None,
-                         keep_pages: bool = False, batched_verify: bool = False) -> SpecResult:
+                         keep_pages: bool = False, batched_verify: bool = False,
+                         adaptive: bool = False) -> SpecResult:
     """Generates like `kvjax.generate`, drafting γ tokens per target call.
 
     Greedy (temperature 0) output is token for token the target's greedy output; sampled
     output follows the target's distribution exactly. `keep_pages` leaves the pages
     allocated in the returned pool (to inspect the cache); otherwise they are freed.
     `batched_verify` scores every sequence in one [slots, γ + 1] call: faster, but the kept
-    K/V then match a fresh prefill within float tolerance, not bitwise.
+    K/V then match a fresh prefill within float tolerance, not bitwise. `adaptive` picks
+    each round's γ (up to `gamma`) with the best predicted speedup at the running α and
+    measured cost ratio (α starts at 0.5).
     """
     sampling = sampling or SamplingConfig()
     prompts = validate_prompts(config, prompts, max_new_tokens)
@@ -124,12 +135,16 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         active = [i for i in range(n) if len(outs[i]) < max_new_tokens]
         if not active:
             break
+        round_gamma = gamma if not adaptive else choose_gamma(
+            stats.alpha if stats.alpha_count else 0.5, stats.cost_ratio, gamma)
+        stats.gamma_history.append(round_gamma)
         t0 = time.perf_counter()
-        proposals = drafter.propose([histories[i] + outs[i] for i in active], gamma,
+        proposals = drafter.propose([histories[i] + outs[i] for i in active], round_gamma,
                                     seq_ids=active)
         stats.draft_s += time.perf_counter() - t0
         seqs = [(rows[i], lengths[i], outs[i][-1],
-                 list(draft)[: min(gamma, max_new_tokens - len(outs[i]) - 1)], q, keys[i])
+                 list(draft)[: min(round_gamma, max_new_tokens - len(outs[i]) - 1)], q,
+                 keys[i])
                 for i, (draft, q) in zip(active, proposals, strict=True)]
         if batched_verify:  # one [slots, γ + 1] call for every active sequence
             emitted = _verify(params, config, pool, seqs, sampling, stats, gamma, slots,

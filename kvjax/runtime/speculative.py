@@ -32,6 +32,12 @@ def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
     return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
 
 
+def choose_gamma(alpha: float, c: float, gamma_max: int) -> int:
+    """The γ in [1, gamma_max] with the best predicted speedup at this α and cost ratio c
+    (the smallest on ties): the adaptive-γ policy."""
+    return max(range(1, gamma_max + 1), key=lambda g: (predicted_speedup(alpha, g, c), -g))
+
+
 def _leading(accept: jax.Array) -> jax.Array:
     """int32[B]: how many leading entries of bool[B, G] are True."""
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
