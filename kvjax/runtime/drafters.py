@@ -16,10 +16,10 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from kvjax.cache.paged import BatchInfo
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table, pages_for
 from kvjax.runtime.generate import KVPool
+from kvjax.runtime.prefill import prefill
 from kvjax.runtime.sampling import adjusted_logits, sequence_keys
 
 
@@ -90,15 +90,9 @@ class ModelDrafter:
         if need > 0:
             pages += self.pool.allocator.allocate(need)
         table = page_table([pages], 1, cc.block_pages)
-        feed = history[keep:-1]
-        for s in range(0, len(feed), cc.prefill_chunk):  # catch up on the accepted history
-            piece = feed[s:s + cc.prefill_chunk]
-            tokens = np.zeros((1, cc.prefill_chunk), np.int32)
-            tokens[0, : len(piece)] = piece
-            batch = BatchInfo(table, np.array([keep + s], np.int32),
-                              np.array([len(piece)], np.int32))
-            _, self.pool.cache = steps.extend(self.params, self.config, self.pool.cache, tokens,
-                                              batch, last_only=True)
+        # Catch up on the accepted history (all but its newest token).
+        _, self.pool.cache = prefill(self.params, self.config, self.pool.cache, cc,
+                                     history[:-1], pages, start=keep)
         length = len(history) - 1
         sampling = self.sampling
         temp = 0.0 if sampling is None else sampling.temperature

@@ -32,7 +32,6 @@ from kvjax.cache.identity import (
     model_fingerprint,
 )
 from kvjax.cache.paged import (
-    BatchInfo,
     cache_bytes,
     copy_pages,
     init_cache,
@@ -45,6 +44,7 @@ from kvjax.model.lora import stack_adapters
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table, pages_for
+from kvjax.runtime.prefill import prefill
 from kvjax.runtime.requests import (
     InvalidRequestError,
     Request,
@@ -384,20 +384,10 @@ class Engine:
 
     def _prefill(self, req: _Req, pages: list[int], start: int):
         """Prefills tokens[start:] in fixed chunks; returns the last token's logits [V]."""
-        cc = self.cache_config
-        table = page_table([pages], 1, cc.block_pages)
-        offset = np.array([req.request.position_base], np.int32)
-        ids = np.array([req.adapter_index], np.int32) if self._lora is not None else None
-        logits = None
-        for s in range(start, len(req.tokens), cc.prefill_chunk):
-            piece = req.tokens[s:s + cc.prefill_chunk]
-            chunk = np.zeros((1, cc.prefill_chunk), np.int32)
-            chunk[0, : len(piece)] = piece
-            batch = BatchInfo(page_table=table, lengths=np.array([s], np.int32),
-                              num_new=np.array([len(piece)], np.int32), position_offset=offset)
-            logits, self.cache = steps.extend(self.params, self.config, self.cache, chunk, batch,
-                                              self._lora, ids, last_only=True)
-        return logits[0, 0]
+        logits, self.cache = prefill(self.params, self.config, self.cache, self.cache_config,
+                                     req.tokens, pages, start, req.request.position_base,
+                                     self._lora, req.adapter_index)
+        return logits
 
     def _record_admission(self, req: _Req, match: Match, reuse: int, start: int, copied: int,
                           prefill_s: float, unbounded_blocks: int) -> None:

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.allocator import PageAllocator
-from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
+from kvjax.cache.paged import PagedKVCache, cache_bytes, init_cache
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
 from kvjax.runtime.batching import bucket, page_table, pages_for
+from kvjax.runtime.prefill import prefill
 from kvjax.runtime.requests import InvalidRequestError, check_token_ids
 from kvjax.runtime.sampling import sample, sampling_arrays, sequence_keys
 
@@ -65,19 +66,9 @@ def validate_prompts(config: ModelConfig, prompts, max_new_tokens: int) -> list[
 
 def _prefill(params, config: ModelConfig, pool: KVPool, prompt: list[int],
              pages: list[int]) -> jax.Array:
-    """Prefills one sequence in fixed `prefill_chunk` chunks; returns last-token logits [V]."""
-    chunk = pool.cache_config.prefill_chunk
-    table = page_table([pages], 1, pool.cache_config.block_pages)
-    logits = None
-    for start in range(0, len(prompt), chunk):
-        piece = prompt[start:start + chunk]
-        tokens = np.zeros((1, chunk), np.int32)
-        tokens[0, : len(piece)] = piece
-        batch = BatchInfo(page_table=table, lengths=np.array([start], np.int32),
-                          num_new=np.array([len(piece)], np.int32))
-        logits, pool.cache = steps.extend(params, config, pool.cache, tokens, batch,
-                                          last_only=True)
-    return logits[0, 0]
+    """Prefills one sequence into the pool; returns its last token's logits [V]."""
+    logits, pool.cache = prefill(params, config, pool.cache, pool.cache_config, prompt, pages)
+    return logits
 
 
 _sample_jit = jax.jit(sample)
