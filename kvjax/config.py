@@ -170,9 +170,12 @@ class SpecConfig:
     adaptive: bool = False  # choose each round's gamma (<= gamma) from the running alpha
     batched_verify: bool = False  # one [slots, gamma + 1] verify call (rollback not bitwise)
     ngram_max: int = 3
+    cost_ratio: float | None = None  # c for adaptive gamma; None: measured by the engine
 
     def __post_init__(self):
         _choice(self.drafter, "drafter", ("model", "ngram"))
+        _require(self.cost_ratio is None or self.cost_ratio >= 0, "cost_ratio",
+                 f"must be >= 0, got {self.cost_ratio}")
         _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
         _require(self.ngram_max >= 1, "ngram_max", f"must be >= 1, got {self.ngram_max}")
 

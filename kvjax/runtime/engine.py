@@ -39,11 +39,12 @@ from kvjax.cache.paged import (
     poison_pages,
 )
 from kvjax.cache.trie import EVICTION_POLICIES, Match, PrefixTrie, history_digests
-from kvjax.config import ConfigError, EngineConfig, ModelConfig
+from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.model.lora import stack_adapters
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table, pages_for
+from kvjax.runtime.engine_spec import Speculator, finish_request_stats
 from kvjax.runtime.prefill import prefill
 from kvjax.runtime.requests import (
     InvalidRequestError,
@@ -72,6 +73,9 @@ class _Seq:
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     emitted: int = 0  # tokens already streamed (survives preemption)
     done: bool = False
+    draft_pages: list[int] = dataclasses.field(default_factory=list)
+    draft_length: int = 0  # tokens in the draft's cache: `length` or `length - 1`
+    prev: int = -1  # the token at index length - 1, when the draft lags one behind
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,7 +98,8 @@ class Engine:
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig | None = None,
                  adapters: dict | None = None, hash_fn=None, tokenizer=None,
-                 chat_template=None):
+                 chat_template=None, draft: tuple | None = None,
+                 spec: SpecConfig | None = None):
         if not config.causal:
             raise NonCausalCacheError()
         self.config = config
@@ -128,6 +133,10 @@ class Engine:
         self._backlog: list[StreamEvent] = []
         if ec.poison_freed:
             self.cache = poison_pages(self.cache, np.arange(ec.cache.num_pages, dtype=np.int32))
+        if draft is not None and spec is None:
+            spec = SpecConfig()
+        self.spec = None if spec is None else Speculator(spec, draft, config, ec)
+        self._draft = None if self.spec is None else self.spec.pool
 
     # -- public API ---------------------------------------------------------------------------
     def load_params(self, params) -> None:
@@ -267,13 +276,19 @@ class Engine:
             raise InvalidRequestError(
                 f"position_base {request.position_base} + {ids.size} prompt tokens + "
                 f"{request.max_new_tokens} new tokens exceed max_seq_len={cfg.max_seq_len}")
+        draft_len = None if self.spec is None else self.spec.max_seq_len
+        if draft_len is not None and end > draft_len:
+            raise InvalidRequestError(
+                f"position_base {request.position_base} + {ids.size} prompt tokens + "
+                f"{request.max_new_tokens} new tokens exceed the draft's max_seq_len={draft_len}")
         if not 0 <= request.public_prefix <= ids.size:
             raise InvalidRequestError(f"public_prefix must be in [0, {ids.size}]")
         if request.stop_token is not None and not 0 <= request.stop_token < cfg.vocab_size:
             raise InvalidRequestError(f"stop_token {request.stop_token} is outside the vocabulary")
         shared = ids.size // cc.page_size
-        need = shared + request.n * (pages_for(ids.size + request.max_new_tokens, cc.page_size)
-                                     - shared)
+        slack = 0 if self.spec is None else self.spec.spec.gamma  # verify writes ahead
+        need = shared + request.n * (pages_for(ids.size + request.max_new_tokens + slack,
+                                               cc.page_size) - shared)
         if need > cc.num_pages:
             raise InvalidRequestError(
                 f"the request needs {need} pages of {cc.page_size} tokens, more than the whole "
@@ -319,6 +334,10 @@ class Engine:
             if copied == 0:
                 copy_from = None
         fresh_needed = pages_for(n_tok, ps) - reuse
+        draft_plan = self._plan_draft(req)
+        if draft_plan is False:  # the draft's pool cannot hold the prompt yet
+            self._timers["host_s"] += time.perf_counter() - t_host
+            return False
         for page in reused_pages:
             self.allocator.share(page)  # ours now: not evictable while we allocate
         if copy_from is not None:
@@ -328,6 +347,8 @@ class Engine:
                 copy_from, copied = None, 0
         if self.allocator.num_free + self.trie.num_evictable() < fresh_needed:
             self.allocator.free(reused_pages)  # wait for running requests to finish
+            if draft_plan is not None:
+                self._draft.allocator.free(draft_plan[1])
             self._timers["host_s"] += time.perf_counter() - t_host
             return False
         self._reserve(fresh_needed)
@@ -355,6 +376,8 @@ class Engine:
             self.trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
             self._timers["host_s"] += time.perf_counter() - t_host
 
+        draft_pages, draft_reused = (self._admit_draft(req, draft_plan)
+                                     if draft_plan is not None else ([], 0))
         n = req.request.n
         position = req.request.position_base + n_tok
         knobs = _knobs([req.request] * n)
@@ -371,6 +394,10 @@ class Engine:
             seq.done = (req.request.max_new_tokens == 1 or seq.last == req.request.stop_token)
             seq.slot = free_slots[j]
             self._slots[seq.slot] = seq
+            seq.draft_pages, seq.draft_length, seq.prev = list(draft_pages), n_tok, -1
+            if j > 0:
+                for page in draft_pages:
+                    self._draft.allocator.share(page)
         self._waiting.remove(req)
         for seq in req.seqs:
             if seq.done:
@@ -378,9 +405,50 @@ class Engine:
         self._admissions += 1
         req.admitted_order = self._admissions
         self._record_admission(req, match, reuse, start, copied, prefill_s, unbounded)
+        if self._draft is not None:
+            req.stats.setdefault("draft_reused_tokens", draft_reused)
         self._emit(req, events)
         self._retire_if_done(req)
         return True
+
+    def _plan_draft(self, req: _Req):
+        """The draft's reusable prompt pages (shared now), None without a draft model, or
+        False when its pool cannot hold the prompt (nothing is changed then)."""
+        pool = self._draft
+        if pool is None:
+            return None
+        ps, n_tok = self.cache_config.page_size, len(req.tokens)
+        ns = pool.namespace(req.request.position_base)
+        match = (pool.trie.match(ns, req.tokens, req.salts, req.digests, touch=False)
+                 if self.engine_config.prefix_cache else Match([], "prefix_cache_off"))
+        reused = match.pages[: n_tok // ps]
+        for page in reused:
+            pool.allocator.share(page)
+        if pool.allocator.num_free + pool.trie.num_evictable() < pages_for(n_tok, ps) - len(reused):
+            pool.allocator.free(reused)
+            return False
+        return match.nodes[: len(reused)], reused
+
+    def _admit_draft(self, req: _Req, plan) -> tuple[list[int], int]:
+        """Allocates and prefills the draft's prompt pages; caches its full pages. Returns
+        (pages, reused tokens)."""
+        pool, ps = self._draft, self.cache_config.page_size
+        nodes, reused = plan
+        n_tok = len(req.tokens)
+        fresh_needed = pages_for(n_tok, ps) - len(reused)
+        self._reserve(fresh_needed, pool=pool)
+        pool.trie.touch(nodes)
+        pages = reused + pool.allocator.allocate(fresh_needed)
+        self._flush_poison(pool)
+        start = len(reused) * ps
+        t0 = time.perf_counter()
+        _, pool.cache = prefill(pool.params, pool.config, pool.cache, pool.cache_config,
+                                req.tokens, pages, start, req.request.position_base)
+        self._timers["draft_prefill_s"] += time.perf_counter() - t0
+        if self.engine_config.prefix_cache:
+            pool.trie.insert(pool.namespace(req.request.position_base), req.tokens, req.salts,
+                             req.digests, pages)
+        return pages, start
 
     def _prefill(self, req: _Req, pages: list[int], start: int):
         """Prefills tokens[start:] in fixed chunks; returns the last token's logits [V]."""
@@ -419,11 +487,13 @@ class Engine:
         req.stats = stats
 
     # -- pages ---------------------------------------------------------------------------------
-    def _reserve(self, num_pages: int, requester: _Req | None = None) -> bool:
+    def _reserve(self, num_pages: int, requester: _Req | None = None, pool=None) -> bool:
         """Makes `num_pages` free by evicting cached leaves, then (for a running `requester`)
-        by preempting running requests admitted after it, youngest first."""
-        while self.allocator.num_free < num_pages:
-            if self.trie.evict(num_pages - self.allocator.num_free):
+        by preempting running requests admitted after it, youngest first. `pool` is the
+        target's (the engine itself, the default) or the draft's."""
+        pool = pool or self
+        while pool.allocator.num_free < num_pages:
+            if pool.trie.evict(num_pages - pool.allocator.num_free):
                 continue
             if requester is None:
                 return False
@@ -438,6 +508,7 @@ class Engine:
         self._release(req)
         for seq in req.seqs:
             seq.generated, seq.logits, seq.done, seq.length = [], [], False, 0
+            seq.draft_length, seq.prev = 0, -1
         req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
         self._counters["preemptions"] += 1
         self._waiting.appendleft(req)
@@ -449,50 +520,69 @@ class Engine:
     def _release_seq(self, seq: _Seq) -> None:
         if seq.pages:
             self.allocator.free(seq.pages)
-        seq.pages = []
+        if seq.draft_pages:
+            self._draft.allocator.free(seq.draft_pages)
+        seq.pages, seq.draft_pages = [], []
         if seq.slot is not None:
             self._slots[seq.slot] = None
             seq.slot = None
 
-    def _flush_poison(self) -> None:
-        if self.allocator.freed:
-            freed = [p for p in self.allocator.freed if self.allocator.refcount(p) == 0]
-            self.allocator.freed.clear()
+    def _flush_poison(self, pool=None) -> None:
+        pool = pool or self
+        if pool.allocator.freed:
+            freed = [p for p in pool.allocator.freed if pool.allocator.refcount(p) == 0]
+            pool.allocator.freed.clear()
             if freed:
-                self.cache = poison_pages(self.cache, padded_ids(freed,
+                pool.cache = poison_pages(pool.cache, padded_ids(freed,
                                                                  self.cache_config.num_pages))
 
-    def _grow(self, seq: _Seq, budget: int) -> bool:
-        """Gives `seq` pages it may write for its next `budget` tokens (copy on write)."""
+    def _grow(self, seq: _Seq, tokens: int) -> bool:
+        """Gives `seq` pages it may write for its next `tokens` cache slots, in the target's
+        pool and the draft's (copy on write)."""
+        end = seq.length + tokens
+        ok = self._grow_pages(self, seq.pages, seq.length, end, seq.req)
+        if ok and self._draft is not None:
+            ok = self._grow_pages(self._draft, seq.draft_pages, seq.draft_length, end, seq.req)
+        return ok
+
+    def _grow_pages(self, pool, pages: list[int], write_from: int, end: int,
+                    requester: _Req) -> bool:
+        """Extends `pages` (in place) to cover slots [0, end) of which [write_from, end) may
+        be written: shared pages in that range are copied first."""
         ps = self.cache_config.page_size
-        end = pages_for(seq.length + budget, ps)
-        shared = [i for i in range(seq.length // ps, min(end, len(seq.pages)))
-                  if self.allocator.refcount(seq.pages[i]) > 1]
-        need = max(end - len(seq.pages), 0)
+        end = pages_for(end, ps)
+        shared = [i for i in range(write_from // ps, min(end, len(pages)))
+                  if pool.allocator.refcount(pages[i]) > 1]
+        need = max(end - len(pages), 0)
         t_host = time.perf_counter()
-        ok = self._reserve(need + len(shared), requester=seq.req)
+        ok = self._reserve(need + len(shared), requester=requester, pool=pool)
         self._timers["host_s"] += time.perf_counter() - t_host
         if not ok:
             return False
-        seq.pages += self.allocator.allocate(need)
+        pages += pool.allocator.allocate(need)
         for i in shared:
-            fresh = self.allocator.copy_on_write(seq.pages[i])
-            self._flush_poison()
-            self.cache = copy_pages(self.cache, padded_ids([seq.pages[i]], 0),
+            fresh = pool.allocator.copy_on_write(pages[i])
+            self._flush_poison(pool)
+            pool.cache = copy_pages(pool.cache, padded_ids([pages[i]], 0),
                                     padded_ids([fresh], self.cache_config.num_pages))
-            seq.pages[i] = fresh
+            pages[i] = fresh
         return True
 
     # -- decode --------------------------------------------------------------------------------
     def _decode(self, events: list[StreamEvent]) -> None:
         ec = self.engine_config
+        gamma = 0
+        if self.spec is not None:
+            if self.spec.spec.adaptive and self.spec.cost_ratio is None:
+                self.spec.measure_cost_ratio(self)
+            gamma = self.spec.next_gamma()
         budgets = {}
         for seq in sorted((s for s in self._slots if s is not None),
                           key=lambda s: s.req.admitted_order):
             if seq.slot is None or seq.done:
                 continue  # preempted while growing another sequence
             budget = min(ec.decode_steps, seq.req.request.max_new_tokens - len(seq.generated))
-            if self._grow(seq, budget):
+            if self._grow(seq, budget + gamma):  # a verify writes up to γ slots ahead
                 budgets[seq.slot] = budget
             elif self.num_running > 1:
                 self._preempt(seq.req)  # nothing younger to preempt: wait for the others
@@ -520,12 +610,20 @@ class Engine:
             requests[i] = seq.req.request
         knobs = _knobs(requests)
         want_logits = any(s.req.request.return_logits for s in live)
+        adapter_ids = adapters if self._lora is not None else None
         t0 = time.perf_counter()
-        out, logits, self.cache, new_lengths = steps.decode_loop(
-            self.params, self.config, self.cache, table, lengths, last, budget, keys, *knobs,
-            stops, max_steps=ec.decode_steps, return_logits=want_logits,
-            position_offset=offsets, lora=self._lora,
-            adapter_ids=adapters if self._lora is not None else None)
+        if self.spec is None:
+            out, logits, self.cache, new_lengths = steps.decode_loop(
+                self.params, self.config, self.cache, table, lengths, last, budget, keys,
+                *knobs, stops, max_steps=ec.decode_steps, return_logits=want_logits,
+                position_offset=offsets, lora=self._lora, adapter_ids=adapter_ids)
+        else:
+            if self._draft is not None:
+                self._flush_poison(self._draft)
+            res = self.spec.decode(self, live, budgets, gamma, dict(
+                table=table, lengths=lengths, last=last, budget=budget, keys=keys,
+                knobs=knobs, stops=stops, offsets=offsets, adapters=adapter_ids))
+            out, logits, new_lengths = res["tokens"], res["logits"], res["lengths"]
         out, new_lengths = np.asarray(out), np.asarray(new_lengths)
         logits = np.asarray(logits) if want_logits else None
         self._timers["decode_s"] += time.perf_counter() - t0
@@ -540,12 +638,22 @@ class Engine:
                 seq.last = produced[-1]
             seq.done = (len(seq.generated) >= seq.req.request.max_new_tokens
                         or seq.last == seq.req.request.stop_token)
+            if self.spec is not None:  # rollback: pages wholly past the kept history
+                self._truncate(self, seq.pages, seq.length)
+                if self._draft is not None:
+                    self._truncate(self._draft, seq.draft_pages, seq.draft_length)
         for req in {s.req.id: s.req for s in live}.values():
             self._emit(req, events)
             for seq in req.seqs:
                 if seq.done:
                     self._release_seq(seq)
             self._retire_if_done(req)
+
+    def _truncate(self, pool, pages: list[int], length: int) -> None:
+        keep = pages_for(length, self.cache_config.page_size)
+        if len(pages) > keep:
+            pool.allocator.free(pages[keep:])
+            del pages[keep:]
 
     # -- results -------------------------------------------------------------------------------
     def _emit(self, req: _Req, events: list[StreamEvent]) -> None:
@@ -576,7 +684,8 @@ class Engine:
             logits=(logits[0] if single else logits) if logits is not None else None,
             stats=dict(req.stats), status=status, prompt_ids=list(req.tokens), text=text)
         self._counters["finished" if status == "finished" else "cancelled"] += 1
-        self._stats_log.append(dict(req.stats, id=req.id, status=status))
+        finish_request_stats(self._results[req.id].stats)
+        self._stats_log.append(dict(self._results[req.id].stats, id=req.id, status=status))
         del self._reqs[req.id]
 
     # -- metrics -------------------------------------------------------------------------------
@@ -615,6 +724,10 @@ class Engine:
             "prefill_s": self._timers["prefill_s"],
             "decode_s": self._timers["decode_s"],
             "host_s": self._timers["host_s"],
+            **({} if self.spec is None else {
+                "draft_prefill_s": self._timers["draft_prefill_s"],
+                "draft_reused_tokens": sum(s.get("draft_reused_tokens", 0) for s in log),
+                "spec": self.spec.metrics()}),
         }
 
     def write_metrics(self, path) -> None:

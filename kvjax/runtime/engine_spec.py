@@ -1,0 +1,197 @@
+"""The engine's speculative-decoding side: the draft's page pool and trie, γ per call, stats.
+
+The draft model keeps its own paged cache (its K/V have the draft's shapes), its own
+allocator and its own prefix trie, keyed by the draft's namespace (the draft's weights and
+attention structure; no adapter: the draft runs without one). A reused prompt therefore
+skips prefill for both models. The engine does the page work for both pools with the same
+code (admission, growth, copy on write, eviction, preemption); this module holds what is
+only the draft's, runs `spec_loop` and keeps the statistics.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kvjax.cache.allocator import PageAllocator
+from kvjax.cache.identity import CacheNamespace, attention_signature, model_fingerprint
+from kvjax.cache.paged import init_cache, poison_pages
+from kvjax.cache.trie import PrefixTrie
+from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from kvjax.model.transformer import NonCausalCacheError
+from kvjax.runtime.batching import bucket, page_table
+from kvjax.runtime.spec_loop import STAT_KEYS, spec_loop
+from kvjax.runtime.speculative import choose_gamma, predicted_speedup
+
+ALPHA_DECAY = 0.8  # weight of the older rounds in the running α that drives adaptive γ
+
+
+class DraftPool:
+    """The draft model's weights, paged cache, allocator and prefix trie."""
+
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig):
+        self.params = jax.device_put(params)
+        self.config = config
+        self.cache_config = cc = engine_config.cache
+        self.fingerprint = model_fingerprint(config, params)
+        self.cache = init_cache(config, cc)
+        self.allocator = PageAllocator(cc.num_pages, track_freed=engine_config.poison_freed)
+        self.trie = PrefixTrie(cc.page_size, self.allocator, engine_config.eviction,
+                               evicted_record=engine_config.evicted_record)
+        if engine_config.poison_freed:
+            self.cache = poison_pages(self.cache, np.arange(cc.num_pages, dtype=np.int32))
+
+    def namespace(self, position_base: int) -> CacheNamespace:
+        return CacheNamespace(model=self.fingerprint, adapter="none",
+                              position_base=position_base,
+                              attention=attention_signature(self.config),
+                              kv_dtype=self.cache_config.dtype)
+
+
+def spec_summary(totals: dict) -> dict:
+    """Derived statistics from summed counters (a request's or the engine's)."""
+    drafted, accepted = totals["drafted"], totals["accepted"]
+    calls = totals["verifications"]
+    return {
+        **totals,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "alpha": totals["alpha_sum"] / totals["alpha_count"] if totals["alpha_count"] else 0.0,
+        "mean_accepted_length": totals["emitted"] / calls if calls else 0.0,
+        "wasted": drafted - accepted,
+    }
+
+
+def empty_totals(gamma: int) -> dict:
+    totals = {key: 0.0 if key == "alpha_sum" else 0 for key in STAT_KEYS}
+    totals["drafted_by_position"] = [0] * gamma
+    totals["accepted_by_position"] = [0] * gamma
+    return totals
+
+
+class Speculator:
+    """Runs speculative decode calls for the engine and keeps their statistics."""
+
+    def __init__(self, spec: SpecConfig, draft, config: ModelConfig,
+                 engine_config: EngineConfig):
+        self.spec = spec
+        self.pool: DraftPool | None = None
+        if spec.drafter == "model":
+            if draft is None:
+                raise ConfigError("spec.drafter", "the model drafter needs "
+                                  "draft=(draft_params, draft_config)")
+            params, draft_config = draft
+            if not draft_config.causal:
+                raise NonCausalCacheError()
+            if draft_config.vocab_size != config.vocab_size:
+                raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
+                                  f"the target's {config.vocab_size}")
+            self.pool = DraftPool(params, draft_config, engine_config)
+        self.totals = empty_totals(spec.gamma)
+        self.target_calls = 0
+        self.gamma_history: list[int] = []
+        self._alpha = [0.0, 0.0]  # decayed (sum, count) of E[min(p, q)] for adaptive γ
+        self.cost_ratio = spec.cost_ratio
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return None if self.pool is None else self.pool.config.max_seq_len
+
+    def next_gamma(self) -> int:
+        """This call's γ: fixed, or the best predicted at the running α (adaptive)."""
+        spec = self.spec
+        if not spec.adaptive or self._alpha[1] == 0:
+            return spec.gamma
+        alpha = self._alpha[0] / self._alpha[1]
+        return choose_gamma(alpha, self.cost_ratio or 0.0, spec.gamma)
+
+    def decode(self, engine, live, budgets: dict[int, int], gamma: int, arrays: dict) -> dict:
+        """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
+
+        `arrays` holds the engine's per-slot arrays (table, lengths, last, budget, keys,
+        knobs, stops, offsets, adapters). Returns the loop's outputs as numpy.
+        """
+        slots = len(arrays["lengths"])
+        kwargs = {}
+        if self.pool is not None:
+            pool = self.pool
+            rows = [[] for _ in range(slots)]
+            draft_lengths = np.zeros(slots, np.int32)
+            prev = np.zeros(slots, np.int32)
+            for seq in live:
+                rows[seq.slot] = seq.draft_pages
+                draft_lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
+            kwargs = dict(draft_params=pool.params, draft_config=pool.config,
+                          draft_cache=pool.cache,
+                          draft_page_table=page_table(rows, slots, pool.cache_config.block_pages),
+                          draft_lengths=draft_lengths, prev=prev)
+        else:
+            width = bucket(max(s.length + 1 + budgets[s.slot] for s in live), 64)
+            history = np.zeros((slots, width), np.int32)
+            for seq in live:
+                row = seq.req.tokens + seq.generated
+                history[seq.slot, : len(row)] = row
+            kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
+        want_logits = any(s.req.request.return_logits for s in live)
+        out = spec_loop(engine.params, engine.config, engine.cache, arrays["table"],
+                        arrays["lengths"], arrays["last"], arrays["budget"], arrays["keys"],
+                        *arrays["knobs"], arrays["stops"], drafter=self.spec.drafter,
+                        gamma=gamma, max_out=engine.engine_config.decode_steps,
+                        return_logits=want_logits, position_offset=arrays["offsets"],
+                        lora=engine._lora, adapter_ids=arrays["adapters"], **kwargs)
+        engine.cache = out.pop("cache")
+        draft_cache = out.pop("draft_cache")
+        if self.pool is not None:
+            self.pool.cache = draft_cache
+        out = {k: (None if v is None else np.asarray(v)) for k, v in out.items()}
+        if self.pool is not None:
+            for seq in live:
+                seq.draft_length = int(out["draft_lengths"][seq.slot])
+                seq.prev = int(out["prev"][seq.slot])
+        self._record(live, out, gamma)
+        return out
+
+    def _record(self, live, out: dict, gamma: int) -> None:
+        self.target_calls += int(out["rounds"])
+        self.gamma_history.append(gamma)
+        new_sum = float(sum(out["alpha_sum"][s.slot] for s in live))
+        new_count = float(sum(out["alpha_count"][s.slot] for s in live))
+        self._alpha = [ALPHA_DECAY * self._alpha[0] + new_sum,
+                       ALPHA_DECAY * self._alpha[1] + new_count]
+        for seq in live:
+            req_totals = seq.req.stats.setdefault("spec", empty_totals(self.spec.gamma))
+            for totals in (req_totals, self.totals):
+                for key in STAT_KEYS:
+                    totals[key] += out[key][seq.slot].item()
+                for key in ("drafted_by_position", "accepted_by_position"):
+                    for i, x in enumerate(out[key][seq.slot].tolist()):
+                        totals[key][i] += x
+
+    def measure_cost_ratio(self, engine, batch: int | None = None, context: int = 128) -> float:
+        """c: a draft decode step's time over a target decode step's, measured now."""
+        from kvjax.runtime.spec_cost import cost_ratio
+
+        if self.pool is None:
+            self.cost_ratio = 0.0
+        else:
+            self.cost_ratio = cost_ratio(
+                (engine.params, engine.config), (self.pool.params, self.pool.config),
+                batch or engine.engine_config.max_slots, context)
+        return self.cost_ratio
+
+    def metrics(self) -> dict:
+        summary = spec_summary(self.totals)
+        gammas = self.gamma_history
+        mean_gamma = sum(gammas) / len(gammas) if gammas else float(self.spec.gamma)
+        c = self.cost_ratio
+        summary.update(
+            drafter=self.spec.drafter, target_calls=self.target_calls,
+            gamma_history=list(gammas), cost_ratio=c,
+            predicted_speedup=(predicted_speedup(summary["alpha"], round(mean_gamma), c)
+                               if c is not None and self.totals["alpha_count"] else None))
+        return summary
+
+
+def finish_request_stats(stats: dict) -> None:
+    """Adds the derived speculative statistics to a request's stats (in place)."""
+    if "spec" in stats:
+        stats["spec"] = spec_summary(stats["spec"])

@@ -1,0 +1,304 @@
+"""Speculative decoding in the engine (the on-device loop): greedy output equals the
+target's greedy output for γ 1..8 and both drafters with prefix reuse on; cache on == off
+bitwise; rollback frees pages and never writes shared ones; hand-built statistics; the
+sampled output follows the target's distribution; bad input is refused."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, params
+from helpers import gather_sequence, prefill, small_model, tol
+
+import kvjax
+from kvjax import CacheConfig, Engine, EngineConfig, SamplingConfig
+from kvjax.cache.paged import init_cache
+from kvjax.config import ConfigError, SpecConfig
+from kvjax.runtime.batching import pages_for
+from kvjax.runtime.drafters import NGramDrafter
+from kvjax.runtime.ngram_device import ngram_propose
+from kvjax.runtime.requests import InvalidRequestError, Request
+from kvjax.runtime.sampling import adjusted_logits, sequence_keys
+from kvjax.runtime.spec_loop import spec_loop
+
+DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
+                    max_seq_len=256, tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return params(1)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return kvjax.init_params(DRAFT, seed=5)
+
+
+def spec_engine(p, spec: SpecConfig | None, draft=None, cache=CACHE, **kw) -> Engine:
+    ec = EngineConfig(cache=cache, max_slots=kw.pop("max_slots", SLOTS),
+                      decode_steps=kw.pop("decode_steps", 4), **kw)
+    return Engine(p, CONFIG, ec, draft=draft, spec=spec)
+
+
+def waves():
+    """A shared system prompt (2 pages) with suffixes of different lengths, some repetitive
+    (so prompt lookup finds continuations), in two waves: the second reuses the first's."""
+    rng = np.random.default_rng(3)
+    system = [int(t) for t in rng.integers(0, 61, 8)]
+    motif = [int(t) for t in rng.integers(0, 61, 3)]
+    suffixes = [motif * 2, [5, 6, 7], motif * 4 + [9], [int(t) for t in rng.integers(0, 61, 11)]]
+    first = [Request(tokens=system + s, max_new_tokens=14) for s in suffixes[:2]]
+    second = [Request(tokens=system + s, max_new_tokens=14 + i) for i, s in enumerate(suffixes)]
+    return first, second
+
+
+def run_waves(engine):
+    first, second = waves()
+    return engine.generate(first), engine.generate(second)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(target):
+    return run_waves(spec_engine(target, None))
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_greedy_equals_target_greedy(target, draft, greedy_reference, drafter, gamma):
+    engine = spec_engine(target, SpecConfig(drafter=drafter, gamma=gamma),
+                         draft=(draft, DRAFT) if drafter == "model" else None)
+    got = run_waves(engine)
+    for ref_wave, got_wave in zip(greedy_reference, got, strict=True):
+        assert [r.tokens for r in got_wave] == [r.tokens for r in ref_wave]
+    second = got[1]
+    assert all(r.stats["reused_tokens"] >= 8 for r in second)  # the system prompt's pages
+    if drafter == "model":  # the draft's pages were reused too: no draft prefill for them
+        assert all(r.stats["draft_reused_tokens"] >= 8 for r in second)
+    m = engine.metrics()
+    assert m["spec"]["drafted"] > 0 and m["spec"]["target_calls"] > 0
+    if drafter == "ngram":
+        assert m["spec"]["accepted"] > 0
+    assert m["free_pages"] == CACHE.num_pages - m["resident_pages"]  # nothing leaked
+
+
+def test_cache_on_equals_off_bitwise(target, draft):
+    _, requests = waves()
+    requests += [Request(tokens=r.tokens, max_new_tokens=9, return_logits=True,
+                         sampling=SamplingConfig(temperature=0.9, top_k=20, seed=4))
+                 for r in requests]
+    results = []
+    for prefix_cache in (True, False):
+        engine = spec_engine(target, SpecConfig(gamma=3), (draft, DRAFT),
+                             prefix_cache=prefix_cache)
+        results.append(engine.generate([Request(tokens=r.tokens, max_new_tokens=9,
+                                                return_logits=True) for r in requests[:4]]
+                                       + requests[4:]))
+    assert sum(r.stats["reused_tokens"] for r in results[0]) > 0
+    assert_same(*results)
+
+
+def test_logits_match_the_full_sequence_reference(target, draft):
+    _, requests = waves()
+    requests = [Request(tokens=r.tokens, max_new_tokens=10, return_logits=True)
+                for r in requests]
+    results = spec_engine(target, SpecConfig(gamma=4), (draft, DRAFT)).generate(requests)
+    for request, result in zip(requests, results, strict=True):
+        seq = list(request.tokens) + result.tokens
+        full = np.asarray(kvjax.forward(target, CONFIG, np.array([seq]))[0])
+        ref = full[len(request.tokens) - 1: len(seq) - 1]
+        assert np.abs(ref - result.logits).max() <= tol(np.float32)
+
+
+def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
+    """γ = 8 over page size 4: verifies write across page boundaries and get rolled back.
+    After every scheduling round each sequence holds exactly the pages its kept history
+    needs, in both pools, and its cache matches a fresh prefill of that history; the
+    system prompt's pages (shared through the trie) keep their bits; freed pages are
+    poisoned with NaN, so reading one would show in the outputs."""
+    first, second = waves()
+    engine = spec_engine(target, SpecConfig(gamma=8), (draft, DRAFT), poison_freed=True)
+    reference = spec_engine(target, None).generate(first + second)[len(first):]
+    engine.generate(first)
+    shared = engine.trie.pages()
+    before = [np.asarray(a[:, :, shared]) for a in (engine.cache.k, engine.cache.v)]
+    for r in second:
+        engine.submit(r)
+    checked = 0
+    while engine.num_waiting or engine.num_running:
+        engine.step()
+        for seq in (s for s in engine._slots if s is not None):
+            history = seq.req.tokens + seq.generated[:-1]
+            assert seq.length == len(history)
+            assert len(seq.pages) == pages_for(seq.length, 4)
+            assert len(seq.draft_pages) == pages_for(seq.draft_length, 4)
+            assert seq.draft_length in (seq.length - 1, seq.length)
+            for cfg, p, cache, pages, n in (
+                    (CONFIG, target, engine.cache, seq.pages, seq.length),
+                    (DRAFT, draft, engine._draft.cache, seq.draft_pages, seq.draft_length)):
+                _, fresh = prefill(p, cfg, CACHE, init_cache(cfg, CACHE), history[:n],
+                                   list(range(len(pages))))
+                for x, y in zip(gather_sequence(cache, pages, n),
+                                gather_sequence(fresh, list(range(len(pages))), n),
+                                strict=True):
+                    np.testing.assert_allclose(x, y, atol=1e-5)
+            checked += 1
+    assert checked > 4
+    results = engine.run()
+    assert [results[i].tokens for i in sorted(results)] == [r.tokens for r in reference]
+    after = [np.asarray(a[:, :, shared]) for a in (engine.cache.k, engine.cache.v)]
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)
+    m = engine.metrics()
+    assert m["spec"]["wasted"] > 0
+    assert m["free_pages"] == CACHE.num_pages - m["resident_pages"]
+    assert engine._draft.allocator.num_free == CACHE.num_pages - engine._draft.trie.num_nodes
+
+
+def test_statistics_of_always_right_and_always_wrong_drafts(target, draft):
+    """decode_steps 4, 13 new tokens: the first comes from the prefill, then 3 calls with a
+    budget of 4 tokens. Always right (the target drafts for itself, γ 4): one round per
+    call, drafting 3 (room for 3 more tokens), emitting 4. Always wrong (a draft whose
+    logits are all zero proposes token 0, which the target never picks here): 4 rounds
+    per call with room for 3, 2, 1, 0 drafts, each emitting one token."""
+    requests = [Request(tokens=[3, 1, 4, 1, 5, 9, 2, 6][: 5 + i], max_new_tokens=13)
+                for i in range(3)]
+    greedy = spec_engine(target, None).generate(requests)
+    assert all(0 not in r.tokens for r in greedy)
+
+    right = spec_engine(target, SpecConfig(gamma=4), (target, CONFIG))
+    assert [r.tokens for r in right.generate(requests)] == [r.tokens for r in greedy]
+    s = right.metrics()["spec"]
+    assert (s["verifications"], s["drafted"], s["accepted"], s["emitted"]) == (9, 27, 27, 36)
+    assert (s["alpha"], s["acceptance_rate"], s["mean_accepted_length"]) == (1.0, 1.0, 4.0)
+    assert s["drafted_by_position"] == s["accepted_by_position"] == [9, 9, 9, 0]
+    assert s["target_calls"] == 3 and s["wasted"] == 0
+
+    zero = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 0 if "lm_head" in jax.tree_util.keystr(path) else x, draft)
+    wrong = spec_engine(target, SpecConfig(gamma=4), (zero, DRAFT))
+    got = wrong.generate(requests)
+    assert [r.tokens for r in got] == [r.tokens for r in greedy]
+    w = wrong.metrics()["spec"]
+    assert (w["verifications"], w["drafted"], w["accepted"], w["emitted"]) == (36, 54, 0, 36)
+    assert (w["alpha"], w["acceptance_rate"], w["mean_accepted_length"]) == (0.0, 0.0, 1.0)
+    assert w["drafted_by_position"] == [27, 18, 9, 0] and w["wasted"] == 54
+    assert w["target_calls"] == 12
+    per_request = got[0].stats["spec"]
+    assert (per_request["drafted"], per_request["emitted"]) == (18, 12)
+
+
+def test_adaptive_gamma_follows_the_running_alpha(target, draft):
+    requests = [Request(tokens=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=25)]
+    zero = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 0 if "lm_head" in jax.tree_util.keystr(path) else x, draft)
+    greedy = spec_engine(target, None).generate(requests)
+    for drafter, expect in (((target, CONFIG), 6), ((zero, DRAFT), 1)):
+        engine = spec_engine(target, SpecConfig(gamma=6, adaptive=True, cost_ratio=0.05),
+                             drafter)
+        assert [r.tokens for r in engine.generate(requests)] == [r.tokens for r in greedy]
+        history = engine.metrics()["spec"]["gamma_history"]
+        assert history[0] == 6 and history[-1] == expect
+
+
+def test_measured_cost_ratio(target, draft):
+    engine = spec_engine(target, SpecConfig(gamma=2, adaptive=True), (draft, DRAFT))
+    engine.generate([Request(tokens=[1, 2, 3], max_new_tokens=9)])
+    c = engine.metrics()["spec"]["cost_ratio"]
+    assert 0 < c < 5
+    assert engine.metrics()["spec"]["predicted_speedup"] > 0
+
+
+def test_device_ngram_lookup_equals_the_host_drafter():
+    rng = np.random.default_rng(0)
+    histories = [[int(t) for t in rng.integers(0, 4, n)] for n in (1, 2, 3, 5, 9, 17, 30)]
+    width = 32
+    buf = np.zeros((len(histories), width), np.int32)
+    for i, h in enumerate(histories):
+        buf[i, : len(h)] = h
+    lens = np.array([len(h) for h in histories], np.int32)
+    for gamma in (1, 3, 6):
+        drafts, num = map(np.asarray, ngram_propose(buf, lens, gamma, 3))
+        host = NGramDrafter(max_ngram=3)
+        for i, h in enumerate(histories):
+            expect = host.propose_one(h, gamma)
+            assert drafts[i, : num[i]].tolist() == expect
+
+
+TEMP, TOP_K = 0.3, 6
+
+
+def test_sampled_output_follows_the_target_distribution():
+    """Exact speculative sampling through the whole loop: V = 8, one 5-token prompt, 4096
+    rows of one `spec_loop` call (temperature 0.3 and top-k 6 on p and q, γ 2, 3 tokens
+    each, so the first round drafts 2: first tokens, tokens after an acceptance or a
+    rejection, and bonus tokens all occur). The empirical distributions of (t1, t2) and of
+    t3 are compared with the target's exact ones (from the full-sequence forward) by total
+    variation; the threshold is the 99.9th percentile of the TV of 4096 exact samples (1000
+    simulations): a false-positive rate of 0.1% per statistic. The draft's own distribution
+    is far above the threshold, so a loop that leaked draft tokens would fail."""
+    t_cfg = small_model(vocab_size=8, max_seq_len=64)
+    d_cfg = small_model(vocab_size=8, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
+                        d_ff=32, max_seq_len=64)
+    t_params, d_params = kvjax.init_params(t_cfg, seed=2), kvjax.init_params(d_cfg, seed=9)
+    rows, prompt, gamma = 4096, [1, 2, 3, 4, 5], 2
+    cc = CacheConfig(page_size=4, num_pages=2 + 2 * rows, prefill_chunk=16, attn_block=4)
+    caches = []
+    for cfg, p in ((t_cfg, t_params), (d_cfg, d_params)):
+        _, cache = prefill(p, cfg, cc, init_cache(cfg, cc), prompt[:4], [1, 2])
+        caches.append(cache)
+    # Page 1 (the prompt's first 4 tokens) is shared read-only by every row.
+    table = np.array([[1, 2 + 2 * i, 3 + 2 * i, 0] for i in range(rows)], np.int32)
+    full = lambda x: np.full(rows, x)  # noqa: E731
+    out = spec_loop(t_params, t_cfg, caches[0], table, full(4).astype(np.int32),
+                    full(prompt[4]).astype(np.int32), full(3).astype(np.int32),
+                    np.asarray(sequence_keys(0, rows)), full(TEMP).astype(np.float32),
+                    full(TOP_K).astype(np.int32), full(1.0).astype(np.float32),
+                    full(-1).astype(np.int32), drafter="model", gamma=gamma, max_out=3,
+                    draft_params=d_params, draft_config=d_cfg, draft_cache=caches[1],
+                    draft_page_table=table, draft_lengths=full(4).astype(np.int32),
+                    prev=full(0).astype(np.int32))
+    tokens = np.asarray(out["tokens"])
+    assert (tokens >= 0).all() and int(np.asarray(out["accepted"]).sum()) > 0
+    assert int(np.asarray(out["drafted"]).sum()) > int(np.asarray(out["accepted"]).sum())
+
+    def exact(p, cfg):  # joint p(t1, t2) [64] and marginal p(t3) [8]
+        seqs = np.array([prompt + [a, b, 0] for a in range(8) for b in range(8)])
+        logits = kvjax.forward(p, cfg, seqs).reshape(-1, 8)
+        knobs = (np.full(len(logits), TEMP, np.float32), np.full(len(logits), TOP_K, np.int32),
+                 np.ones(len(logits), np.float32))
+        probs = np.asarray(jax.nn.softmax(adjusted_logits(logits, *knobs), -1)).reshape(64, 8, 8)
+        joint = probs[0, 4][seqs[:, 5]] * probs[np.arange(64), 5, seqs[:, 6]]
+        return joint, (joint[:, None] * probs[:, 6]).sum(0)
+
+    want = exact(t_params, t_cfg)
+    got = (np.bincount(tokens[:, 0] * 8 + tokens[:, 1], minlength=64) / rows,
+           np.bincount(tokens[:, 2], minlength=8) / rows)
+    rng = np.random.default_rng(0)
+    for w, g, d in zip(want, got, exact(d_params, d_cfg), strict=True):
+        null = [0.5 * np.abs(rng.multinomial(rows, w) / rows - w).sum() for _ in range(1000)]
+        threshold = float(np.quantile(null, 0.999))
+        assert 0.5 * np.abs(d - w).sum() > 3 * threshold
+        assert 0.5 * np.abs(g - w).sum() < threshold
+
+
+def test_bad_spec_input_is_refused_and_the_engine_keeps_serving(target, draft):
+    with pytest.raises(ConfigError, match="draft"):
+        spec_engine(target, SpecConfig(drafter="model"))
+    other = small_model(vocab_size=40, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        spec_engine(target, SpecConfig(), (kvjax.init_params(other, seed=0), other))
+    short = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
+                        max_seq_len=20)
+    engine = spec_engine(target, SpecConfig(gamma=2),
+                         (kvjax.init_params(short, seed=0), short))
+    with pytest.raises(InvalidRequestError, match="draft's max_seq_len"):
+        engine.submit(Request(tokens=list(range(15)), max_new_tokens=10))
+    ok = engine.generate([Request(tokens=[1, 2, 3], max_new_tokens=5)])
+    assert len(ok[0].tokens) == 5
+    small = spec_engine(target, SpecConfig(gamma=8), (draft, DRAFT),
+                        cache=CacheConfig(page_size=4, num_pages=6, prefill_chunk=16,
+                                          attn_block=8))
+    with pytest.raises(InvalidRequestError, match="pages"):  # 18 tokens + γ 8 > 6 pages
+        small.submit(Request(tokens=[1] * 8, max_new_tokens=10))
