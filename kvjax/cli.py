@@ -75,6 +75,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvjax import bench_peer
 
         return bench_peer.main(args)
+    if args.which == "spec":
+        from kvjax import bench_spec
+
+        return bench_spec.main(args)
     from kvjax import bench
 
     return bench.main(args)
@@ -122,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: decode (paged vs dense vs no cache), "
                                          "prefix (prefix cache on vs off), peer (vs "
-                                         "transformers generate)")
-    bench.add_argument("which", nargs="?", choices=("decode", "prefix", "peer"),
+                                         "transformers generate), spec (speculative "
+                                         "decoding operating point)")
+    bench.add_argument("which", nargs="?", choices=("decode", "prefix", "peer", "spec"),
                        default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -145,12 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--examples", type=int, default=4)
     prefix.add_argument("--example-len", type=int, default=128)
     prefix.add_argument("--new-tokens", type=int, default=16)
-    prefix.add_argument("--slots", type=int, default=8)
+    prefix.add_argument("--slots", type=int, default=None,
+                        help="engine batch slots (default 8 prefix, 1 spec)")
     prefix.add_argument("--num-pages", type=int, default=2048)
     peer = bench.add_argument_group("peer")
-    peer.add_argument("--prompt-len", type=int, default=512)
-    peer.add_argument("--gen-tokens", type=int, default=128)
+    peer.add_argument("--prompt-len", type=int, default=512, help="(peer, spec)")
+    peer.add_argument("--gen-tokens", type=int, default=128, help="(peer, spec)")
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
+    spec = bench.add_argument_group("spec")
+    spec.add_argument("--target", default="checkpoints/target/ckpt/model")
+    spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")
+    spec.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    spec.add_argument("--gammas", default="1,2,3,4,6,8")
+    spec.add_argument("--adaptive-steps", type=int, default=32,
+                      help="tokens per engine call, where adaptive γ is re-chosen")
+    spec.add_argument("--plot", default="docs/spec_operating_point.png")
     bench.set_defaults(func=_bench)
     return parser
 
@@ -159,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         args.out = args.out or f"results/bench_{args.which}.json"
-        args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3}[args.which]
+        args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3}[args.which]
+        args.slots = args.slots or (1 if args.which == "spec" else 8)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -171,11 +171,13 @@ class SpecConfig:
     batched_verify: bool = False  # one [slots, gamma + 1] verify call (rollback not bitwise)
     ngram_max: int = 3
     cost_ratio: float | None = None  # c for adaptive gamma; None: measured by the engine
+    verify_slope: float | None = None  # extra verify cost per drafted token; None: measured
 
     def __post_init__(self):
         _choice(self.drafter, "drafter", ("model", "ngram"))
-        _require(self.cost_ratio is None or self.cost_ratio >= 0, "cost_ratio",
-                 f"must be >= 0, got {self.cost_ratio}")
+        for key in ("cost_ratio", "verify_slope"):
+            value = getattr(self, key)
+            _require(value is None or value >= 0, key, f"must be >= 0, got {value}")
         _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
         _require(self.ngram_max >= 1, "ngram_max", f"must be >= 1, got {self.ngram_max}")
 

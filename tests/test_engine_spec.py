@@ -195,19 +195,19 @@ def test_adaptive_gamma_follows_the_running_alpha(target, draft):
         lambda path, x: x * 0 if "lm_head" in jax.tree_util.keystr(path) else x, draft)
     greedy = spec_engine(target, None).generate(requests)
     for drafter, expect in (((target, CONFIG), 6), ((zero, DRAFT), 1)):
-        engine = spec_engine(target, SpecConfig(gamma=6, adaptive=True, cost_ratio=0.05),
-                             drafter)
+        engine = spec_engine(target, SpecConfig(gamma=6, adaptive=True, cost_ratio=0.05,
+                                                verify_slope=0.0), drafter)
         assert [r.tokens for r in engine.generate(requests)] == [r.tokens for r in greedy]
         history = engine.metrics()["spec"]["gamma_history"]
         assert history[0] == 6 and history[-1] == expect
 
 
-def test_measured_cost_ratio(target, draft):
+def test_measured_cost_ratio_and_verify_slope(target, draft):
     engine = spec_engine(target, SpecConfig(gamma=2, adaptive=True), (draft, DRAFT))
     engine.generate([Request(tokens=[1, 2, 3], max_new_tokens=9)])
-    c = engine.metrics()["spec"]["cost_ratio"]
-    assert 0 < c < 5
-    assert engine.metrics()["spec"]["predicted_speedup"] > 0
+    m = engine.metrics()["spec"]
+    assert 0 < m["cost_ratio"] < 5 and 0 <= m["verify_slope"] < 5
+    assert m["predicted_speedup"] >= m["predicted_speedup_verify"] > 0
 
 
 def test_device_ngram_lookup_equals_the_host_drafter():

@@ -204,6 +204,8 @@ def test_spec_config_and_public_facade(model):
     with pytest.raises(ValueError, match="draft="):
         kvjax.speculative.make_drafter(kvjax.SpecConfig())
     assert kvjax.speculative.predicted_speedup(0.8, 4, 0.1) == pytest.approx(2.4011428571)
+    # A verify costing 1 + 0.25·γ target steps: (1 − 0.8^5) / (0.2 · (0.4 + 1 + 1)).
+    assert kvjax.speculative.predicted_speedup(0.8, 4, 0.1, 0.25) == pytest.approx(1.4006666667)
 
 
 def test_adaptive_gamma_follows_alpha(model):
@@ -214,6 +216,8 @@ def test_adaptive_gamma_follows_alpha(model):
     assert choose_gamma(0.0, 0.1, 8) == 1
     assert choose_gamma(0.7, 0.05, 8) == max(range(1, 9), key=lambda g: (
         kvjax.speculative.predicted_speedup(0.7, g, 0.05), -g))
+    # A costlier verify shortens the best draft.
+    assert choose_gamma(0.87, 0.05, 8, 0.125) < choose_gamma(0.87, 0.05, 8)
     config, params = model
     prompts = _prompts()
     greedy = kvjax.generate(params, config, prompts, 25, cache=CACHE).tokens

@@ -573,8 +573,8 @@ class Engine:
         ec = self.engine_config
         gamma = 0
         if self.spec is not None:
-            if self.spec.spec.adaptive and self.spec.cost_ratio is None:
-                self.spec.measure_cost_ratio(self)
+            if self.spec.spec.adaptive and not self.spec.calibrated:
+                self.spec.calibrate(self)
             gamma = self.spec.next_gamma()
         budgets = {}
         for seq in sorted((s for s in self._slots if s is not None),

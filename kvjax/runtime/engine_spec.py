@@ -90,7 +90,8 @@ class Speculator:
         self.target_calls = 0
         self.gamma_history: list[int] = []
         self._alpha = [0.0, 0.0]  # decayed (sum, count) of E[min(p, q)] for adaptive γ
-        self.cost_ratio = spec.cost_ratio
+        self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
+        self.verify_slope = spec.verify_slope
 
     @property
     def max_seq_len(self) -> int | None:
@@ -102,7 +103,7 @@ class Speculator:
         if not spec.adaptive or self._alpha[1] == 0:
             return spec.gamma
         alpha = self._alpha[0] / self._alpha[1]
-        return choose_gamma(alpha, self.cost_ratio or 0.0, spec.gamma)
+        return choose_gamma(alpha, self.cost_ratio or 0.0, spec.gamma, self.verify_slope or 0.0)
 
     def decode(self, engine, live, budgets: dict[int, int], gamma: int, arrays: dict) -> dict:
         """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
@@ -166,28 +167,36 @@ class Speculator:
                     for i, x in enumerate(out[key][seq.slot].tolist()):
                         totals[key][i] += x
 
-    def measure_cost_ratio(self, engine, batch: int | None = None, context: int = 128) -> float:
-        """c: a draft decode step's time over a target decode step's, measured now."""
-        from kvjax.runtime.spec_cost import cost_ratio
+    @property
+    def calibrated(self) -> bool:
+        return self.cost_ratio is not None and self.verify_slope is not None
 
-        if self.pool is None:
-            self.cost_ratio = 0.0
-        else:
-            self.cost_ratio = cost_ratio(
-                (engine.params, engine.config), (self.pool.params, self.pool.config),
-                batch or engine.engine_config.max_slots, context)
-        return self.cost_ratio
+    def calibrate(self, engine, context: int = 128) -> None:
+        """Measures what is not pinned in the SpecConfig: c (the draft's step time over the
+        target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch."""
+        from kvjax.runtime.spec_cost import cost_ratio, verify_slope
+
+        batch = engine.engine_config.max_slots
+        target = (engine.params, engine.config)
+        if self.cost_ratio is None:
+            self.cost_ratio = cost_ratio(target, (self.pool.params, self.pool.config), batch,
+                                         context)
+        if self.verify_slope is None:
+            self.verify_slope = verify_slope(target, batch, context, self.spec.gamma + 1)
 
     def metrics(self) -> dict:
         summary = spec_summary(self.totals)
         gammas = self.gamma_history
         mean_gamma = sum(gammas) / len(gammas) if gammas else float(self.spec.gamma)
-        c = self.cost_ratio
+        c, slope = self.cost_ratio, self.verify_slope
+        known = c is not None and self.totals["alpha_count"] > 0
+        gamma = round(mean_gamma)
         summary.update(
             drafter=self.spec.drafter, target_calls=self.target_calls,
-            gamma_history=list(gammas), cost_ratio=c,
-            predicted_speedup=(predicted_speedup(summary["alpha"], round(mean_gamma), c)
-                               if c is not None and self.totals["alpha_count"] else None))
+            gamma_history=list(gammas), cost_ratio=c, verify_slope=slope,
+            predicted_speedup=predicted_speedup(summary["alpha"], gamma, c) if known else None,
+            predicted_speedup_verify=(predicted_speedup(summary["alpha"], gamma, c, slope)
+                                      if known and slope is not None else None))
         return summary
 
 

@@ -1,43 +1,66 @@
-"""The draft/target cost ratio c, measured: one decode step of each model, same batch and
-context, median of several timed multi-step calls after a warm-up."""
+"""Step costs for the speculative speedup model, measured on device.
+
+c = a draft decode step's time over a target decode step's (same batch and context), and
+v(w) = a target step over w new tokens (a verify of γ + 1 = w) over a one-token step. The
+textbook prediction assumes v = 1; on hardware where a step is not purely bandwidth-bound
+v(w) > 1, and fits v(w) = 1 + s·(w − 1) well (this CPU, 9.5M target: 1.25 at w = 3, 1.52
+at w = 5, 2.0 at w = 9); `verify_slope` measures s.
+
+Each figure is the median of several timed calls of a jitted loop of `STEPS` steps after a
+warm-up call (so no Python dispatch is timed); the cache holds zeros, as a step's cost does
+not depend on the values.
+"""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.paged import init_cache
-from kvjax.config import CacheConfig
-from kvjax.runtime import steps
+from kvjax.cache.paged import BatchInfo, init_cache, model_positions
+from kvjax.config import CacheConfig, ModelConfig
+from kvjax.model.transformer import Transformer
 from kvjax.runtime.batching import page_table, pages_for
 
 STEPS = 16
 
 
-def decode_step_seconds(params, config, batch: int, context: int, repeats: int = 5) -> float:
-    """Median seconds per decode step of `config` at `batch` sequences of `context` tokens.
+@partial(jax.jit, static_argnames=("config", "steps"), donate_argnames=("cache",))
+def _steps(params, config: ModelConfig, cache, tokens, batch: BatchInfo, steps: int):
+    """`steps` extend calls at the same lengths (each rewrites the same slots)."""
+    model = Transformer(config)
+    positions = model_positions(batch, tokens.shape[1])
 
-    The cache holds zeros: a step's cost does not depend on the values.
-    """
+    def body(_, carry):
+        cache, acc = carry
+        logits, cache = model.apply({"params": params}, tokens, positions, cache, batch)
+        return cache, acc + logits[:, -1, 0]
+
+    return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros(tokens.shape[0])))
+
+
+def step_seconds(params, config: ModelConfig, batch: int, context: int, width: int = 1,
+                 repeats: int = 5) -> float:
+    """Median seconds of one step of `width` new tokens per sequence, `batch` sequences
+    with `context` cached tokens each."""
     ps = 16
-    per_seq = pages_for(context + STEPS, ps)
+    per_seq = pages_for(context + width, ps)
     cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
     cache = init_cache(config, cc)
     rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
-    table = page_table(rows, batch, cc.block_pages)
-    lengths = np.full(batch, context, np.int32)
-    args = (np.zeros(batch, np.int32), np.full(batch, STEPS, np.int32),
-            np.zeros((batch, 2), np.uint32), np.zeros(batch, np.float32),
-            np.zeros(batch, np.int32), np.ones(batch, np.float32), np.full(batch, -1, np.int32))
+    info = BatchInfo(page_table=page_table(rows, batch, cc.block_pages),
+                     lengths=np.full(batch, context, np.int32),
+                     num_new=np.full(batch, width, np.int32))
+    tokens = np.zeros((batch, width), np.int32)
     params = jax.device_put(params)
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        out, _, cache, _ = steps.decode_loop(params, config, cache, table, lengths, *args,
-                                             max_steps=STEPS)
-        jax.block_until_ready(out)
+        cache, acc = _steps(params, config, cache, tokens, info, STEPS)
+        jax.block_until_ready(acc)
         if i:  # the first call compiles
             times.append(time.perf_counter() - t0)
     return float(np.median(times)) / STEPS
@@ -45,5 +68,11 @@ def decode_step_seconds(params, config, batch: int, context: int, repeats: int =
 
 def cost_ratio(target: tuple, draft: tuple, batch: int, context: int) -> float:
     """c = draft step seconds / target step seconds; target and draft are (params, config)."""
-    return (decode_step_seconds(*draft, batch, context)
-            / decode_step_seconds(*target, batch, context))
+    return step_seconds(*draft, batch, context) / step_seconds(*target, batch, context)
+
+
+def verify_slope(target: tuple, batch: int, context: int, width: int) -> float:
+    """s in v(w) = 1 + s·(w − 1): the extra cost of each verified token beyond the first,
+    in one-token target steps, from a step over `width` tokens."""
+    ratio = step_seconds(*target, batch, context, width) / step_seconds(*target, batch, context)
+    return max(ratio - 1.0, 0.0) / (width - 1)

@@ -22,20 +22,23 @@ import jax.numpy as jnp
 ACCEPT_TAG = 0x5EC  # separates the acceptance draws from the token draws of a position
 
 
-def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
+def predicted_speedup(alpha: float, gamma: int, c: float, verify_slope: float = 0.0) -> float:
     """Expected tokens per unit of target-step time: (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
 
     α is the expected acceptance rate E[min(p, q)], c the draft/target step cost ratio.
+    `verify_slope` s extends the textbook model (which prices a verify of γ + 1 tokens as
+    one target step) with a verify that costs 1 + s·γ steps, as measured on hardware where
+    a step is not purely bandwidth-bound (`kvjax.runtime.spec_cost`).
     """
-    if alpha >= 1.0:
-        return (gamma + 1) / (gamma * c + 1)
-    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1 + verify_slope * gamma)
 
 
-def choose_gamma(alpha: float, c: float, gamma_max: int) -> int:
-    """The γ in [1, gamma_max] with the best predicted speedup at this α and cost ratio c
-    (the smallest on ties): the adaptive-γ policy."""
-    return max(range(1, gamma_max + 1), key=lambda g: (predicted_speedup(alpha, g, c), -g))
+def choose_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 0.0) -> int:
+    """The γ in [1, gamma_max] with the best predicted speedup at this α, cost ratio c and
+    verify slope (the smallest on ties): the adaptive-γ policy."""
+    return max(range(1, gamma_max + 1),
+               key=lambda g: (predicted_speedup(alpha, g, c, verify_slope), -g))
 
 
 def _leading(accept: jax.Array) -> jax.Array:
