@@ -8,9 +8,12 @@ tokens (counted). Decode time is the engine's own decode timer (prefill excluded
 median over repetitions after an untimed warm-up run that compiles.
 
 For each point: α = E[min(p, q)], acceptance rate, tokens per target call, the measured
-speedup (plain decode time / speculative decode time), the textbook predicted speedup
-(1 − α^(γ+1)) / ((1 − α)(γc + 1)) at the measured α and c, and the prediction with the
-measured verify cost (1 + s·γ target steps per verify; see `kvjax.runtime.spec_cost`).
+speedup (plain decode time / speculative decode time, the two run back to back and the
+median of the pair ratios taken), the textbook predicted speedup
+(1 − α^(γ+1)) / ((1 − α)(γc + 1)) at the measured α and c, the prediction with the
+measured verify cost (1 + s·γ target steps per verify; see `kvjax.runtime.spec_cost`),
+and the cost model: measured tokens per call / (γc + 1 + sγ), which drops the i.i.d.
+acceptance assumption, so measured / cost model is the loop's own efficiency.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ COLUMNS = [
     ("predicted (verify cost)", lambda r: f"{r['predicted_verify']:.2f}x"),
     ("measured", lambda r: f"{r['speedup']:.2f}x" + (" **best**" if r.get("best") else "")),
     ("measured / predicted", lambda r: f"{r['speedup'] / r['predicted']:.2f}"),
+    ("cost model", lambda r: f"{r['cost_model']:.2f}x"),
+    ("measured / cost model", lambda r: f"{r['speedup'] / r['cost_model']:.2f}"),
     ("same tokens", lambda r: f"{r['same']}/{r['prompts']}"),
 ]
 
@@ -53,20 +58,32 @@ def held_out_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def _run(target, draft, prompts, args, spec: SpecConfig | None, decode_steps: int):
-    """Median decode seconds over args.reps (after a warm-up), the last metrics, tokens."""
+    """One engine run over the prompts: (decode seconds, metrics, tokens)."""
     new = args.gen_tokens
     need = pages_for(max(map(len, prompts)) + new + 9, 16) * args.slots
     ec = EngineConfig(cache=CacheConfig(page_size=16, num_pages=need + 16),
                       max_slots=args.slots, decode_steps=decode_steps, prefix_cache=False)
-    times, metrics, tokens = [], None, None
-    for rep in range(args.reps + 1):
-        engine = Engine(*target, ec, draft=draft if spec else None, spec=spec)
-        results = engine.generate([Request(tokens=p, max_new_tokens=new) for p in prompts])
-        metrics = engine.metrics()
-        tokens = [r.tokens for r in results]
-        if rep:
-            times.append(metrics["decode_s"])
-    return statistics.median(times), metrics, tokens
+    engine = Engine(*target, ec, draft=draft if spec else None, spec=spec)
+    results = engine.generate([Request(tokens=p, max_new_tokens=new) for p in prompts])
+    metrics = engine.metrics()
+    return metrics["decode_s"], metrics, [r.tokens for r in results]
+
+
+def _paired(target, draft, prompts, args, spec: SpecConfig, decode_steps: int):
+    """Plain and speculative runs back to back, args.reps times after a warm-up of each:
+    the median of the per-pair time ratios (drift in the machine's speed cancels)."""
+    _run(target, None, prompts, args, None, decode_steps)
+    _run(target, draft, prompts, args, spec, decode_steps)
+    ratios, plain_times, spec_times = [], [], []
+    for _ in range(args.reps):
+        plain_s, _, plain_tokens = _run(target, None, prompts, args, None, decode_steps)
+        spec_s, metrics, tokens = _run(target, draft, prompts, args, spec, decode_steps)
+        ratios.append(plain_s / spec_s)
+        plain_times.append(plain_s)
+        spec_times.append(spec_s)
+    same = sum(a == b for a, b in zip(tokens, plain_tokens, strict=True))
+    return (statistics.median(ratios), statistics.median(plain_times),
+            statistics.median(spec_times), metrics, same)
 
 
 def main(args) -> int:
@@ -80,15 +97,12 @@ def main(args) -> int:
     slope = verify_slope(target, args.slots, context, max(gammas) + 1)
     emit(f"measured c (draft/target step) = {c_model:.4f}, verify slope s = {slope:.4f} "
          f"(batch {args.slots}, context {context})")
-    plain_s, _, plain_tokens = _run(target, None, prompts, args, None, args.gen_tokens)
-    emit(f"plain decode: {plain_s:.3f} s for {args.prompts} x {args.gen_tokens} tokens")
     rows = []
     points = [(d, g) for d in ("model", "ngram") for g in gammas]
     with Progress(len(points) + 4, "operating point") as bar:
         for drafter, gamma in points:
             rows.append(_point(target, draft, prompts, args, drafter, gamma, False,
-                               c_model if drafter == "model" else 0.0, slope, plain_s,
-                               plain_tokens, args.gen_tokens))
+                               c_model if drafter == "model" else 0.0, slope, args.gen_tokens))
             bar.update(1)
         for drafter in ("model", "ngram"):
             c = c_model if drafter == "model" else 0.0
@@ -99,9 +113,9 @@ def main(args) -> int:
             # the best fixed γ is rerun at the same call granularity for a like-for-like
             # comparison.
             same_grain = _point(target, draft, prompts, args, drafter, best["gamma"], False, c,
-                                slope, plain_s, plain_tokens, args.adaptive_steps)
+                                slope, args.adaptive_steps)
             adaptive = _point(target, draft, prompts, args, drafter, max(gammas), True, c,
-                              slope, plain_s, plain_tokens, args.adaptive_steps)
+                              slope, args.adaptive_steps)
             adaptive["vs_best_fixed"] = adaptive["speedup"] / same_grain["speedup"]
             adaptive["best_fixed_same_grain"] = same_grain["speedup"]
             rows.append(adaptive)
@@ -112,7 +126,7 @@ def main(args) -> int:
             emit(f"adaptive γ ({r['drafter']}): {r['speedup']:.2f}x vs best fixed γ "
                  f"{r['best_fixed_same_grain']:.2f}x at the same {args.adaptive_steps}-token "
                  f"calls ({r['vs_best_fixed']:.3f}); γ chosen: {r['gamma_history']}")
-    write_results(args.out, table, rows, plain_decode_s=plain_s, c_model=c_model,
+    write_results(args.out, table, rows, c_model=c_model,
                   verify_slope=slope, prompts=args.prompts, prompt_len=args.prompt_len,
                   gen_tokens=args.gen_tokens, slots=args.slots, reps=args.reps)
     if args.plot:
@@ -120,11 +134,12 @@ def main(args) -> int:
     return 0
 
 
-def _point(target, draft, prompts, args, drafter, gamma, adaptive, c, slope, plain_s,
-           plain_tokens, decode_steps) -> dict:
+def _point(target, draft, prompts, args, drafter, gamma, adaptive, c, slope,
+           decode_steps) -> dict:
     spec = SpecConfig(drafter=drafter, gamma=gamma, adaptive=adaptive,
                       cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None)
-    seconds, metrics, tokens = _run(target, draft, prompts, args, spec, decode_steps)
+    speedup, plain_s, seconds, metrics, same = _paired(target, draft, prompts, args, spec,
+                                                       decode_steps)
     s = metrics["spec"]
     history = s["gamma_history"]
     g = round(sum(history) / len(history)) if adaptive else gamma
@@ -134,12 +149,12 @@ def _point(target, draft, prompts, args, drafter, gamma, adaptive, c, slope, pla
         "mean_accepted_length": s["mean_accepted_length"], "c": c,
         "predicted": predicted_speedup(s["alpha"], g, c),
         "predicted_verify": predicted_speedup(s["alpha"], g, c, slope),
-        "speedup": plain_s / seconds, "decode_s": seconds,
+        "cost_model": s["mean_accepted_length"] / (g * c + 1 + slope * g),
+        "speedup": speedup, "decode_s": seconds, "plain_decode_s": plain_s,
         "accepted_by_position": s["accepted_by_position"],
         "drafted_by_position": s["drafted_by_position"], "wasted": s["wasted"],
         "target_calls": s["target_calls"], "gamma_history": history if adaptive else [],
-        "same": sum(a == b for a, b in zip(tokens, plain_tokens, strict=True)),
-        "prompts": len(prompts),
+        "same": same, "prompts": len(prompts),
     }
 
 
@@ -149,7 +164,7 @@ def _plot(rows, gammas, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
     for drafter, color in (("model", "tab:blue"), ("ngram", "tab:orange")):
         fixed = [r for r in rows if r["drafter"] == drafter and not r["adaptive"]]
         ax.plot(gammas, [r["speedup"] for r in fixed], "o-", color=color,
@@ -158,6 +173,8 @@ def _plot(rows, gammas, path) -> None:
                 label=f"{drafter}: predicted (textbook)")
         ax.plot(gammas, [r["predicted_verify"] for r in fixed], ":", color=color,
                 label=f"{drafter}: predicted (measured verify cost)")
+        ax.plot(gammas, [r["cost_model"] for r in fixed], "-.", color=color, linewidth=0.8,
+                label=f"{drafter}: cost model (measured tokens/call)")
         best = max(fixed, key=lambda r: r["speedup"])
         ax.plot([best["gamma"]], [best["speedup"]], "*", color=color, markersize=14)
         adaptive = [r for r in rows if r["drafter"] == drafter and r["adaptive"]]
@@ -169,7 +186,7 @@ def _plot(rows, gammas, path) -> None:
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title("Speculative decoding operating point (trained pair, held-out prompts)",
                  fontsize=9)
-    ax.legend(fontsize=6.5, loc="upper left", ncol=2)
+    ax.legend(fontsize=6, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -1,8 +1,10 @@
 """Speculative decoding, the public face: drafters, acceptance rules, the speedup model.
 
-`speculative_generate(target_params, target_config, prompts, max_new_tokens,
-make_drafter(SpecConfig(...), draft=(draft_params, draft_config)), gamma)`; see the
-README's speculative decoding section for what is and is not implemented yet.
+Serving: `kvjax.Engine(params, config, engine_config, draft=(draft_params, draft_config),
+spec=SpecConfig(drafter="model" | "ngram", gamma, adaptive))` runs the on-device loop
+(`kvjax.runtime.spec_loop`). Research drafters that implement the `Drafter` protocol run
+in the host-driven `speculative_generate(target_params, target_config, prompts,
+max_new_tokens, drafter, gamma)`, whose rollback is bitwise a fresh prefill.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime.batching import bucket, page_table
 from kvjax.runtime.spec_loop import STAT_KEYS, spec_loop
-from kvjax.runtime.speculative import choose_gamma, predicted_speedup
+from kvjax.runtime.speculative import predicted_speedup
 
-ALPHA_DECAY = 0.8  # weight of the older rounds in the running α that drives adaptive γ
+DECAY = 0.8  # weight of the older calls in the running estimates that drive adaptive γ
+MIN_EVIDENCE = 4.0  # decayed drafts at a position before its own acceptance rate is trusted
 
 
 class DraftPool:
@@ -90,6 +91,8 @@ class Speculator:
         self.target_calls = 0
         self.gamma_history: list[int] = []
         self._alpha = [0.0, 0.0]  # decayed (sum, count) of E[min(p, q)] for adaptive γ
+        self._drafted = np.zeros(spec.gamma)  # decayed drafts at each position
+        self._accepted = np.zeros(spec.gamma)  # decayed accepted prefixes reaching it
         self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
         self.verify_slope = spec.verify_slope
 
@@ -98,12 +101,31 @@ class Speculator:
         return None if self.pool is None else self.pool.config.max_seq_len
 
     def next_gamma(self) -> int:
-        """This call's γ: fixed, or the best predicted at the running α (adaptive)."""
+        """This call's γ: fixed, or (adaptive) the γ ≤ SpecConfig.gamma with the best
+        expected tokens per unit of target time, `expected_tokens(γ) / (γc + 1 + sγ)`."""
         spec = self.spec
         if not spec.adaptive or self._alpha[1] == 0:
             return spec.gamma
-        alpha = self._alpha[0] / self._alpha[1]
-        return choose_gamma(alpha, self.cost_ratio or 0.0, spec.gamma, self.verify_slope or 0.0)
+        c, s = self.cost_ratio or 0.0, self.verify_slope or 0.0
+        tokens = self.expected_tokens()
+        return max(range(1, spec.gamma + 1),
+                   key=lambda g: (tokens[g - 1] / (g * c + 1 + s * g), -g))
+
+    def expected_tokens(self) -> list[float]:
+        """Expected tokens per round for γ = 1 .. SpecConfig.gamma: 1 + Σ_i P(the first i
+        drafts are all accepted). P comes from the running acceptance by position where
+        there is evidence (drafters are not i.i.d.: an n-gram continuation's later tokens
+        fail more often), else is extended geometrically with the running α."""
+        alpha = self._alpha[0] / self._alpha[1] if self._alpha[1] else 0.5
+        prefix, total, out = 1.0, 1.0, []
+        for i in range(self.spec.gamma):
+            if self._drafted[i] >= MIN_EVIDENCE:
+                prefix = self._accepted[i] / self._drafted[i]
+            else:
+                prefix *= alpha
+            total += prefix
+            out.append(total)
+        return out
 
     def decode(self, engine, live, budgets: dict[int, int], gamma: int, arrays: dict) -> dict:
         """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
@@ -156,8 +178,14 @@ class Speculator:
         self.gamma_history.append(gamma)
         new_sum = float(sum(out["alpha_sum"][s.slot] for s in live))
         new_count = float(sum(out["alpha_count"][s.slot] for s in live))
-        self._alpha = [ALPHA_DECAY * self._alpha[0] + new_sum,
-                       ALPHA_DECAY * self._alpha[1] + new_count]
+        self._alpha = [DECAY * self._alpha[0] + new_sum, DECAY * self._alpha[1] + new_count]
+        drafted = np.zeros(self.spec.gamma)
+        accepted = np.zeros(self.spec.gamma)
+        for seq in live:
+            drafted[:gamma] += out["drafted_by_position"][seq.slot]
+            accepted[:gamma] += out["accepted_by_position"][seq.slot]
+        self._drafted = DECAY * self._drafted + drafted
+        self._accepted = DECAY * self._accepted + accepted
         for seq in live:
             req_totals = seq.req.stats.setdefault("spec", empty_totals(self.spec.gamma))
             for totals in (req_totals, self.totals):

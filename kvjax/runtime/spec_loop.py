@@ -69,10 +69,17 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
     drafts = jnp.zeros((last.shape[0], gamma), jnp.int32)
     q = jnp.zeros((last.shape[0], gamma, vocab), jnp.float32)
 
+    all_greedy = jnp.all(temperature == 0)
+
     def draw(i, logits, drafts, q):
         tok = sample(logits, draft_keys, base + lengths + 1 + i, temperature, top_k, top_p)
-        probs = jax.nn.softmax(adjusted_logits(logits, temperature, top_k, top_p), axis=-1)
-        dist = jnp.where((temperature > 0)[:, None], probs, jax.nn.one_hot(tok, vocab))
+        one_hot = jax.nn.one_hot(tok, vocab)
+
+        def mixed():  # sampled rows drew from q: keep it for the acceptance rule
+            probs = jax.nn.softmax(adjusted_logits(logits, temperature, top_k, top_p), axis=-1)
+            return jnp.where((temperature > 0)[:, None], probs, one_hot)
+
+        dist = jax.lax.cond(all_greedy, lambda: one_hot, mixed)
         return drafts.at[:, i].set(tok), q.at[:, i].set(dist)
 
     drafts, q = draw(0, logits[:, 0], drafts, q)
