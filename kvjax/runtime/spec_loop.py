@@ -121,14 +121,14 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     statistics: verifications, drafted, accepted, emitted, alpha_sum, alpha_count, plus
     drafted_by_position / accepted_by_position int32[B, G].
     """
-    steps._TRACES["spec_loop"] += 1
+    steps.note_trace("spec_loop")
     b = last.shape[0]
     vocab = config.vocab_size
     g1 = gamma + 1
     rows = jnp.arange(b)
     cols = jnp.arange(g1)[None, :]
     model = Transformer(config)
-    variables = steps._variables(params, lora)
+    variables = steps.model_variables(params, lora)
     base = 0 if position_offset is None else position_offset
     all_greedy = jnp.all(temperature == 0)
     zeros_b = jnp.zeros((b,), jnp.int32)

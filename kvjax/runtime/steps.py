@@ -29,7 +29,13 @@ def trace_counts() -> dict[str, int]:
     return dict(_TRACES)
 
 
-def _variables(params: dict, lora: dict | None) -> dict:
+def note_trace(step: str) -> None:
+    """Counts one trace of a jitted step (call it from inside the traced function)."""
+    _TRACES[step] += 1
+
+
+def model_variables(params: dict, lora: dict | None) -> dict:
+    """The variable collections for `Transformer.apply`: params, and LoRA adapters if any."""
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
@@ -45,10 +51,10 @@ def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
     `last_only` returns only each row's last real token's logits, [B, 1, V] (the cache
     contents are the same either way).
     """
-    _TRACES["extend"] += 1
+    note_trace("extend")
     positions = model_positions(batch, tokens.shape[1])
     logits_at = jnp.maximum(batch.num_new - 1, 0) if last_only else None
-    return Transformer(config).apply(_variables(params, lora), tokens, positions, cache, batch,
+    return Transformer(config).apply(model_variables(params, lora), tokens, positions, cache, batch,
                                      adapter_ids, logits_at)
 
 
@@ -74,13 +80,13 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
       tokens int32[B, S] (-1 past the end), logits float32[B, S, V] or None, the cache,
       and the final lengths int32[B].
     """
-    _TRACES["decode_loop"] += 1
+    note_trace("decode_loop")
     b = last.shape[0]
     vocab = config.vocab_size
     out_tokens = jnp.full((b, max_steps), -1, jnp.int32)
     out_logits = jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32)
     model = Transformer(config)
-    variables = _variables(params, lora)
+    variables = model_variables(params, lora)
 
     def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits)
         return (state[0] < max_steps) & ~jnp.all(state[4])
