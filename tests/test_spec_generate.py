@@ -87,6 +87,52 @@ def test_rollback_leaves_exactly_a_fresh_prefill(model):
     assert res.pool.allocator.num_free == CACHE.num_pages - held
 
 
+def test_rollback_with_a_shared_prefix_page_is_bitwise(model):
+    """The exact path's verify + rollback on a sequence whose first page is shared with
+    another sequence (refcount 2, as after a prefix-cache hit): rounds of 8 random drafts
+    (mostly rejected) cross page boundaries; afterwards the sequence's cache is bitwise a
+    fresh prefill of its accepted history, the shared page's bits and refcount are
+    unchanged, and every page past the end went back to the allocator."""
+    from kvjax.runtime.generate import KVPool
+    from kvjax.runtime.spec_generate import SpecStats, _truncate, _verify
+
+    config, params = model
+    pool = KVPool(config, CACHE)
+    rng = np.random.default_rng(7)
+    a = [int(t) for t in rng.integers(0, 16, 8)]
+    b = a[:4] + [int(t) for t in rng.integers(0, 16, 5)]
+    shared = pool.allocator.allocate(1)
+    row_a = shared + pool.allocator.allocate(1)
+    pool.allocator.share(shared[0])
+    row_b = shared + pool.allocator.allocate(2)
+    _, pool.cache = prefill(params, config, CACHE, pool.cache, a, row_a)
+    _, pool.cache = prefill(params, config, CACHE, pool.cache, b, row_b, start=4)
+    before = [np.asarray(x[:, :, shared[0]]) for x in (pool.cache.k, pool.cache.v)]
+    history, length, last = list(b), len(b), 3
+    stats = SpecStats(accepted_by_position=[0] * 8, drafted_by_position=[0] * 8)
+    key = np.zeros(2, np.uint32)
+    for _ in range(6):
+        draft = [int(t) for t in rng.integers(0, 16, 8)]
+        (emitted,) = _verify(params, config, pool, [(row_b, length, last, draft, None, key)],
+                             SamplingConfig(), stats, 8, 1, CACHE.prefill_chunk)
+        history.append(last)
+        history += emitted[:-1]
+        length, last = length + len(emitted), emitted[-1]
+        _truncate(pool, row_b, length, 4)
+    assert stats.wasted > 0 and length == len(history)
+    assert len(row_b) == -(-length // 4)
+    _, fresh = prefill(params, config, CACHE, init_cache(config, CACHE), history,
+                       list(range(len(row_b))))
+    for x, y in zip(gather_sequence(pool.cache, row_b, length),
+                    gather_sequence(fresh, list(range(len(row_b))), length), strict=True):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(before, (pool.cache.k[:, :, shared[0]], pool.cache.v[:, :, shared[0]]),
+                    strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    assert pool.allocator.refcount(shared[0]) == 2
+    assert pool.allocator.num_free == CACHE.num_pages - len(row_a) - len(row_b) + 1
+
+
 def test_statistics_of_always_right_and_always_wrong_drafters(model):
     config, params = model
     prompts = _prompts()

@@ -115,14 +115,18 @@ class Speculator:
         """Expected tokens per round for γ = 1 .. SpecConfig.gamma: 1 + Σ_i P(the first i
         drafts are all accepted). P comes from the running acceptance by position where
         there is evidence (drafters are not i.i.d.: an n-gram continuation's later tokens
-        fail more often), else is extended geometrically with the running α."""
+        fail more often); past the last such position it is extended with the last
+        observed conditional acceptance P(i | i − 1), or with the running α when there is
+        no evidence at all."""
         alpha = self._alpha[0] / self._alpha[1] if self._alpha[1] else 0.5
-        prefix, total, out = 1.0, 1.0, []
+        prefix, step, total, out = 1.0, alpha, 1.0, []
         for i in range(self.spec.gamma):
             if self._drafted[i] >= MIN_EVIDENCE:
-                prefix = self._accepted[i] / self._drafted[i]
+                observed = self._accepted[i] / self._drafted[i]
+                step = min(observed / prefix, 1.0) if prefix > 0 else 0.0
+                prefix = observed
             else:
-                prefix *= alpha
+                prefix *= step
             total += prefix
             out.append(total)
         return out
@@ -184,8 +188,10 @@ class Speculator:
         for seq in live:
             drafted[:gamma] += out["drafted_by_position"][seq.slot]
             accepted[:gamma] += out["accepted_by_position"][seq.slot]
-        self._drafted = DECAY * self._drafted + drafted
-        self._accepted = DECAY * self._accepted + accepted
+        # Only positions drafted in this call age: a short γ must not erase what longer
+        # drafts taught about the positions it no longer reaches.
+        self._drafted[:gamma] = DECAY * self._drafted[:gamma] + drafted[:gamma]
+        self._accepted[:gamma] = DECAY * self._accepted[:gamma] + accepted[:gamma]
         for seq in live:
             req_totals = seq.req.stats.setdefault("spec", empty_totals(self.spec.gamma))
             for totals in (req_totals, self.totals):

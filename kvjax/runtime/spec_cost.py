@@ -28,37 +28,53 @@ from kvjax.runtime.batching import page_table, pages_for
 STEPS = 16
 
 
-@partial(jax.jit, static_argnames=("config", "steps"), donate_argnames=("cache",))
-def _steps(params, config: ModelConfig, cache, tokens, batch: BatchInfo, steps: int):
-    """`steps` extend calls at the same lengths (each rewrites the same slots)."""
-    model = Transformer(config)
-    positions = model_positions(batch, tokens.shape[1])
+@partial(jax.jit, static_argnames=("configs", "repeats", "steps"), donate_argnames=("caches",))
+def _steps(params: tuple, configs: tuple, caches: tuple, tokens: tuple, batches: tuple,
+           repeats: tuple, steps: int):
+    """`steps` times: model i runs `repeats[i]` extend calls at fixed lengths (each rewrites
+    the same slots), the models one after the other as in a speculative round."""
+    models = [Transformer(c) for c in configs]
+    positions = [model_positions(b, t.shape[1]) for b, t in zip(batches, tokens, strict=True)]
 
     def body(_, carry):
-        cache, acc = carry
-        logits, cache = model.apply({"params": params}, tokens, positions, cache, batch)
-        return cache, acc + logits.sum(axis=(1, 2))  # every logit is used: none is skipped
+        caches, acc = carry
+        caches = list(caches)
+        for i, model in enumerate(models):
+            for _ in range(repeats[i]):
+                logits, caches[i] = model.apply({"params": params[i]}, tokens[i], positions[i],
+                                                caches[i], batches[i])
+                acc = acc + logits.sum()  # every logit is used: none is skipped
+        return tuple(caches), acc
 
-    return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros(tokens.shape[0])))
+    return jax.lax.fori_loop(0, steps, body, (caches, jnp.float32(0)))
 
 
-def step_timer(params, config: ModelConfig, batch: int, context: int, width: int = 1):
-    """A compiled, warmed-up callable that returns the seconds of one step of `width` new
-    tokens per sequence (`batch` sequences with `context` cached tokens each)."""
+def step_timer(models: list[tuple], batch: int, context: int):
+    """A compiled, warmed-up callable returning the seconds of one composite step: for each
+    (params, config, width, repeats) in `models`, `repeats` steps of `width` new tokens per
+    sequence (`batch` sequences with `context` cached tokens each)."""
     ps = 16
-    per_seq = pages_for(context + width, ps)
-    cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
-    state = {"cache": init_cache(config, cc)}
-    rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
-    info = BatchInfo(page_table=page_table(rows, batch, cc.block_pages),
-                     lengths=np.full(batch, context, np.int32),
-                     num_new=np.full(batch, width, np.int32))
-    tokens = np.zeros((batch, width), np.int32)
-    params = jax.device_put(params)
+    state, args = {}, {"params": [], "configs": [], "tokens": [], "batches": [],
+                       "repeats": []}
+    caches = []
+    for params, config, width, repeats in models:
+        per_seq = pages_for(context + width, ps)
+        cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
+        caches.append(init_cache(config, cc))
+        rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+        args["batches"].append(BatchInfo(page_table=page_table(rows, batch, cc.block_pages),
+                                         lengths=np.full(batch, context, np.int32),
+                                         num_new=np.full(batch, width, np.int32)))
+        args["params"].append(jax.device_put(params))
+        args["configs"].append(config)
+        args["tokens"].append(np.zeros((batch, width), np.int32))
+        args["repeats"].append(repeats)
+    state["caches"] = tuple(caches)
+    args = {k: tuple(v) for k, v in args.items()}
 
     def timed() -> float:
         t0 = time.perf_counter()
-        state["cache"], acc = _steps(params, config, state["cache"], tokens, info, STEPS)
+        state["caches"], acc = _steps(caches=state["caches"], steps=STEPS, **args)
         jax.block_until_ready(acc)
         return (time.perf_counter() - t0) / STEPS
 
@@ -74,19 +90,31 @@ def timed_ratio(numerator, denominator, repeats: int = 9) -> float:
 
 def step_seconds(params, config: ModelConfig, batch: int, context: int, width: int = 1,
                  repeats: int = 5) -> float:
-    """Median seconds of one step (see `step_timer`)."""
-    timer = step_timer(params, config, batch, context, width)
+    """Median seconds of one step of `width` tokens per sequence (see `step_timer`)."""
+    timer = step_timer([(params, config, width, 1)], batch, context)
     return float(np.median([timer() for _ in range(repeats)]))
 
 
-def cost_ratio(target: tuple, draft: tuple, batch: int, context: int) -> float:
-    """c = draft step seconds / target step seconds; target and draft are (params, config)."""
-    return timed_ratio(step_timer(*draft, batch, context), step_timer(*target, batch, context))
+def cost_ratio(target: tuple, draft: tuple, batch: int, context: int,
+               interleaved: bool = True, draft_steps: int = 4) -> float:
+    """c = seconds of a draft step / of a target step; target and draft are (params, config).
+
+    `interleaved` (the default) times the draft steps where a speculative round runs them,
+    right after a target step: (t(target + k drafts) − t(target)) / (k · t(target)). On this
+    CPU that is about 2× the isolated figure (`interleaved=False`): the target's step evicts
+    the draft's weights and cache from the CPU caches, and the draft's small steps are
+    dominated by reloading them.
+    """
+    one = step_timer([(*target, 1, 1)], batch, context)
+    if not interleaved:
+        return timed_ratio(step_timer([(*draft, 1, 1)], batch, context), one)
+    both = step_timer([(*target, 1, 1), (*draft, 1, draft_steps)], batch, context)
+    return max(timed_ratio(both, one) - 1.0, 0.0) / draft_steps
 
 
 def verify_slope(target: tuple, batch: int, context: int, width: int) -> float:
     """s in v(w) = 1 + s·(w − 1): the extra cost of each verified token beyond the first,
     in one-token target steps, from a step over `width` tokens."""
-    ratio = timed_ratio(step_timer(*target, batch, context, width),
-                        step_timer(*target, batch, context))
+    ratio = timed_ratio(step_timer([(*target, width, 1)], batch, context),
+                        step_timer([(*target, 1, 1)], batch, context))
     return max(ratio - 1.0, 0.0) / (width - 1)
