@@ -156,6 +156,31 @@ def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
     assert engine._draft.allocator.num_free == CACHE.num_pages - engine._draft.trie.num_nodes
 
 
+def test_memory_pressure_samples_and_adapters(target, draft):
+    """A pool too small for the workload (eviction, then preemption and recomputation in
+    both pools), n = 2 samples sharing prompt pages (copy on write in both pools), a LoRA
+    adapter on the target, NaN-poisoned freed pages: greedy tokens equal the plain
+    engine's, and every page is accounted for at the end."""
+    first, second = waves()
+    requests = [Request(tokens=r.tokens, max_new_tokens=r.max_new_tokens, n=2)
+                for r in second[:2]]
+    requests += [Request(tokens=r.tokens, max_new_tokens=r.max_new_tokens, adapter="a")
+                 for r in second[2:]] + first
+    adapters = {"a": kvjax.init_adapter(CONFIG, rank=4, seed=1)}
+    cache = CacheConfig(page_size=4, num_pages=30, prefill_chunk=16, attn_block=8)
+    results = []
+    for spec in (None, SpecConfig(gamma=3)):
+        ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=4, poison_freed=True)
+        engine = Engine(target, CONFIG, ec, adapters=adapters,
+                        draft=(draft, DRAFT) if spec else None, spec=spec)
+        results.append(engine.generate(requests))
+        m = engine.metrics()
+        assert m["free_pages"] == cache.num_pages - m["resident_pages"]
+    assert [r.tokens for r in results[1]] == [r.tokens for r in results[0]]
+    assert m["preemptions"] + m["evictions"] > 0
+    assert engine._draft.allocator.num_free == cache.num_pages - engine._draft.trie.num_nodes
+
+
 def test_statistics_of_always_right_and_always_wrong_drafts(target, draft):
     """decode_steps 4, 13 new tokens: the first comes from the prefill, then 3 calls with a
     budget of 4 tokens. Always right (the target drafts for itself, γ 4): one round per
