@@ -84,18 +84,22 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
 
     drafts, q = draw(0, logits[:, 0], drafts, q)
 
-    def body(i, carry):  # feeds d_i, drafts d_{i+1}
+    def body(i: int, carry):  # feeds d_i, drafts d_{i+1}
         cache, draft_lengths, drafts, q = carry
         on = active.astype(jnp.int32)
         batch = BatchInfo(table, draft_lengths, on, offset)
-        fed = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1]
+        fed = drafts[:, i - 1:i]  # [B, 1]
         logits, cache = model.apply(variables, fed, model_positions(batch, 1), cache, batch,
                                     None)
         drafts, q = draw(i, logits[:, 0], drafts, q)
         return cache, draft_lengths + on, drafts, q
 
-    cache, draft_lengths, drafts, q = jax.lax.fori_loop(1, gamma, body,
-                                                        (cache, draft_lengths, drafts, q))
+    # Unrolled (γ is static): a fori_loop here, nested in the round's while_loop, measured
+    # 0.08 ms slower per draft step on XLA:CPU (γ 4: 2.45 -> 2.19 ms per round).
+    carry = (cache, draft_lengths, drafts, q)
+    for i in range(1, gamma):
+        carry = body(i, carry)
+    cache, draft_lengths, drafts, q = carry
     return drafts, q, cache, draft_lengths
 
 
