@@ -8,6 +8,7 @@ end-to-end time, and whether the greedy tokens agree. Medians after a warm-up.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -18,8 +19,9 @@ import jax
 import numpy as np
 
 from kvjax.config import CacheConfig, load_config
-from kvjax.io.hf import load_hf
+from kvjax.io.hf import hf_config, load_hf
 from kvjax.reporting import emit, markdown_table, write_results
+from kvjax.runtime.batching import pages_for
 from kvjax.runtime.generate import KVPool, generate
 
 
@@ -28,13 +30,10 @@ def _hf_model(model_cfg, folder: Path, seed: int):
     import transformers
 
     torch.manual_seed(seed)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.d_model,
-        intermediate_size=model_cfg.d_ff, num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
-        max_position_embeddings=model_cfg.max_seq_len, rms_norm_eps=model_cfg.norm_eps,
-        rope_theta=model_cfg.rope_theta, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(hf_config).eval()
+    # The bench shape as an untied Llama, through the same mapping `save_hf` writes.
+    fields = hf_config(dataclasses.replace(model_cfg, tie_embeddings=False))
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     model.save_pretrained(folder)
     return model
 
@@ -66,7 +65,7 @@ def main(args) -> int:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, config.vocab_size, size=(batch, args.prompt_len))
-        pages = batch * -(-(args.prompt_len + args.gen_tokens) // 16)
+        pages = batch * pages_for(args.prompt_len + args.gen_tokens, 16)
         pool = KVPool(config, CacheConfig(page_size=16, num_pages=pages, prefill_chunk=256,
                                           attn_block=256))
         lists = [list(map(int, p)) for p in prompts]

@@ -168,7 +168,6 @@ class SpecConfig:
     drafter: str = "model"  # "model" | "ngram"
     gamma: int = 4
     adaptive: bool = False  # choose each round's gamma (<= gamma) from the running alpha
-    batched_verify: bool = False  # speculative_generate: one [slots, gamma + 1] verify call
     ngram_max: int = 3
     cost_ratio: float | None = None  # c for adaptive gamma; None: measured by the engine
     verify_slope: float | None = None  # extra verify cost per drafted token; None: measured

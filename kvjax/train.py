@@ -23,6 +23,7 @@ from kvjax import data
 from kvjax.config import Config, ModelConfig, TrainConfig
 from kvjax.io import checkpoint
 from kvjax.io.hf import CheckpointError
+from kvjax.memory import num_params
 from kvjax.model.transformer import Transformer, init_params
 from kvjax.progress import Progress
 
@@ -112,7 +113,7 @@ def train(config: Config, out_dir: str | None = None, resume: bool = True,
     else:
         opt_state = optimizer.init(params)
     log(f"train: {model.num_layers} layers, d_model {model.d_model}, "
-        f"{sum(x.size for x in jax.tree_util.tree_leaves(params)):,} params; corpus "
+        f"{num_params(model):,} params; corpus "
         f"{len(corpus['train']):,} train / {len(corpus['validation']):,} validation tokens; "
         f"{tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens")
     end = tc.steps if stop_after is None else min(tc.steps, step + stop_after)

@@ -93,8 +93,9 @@ def test_rollback_with_a_shared_prefix_page_is_bitwise(model):
     (mostly rejected) cross page boundaries; afterwards the sequence's cache is bitwise a
     fresh prefill of its accepted history, the shared page's bits and refcount are
     unchanged, and every page past the end went back to the allocator."""
+    from kvjax.runtime.batching import free_past
     from kvjax.runtime.generate import KVPool
-    from kvjax.runtime.spec_generate import SpecStats, _truncate, _verify
+    from kvjax.runtime.spec_generate import SpecStats, _verify
 
     config, params = model
     pool = KVPool(config, CACHE)
@@ -118,7 +119,7 @@ def test_rollback_with_a_shared_prefix_page_is_bitwise(model):
         history.append(last)
         history += emitted[:-1]
         length, last = length + len(emitted), emitted[-1]
-        _truncate(pool, row_b, length, 4)
+        free_past(pool.allocator, row_b, length, 4)
     assert stats.wasted > 0 and length == len(history)
     assert len(row_b) == -(-length // 4)
     _, fresh = prefill(params, config, CACHE, init_cache(config, CACHE), history,

@@ -237,18 +237,27 @@ class PrefixTrie:
         return out
 
     def num_evictable(self) -> int:
-        """Pages eviction could free now: nodes whose whole subtree only the trie holds."""
-        def count(node: Node) -> tuple[int, bool]:
-            total, free = 0, True
-            for child in node.child_list():
-                n, ok = count(child)
-                total, free = total + n, free and ok
-            if node.parent is None:
-                return total, free
-            free = free and self.allocator.refcount(node.page) == 1
-            return total + free, free
+        """Pages eviction could free now: nodes whose whole subtree only the trie holds.
 
-        return sum(count(root)[0] for root in self._roots.values())
+        Post-order with an explicit stack: a long prompt is a chain as deep as its pages.
+        """
+        total, subtree_free = 0, {}
+        stack = [(root, False) for root in self._roots.values()]
+        while stack:
+            node, children_done = stack.pop()
+            kids = node.child_list()
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((kid, False) for kid in kids)
+                continue
+            free = True
+            for kid in kids:
+                free = subtree_free.pop(id(kid)) and free
+            if node.parent is not None:
+                free = free and self.allocator.refcount(node.page) == 1
+                total += free
+            subtree_free[id(node)] = free
+        return total
 
     def evictable(self) -> list[Node]:
         """Leaves that only the trie references."""

@@ -17,6 +17,15 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def free_past(allocator, pages: list[int], length: int, page_size: int) -> None:
+    """Rollback: returns the pages wholly past the first `length` tokens to `allocator`
+    (a `PageAllocator`) and drops them from `pages` in place."""
+    keep = pages_for(length, page_size)
+    if len(pages) > keep:
+        allocator.free(pages[keep:])
+        del pages[keep:]
+
+
 def page_table(rows: list[list[int]], num_slots: int, block_pages: int) -> np.ndarray:
     """int32[num_slots, P]: each row's pages, padded with page 0 (never read past a length).
 

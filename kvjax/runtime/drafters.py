@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import jax
 import numpy as np
 
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table, pages_for
 from kvjax.runtime.generate import KVPool
 from kvjax.runtime.prefill import prefill
-from kvjax.runtime.sampling import adjusted_logits, sequence_keys
+from kvjax.runtime.sampling import probabilities, sequence_keys
 
 
 class Drafter(Protocol):
@@ -68,7 +67,6 @@ class ModelDrafter:
         self.pool = KVPool(config, cache_config)
         self.sampling = sampling
         self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (cached, pages)
-        self.steps = 0
 
     def release(self, seq_id: int) -> None:
         _, pages = self._state.pop(seq_id, ([], []))
@@ -104,10 +102,8 @@ class ModelDrafter:
             self.params, self.config, self.pool.cache, table, np.array([length], np.int32),
             np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,
             np.full(1, -1, np.int32), max_steps=gamma, return_logits=temp > 0)
-        self.steps += gamma
         draft = np.asarray(out)[0, :gamma].tolist()
         self._state[seq_id] = (history + draft[:-1], pages)
         if temp == 0:
             return draft, None
-        q = jax.nn.softmax(adjusted_logits(logits[0], *(np.repeat(x, gamma) for x in knobs)), -1)
-        return draft, np.asarray(q)
+        return draft, np.asarray(probabilities(logits, *knobs)[0])

@@ -43,7 +43,7 @@ from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.model.lora import stack_adapters
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
-from kvjax.runtime.batching import page_table, pages_for
+from kvjax.runtime.batching import free_past, page_table, pages_for
 from kvjax.runtime.engine_spec import Speculator, finish_request_stats
 from kvjax.runtime.prefill import prefill
 from kvjax.runtime.requests import (
@@ -135,7 +135,7 @@ class Engine:
             self.cache = poison_pages(self.cache, np.arange(ec.cache.num_pages, dtype=np.int32))
         if draft is not None and spec is None:
             spec = SpecConfig()
-        self.spec = None if spec is None else Speculator(spec, draft, config, ec)
+        self.spec = None if spec is None else Speculator(spec, draft, config, ec, hash_fn)
         self._draft = None if self.spec is None else self.spec.pool
 
     # -- public API ---------------------------------------------------------------------------
@@ -342,10 +342,12 @@ class Engine:
             self.allocator.share(page)  # ours now: not evictable while we allocate
         if copy_from is not None:
             self.allocator.share(copy_from.page)
-            if self.allocator.num_free + self.trie.num_evictable() < fresh_needed:
-                self.allocator.free([copy_from.page])  # the copy does not fit: recompute
-                copy_from, copied = None, 0
-        if self.allocator.num_free + self.trie.num_evictable() < fresh_needed:
+        room = self.allocator.num_free + self.trie.num_evictable()
+        if copy_from is not None and room < fresh_needed:
+            self.allocator.free([copy_from.page])  # the copy does not fit: recompute
+            copy_from, copied = None, 0
+            room = self.allocator.num_free + self.trie.num_evictable()
+        if room < fresh_needed:
             self.allocator.free(reused_pages)  # wait for running requests to finish
             if draft_plan is not None:
                 self._draft.allocator.free(draft_plan[1])
@@ -622,7 +624,8 @@ class Engine:
                 self._flush_poison(self._draft)
             res = self.spec.decode(self, live, budgets, gamma, dict(
                 table=table, lengths=lengths, last=last, budget=budget, keys=keys,
-                knobs=knobs, stops=stops, offsets=offsets, adapters=adapter_ids))
+                knobs=knobs, stops=stops, offsets=offsets, adapters=adapter_ids,
+                want_logits=want_logits))
             out, logits, new_lengths = res["tokens"], res["logits"], res["lengths"]
         out, new_lengths = np.asarray(out), np.asarray(new_lengths)
         logits = np.asarray(logits) if want_logits else None
@@ -639,21 +642,16 @@ class Engine:
             seq.done = (len(seq.generated) >= seq.req.request.max_new_tokens
                         or seq.last == seq.req.request.stop_token)
             if self.spec is not None:  # rollback: pages wholly past the kept history
-                self._truncate(self, seq.pages, seq.length)
+                ps = self.cache_config.page_size
+                free_past(self.allocator, seq.pages, seq.length, ps)
                 if self._draft is not None:
-                    self._truncate(self._draft, seq.draft_pages, seq.draft_length)
+                    free_past(self._draft.allocator, seq.draft_pages, seq.draft_length, ps)
         for req in {s.req.id: s.req for s in live}.values():
             self._emit(req, events)
             for seq in req.seqs:
                 if seq.done:
                     self._release_seq(seq)
             self._retire_if_done(req)
-
-    def _truncate(self, pool, pages: list[int], length: int) -> None:
-        keep = pages_for(length, self.cache_config.page_size)
-        if len(pages) > keep:
-            pool.allocator.free(pages[keep:])
-            del pages[keep:]
 
     # -- results -------------------------------------------------------------------------------
     def _emit(self, req: _Req, events: list[StreamEvent]) -> None:

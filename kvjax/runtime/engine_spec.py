@@ -30,7 +30,8 @@ MIN_EVIDENCE = 4.0  # decayed drafts at a position before its own acceptance rat
 class DraftPool:
     """The draft model's weights, paged cache, allocator and prefix trie."""
 
-    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig):
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig,
+                 hash_fn=None):
         self.params = jax.device_put(params)
         self.config = config
         self.cache_config = cc = engine_config.cache
@@ -38,7 +39,8 @@ class DraftPool:
         self.cache = init_cache(config, cc)
         self.allocator = PageAllocator(cc.num_pages, track_freed=engine_config.poison_freed)
         self.trie = PrefixTrie(cc.page_size, self.allocator, engine_config.eviction,
-                               evicted_record=engine_config.evicted_record)
+                               evicted_record=engine_config.evicted_record,
+                               **({} if hash_fn is None else {"hash_fn": hash_fn}))
         if engine_config.poison_freed:
             self.cache = poison_pages(self.cache, np.arange(cc.num_pages, dtype=np.int32))
 
@@ -73,7 +75,7 @@ class Speculator:
     """Runs speculative decode calls for the engine and keeps their statistics."""
 
     def __init__(self, spec: SpecConfig, draft, config: ModelConfig,
-                 engine_config: EngineConfig):
+                 engine_config: EngineConfig, hash_fn=None):
         self.spec = spec
         self.pool: DraftPool | None = None
         if spec.drafter == "model":
@@ -86,7 +88,7 @@ class Speculator:
             if draft_config.vocab_size != config.vocab_size:
                 raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
                                   f"the target's {config.vocab_size}")
-            self.pool = DraftPool(params, draft_config, engine_config)
+            self.pool = DraftPool(params, draft_config, engine_config, hash_fn)
         self.totals = empty_totals(spec.gamma)
         self.target_calls = 0
         self.gamma_history: list[int] = []
@@ -135,7 +137,8 @@ class Speculator:
         """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
 
         `arrays` holds the engine's per-slot arrays (table, lengths, last, budget, keys,
-        knobs, stops, offsets, adapters). Returns the loop's outputs as numpy.
+        knobs, stops, offsets, adapters) and want_logits. Returns the loop's outputs as
+        numpy.
         """
         slots = len(arrays["lengths"])
         kwargs = {}
@@ -158,12 +161,11 @@ class Speculator:
                 row = seq.req.tokens + seq.generated
                 history[seq.slot, : len(row)] = row
             kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
-        want_logits = any(s.req.request.return_logits for s in live)
         out = spec_loop(engine.params, engine.config, engine.cache, arrays["table"],
                         arrays["lengths"], arrays["last"], arrays["budget"], arrays["keys"],
                         *arrays["knobs"], arrays["stops"], drafter=self.spec.drafter,
                         gamma=gamma, max_out=engine.engine_config.decode_steps,
-                        return_logits=want_logits, position_offset=arrays["offsets"],
+                        return_logits=arrays["want_logits"], position_offset=arrays["offsets"],
                         lora=engine._lora, adapter_ids=arrays["adapters"], **kwargs)
         engine.cache = out.pop("cache")
         draft_cache = out.pop("draft_cache")

@@ -52,6 +52,22 @@ def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
+def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array) -> jax.Array:
+    """The distributions sampling draws from: softmax of `adjusted_logits`.
+
+    Args:
+      logits: float32[B, ..., V]; temperature, top_p: float32[B]; top_k: int32[B] (one
+      setting per row b, shared by its inner positions).
+    """
+    shape = logits.shape
+    inner = int(np.prod(shape[1:-1], dtype=np.int64))
+    rep = lambda x: jnp.repeat(x, inner)  # noqa: E731
+    adjusted = adjusted_logits(logits.reshape(-1, shape[-1]), rep(temperature), rep(top_k),
+                               rep(top_p))
+    return jax.nn.softmax(adjusted, axis=-1).reshape(shape)
+
+
 def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
            top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Samples int32[B] tokens; temperature 0 rows are greedy (argmax).

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.paged import BatchInfo, init_cache, model_positions
-from kvjax.config import CacheConfig, ModelConfig
+from kvjax.config import CacheConfig
 from kvjax.model.transformer import Transformer
 from kvjax.runtime.batching import page_table, pages_for
 
@@ -86,13 +86,6 @@ def timed_ratio(numerator, denominator, repeats: int = 9) -> float:
     """Median over `repeats` of numerator() / denominator(), the two timed back to back (so
     drift in the machine's speed cancels)."""
     return float(np.median([numerator() / denominator() for _ in range(repeats)]))
-
-
-def step_seconds(params, config: ModelConfig, batch: int, context: int, width: int = 1,
-                 repeats: int = 5) -> float:
-    """Median seconds of one step of `width` tokens per sequence (see `step_timer`)."""
-    timer = step_timer([(params, config, width, 1)], batch, context)
-    return float(np.median([timer() for _ in range(repeats)]))
 
 
 def cost_ratio(target: tuple, draft: tuple, batch: int, context: int,

@@ -22,11 +22,11 @@ import numpy as np
 from kvjax.cache.paged import BatchInfo
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.runtime import steps
-from kvjax.runtime.batching import bucket, page_table, pages_for
+from kvjax.runtime.batching import bucket, free_past, page_table, pages_for
 from kvjax.runtime.drafters import Drafter
 from kvjax.runtime.generate import KVPool, _prefill, validate_prompts
 from kvjax.runtime.requests import InvalidRequestError
-from kvjax.runtime.sampling import adjusted_logits, sample, sequence_keys
+from kvjax.runtime.sampling import probabilities, sample, sampling_arrays, sequence_keys
 from kvjax.runtime.speculative import choose_gamma, greedy_accept, sampling_accept
 
 
@@ -89,7 +89,7 @@ class SpecResult:
 
 
 _sample = jax.jit(sample)
-_probs = jax.jit(lambda logits, t, k, p: jax.nn.softmax(adjusted_logits(logits, t, k, p), -1))
+_probs = jax.jit(probabilities)
 _greedy = jax.jit(greedy_accept)
 _exact = jax.jit(sampling_accept)
 
@@ -155,7 +155,7 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         for i, tokens in zip(active, emitted, strict=True):
             lengths[i] += len(tokens)  # the fed token and the accepted drafts are now cached
             outs[i] += tokens[: max_new_tokens - len(outs[i])]
-            _truncate(pool, rows[i], lengths[i], ps)
+            free_past(pool.allocator, rows[i], lengths[i], ps)
     for i in range(n):
         if hasattr(drafter, "release"):
             drafter.release(i)
@@ -164,14 +164,6 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         for row in rows:
             pool.allocator.free(row)
     return result
-
-
-def _truncate(pool: KVPool, row: list[int], length: int, page_size: int) -> None:
-    """Rollback: pages wholly past the kept history return to the allocator."""
-    keep = pages_for(length, page_size)
-    if len(row) > keep:
-        pool.allocator.free(row[keep:])
-        del row[keep:]
 
 
 def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingConfig,
@@ -213,10 +205,8 @@ def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingC
         accepted, nxt = _greedy(drafts, logits, num_draft)
         alpha_terms = (np.asarray(jax.numpy.argmax(logits[:, :gamma], -1)) == drafts)
     else:
-        knobs = (np.full(rows_out * (gamma + 1), sampling.temperature, np.float32),
-                 np.full(rows_out * (gamma + 1), sampling.top_k, np.int32),
-                 np.full(rows_out * (gamma + 1), sampling.top_p, np.float32))
-        p = _probs(logits.reshape(-1, logits.shape[-1]), *knobs).reshape(logits.shape)
+        knobs = sampling_arrays(sampling, rows_out)
+        p = _probs(logits, knobs["temperature"], knobs["top_k"], knobs["top_p"])
         accepted, nxt = _exact(drafts, q_full, p, num_draft, keys, lengths + 1)
         alpha_terms = np.asarray(np.minimum(np.asarray(p)[:, :gamma], q_full).sum(-1))
     accepted, nxt = np.asarray(accepted), np.asarray(nxt)

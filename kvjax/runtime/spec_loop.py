@@ -33,21 +33,12 @@ from kvjax.config import ModelConfig
 from kvjax.model.transformer import Transformer
 from kvjax.runtime import steps
 from kvjax.runtime.ngram_device import ngram_propose
-from kvjax.runtime.sampling import adjusted_logits, sample
+from kvjax.runtime.sampling import probabilities, sample
 from kvjax.runtime.speculative import greedy_accept, sampling_accept
 
 DRAFT_TAG = 0xD4AF  # the draft's sampling keys: fold_in(sequence key, DRAFT_TAG)
 
 STAT_KEYS = ("verifications", "drafted", "accepted", "emitted", "alpha_sum", "alpha_count")
-
-
-def _probs(logits, temperature, top_k, top_p):
-    """float32[B, T, V] distributions after temperature / top-k / top-p (per row knobs)."""
-    b, t, v = logits.shape
-    rep = lambda x: jnp.repeat(x, t)  # noqa: E731
-    adjusted = adjusted_logits(logits.reshape(b * t, v), rep(temperature), rep(top_k),
-                               rep(top_p))
-    return jax.nn.softmax(adjusted, axis=-1).reshape(b, t, v)
 
 
 def _draft_model(params, config, cache, table, draft_lengths, lengths, last, prev, active,
@@ -76,7 +67,7 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
         one_hot = jax.nn.one_hot(tok, vocab)
 
         def mixed():  # sampled rows drew from q: keep it for the acceptance rule
-            probs = jax.nn.softmax(adjusted_logits(logits, temperature, top_k, top_p), axis=-1)
+            probs = probabilities(logits, temperature, top_k, top_p)
             return jnp.where((temperature > 0)[:, None], probs, one_hot)
 
         dist = jax.lax.cond(all_greedy, lambda: one_hot, mixed)
@@ -120,8 +111,8 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     Arrays as in `steps.decode_loop`; rows with budget 0 do nothing.
 
     Returns a dict: tokens int32[B, S] (-1 past the end), logits float32[B, S, V] (the
-    target logits each token was accepted or sampled from) or None, cache, lengths, last,
-    draft_cache, draft_lengths, prev, history, rounds (target calls), and per-row int32/f32
+    target logits each token was accepted or sampled from) or None, cache, lengths,
+    draft_cache, draft_lengths, prev, rounds (target calls), and per-row int32/f32
     statistics: verifications, drafted, accepted, emitted, alpha_sum, alpha_count, plus
     drafted_by_position / accepted_by_position int32[B, G].
     """
@@ -173,20 +164,22 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
                                          s["cache"], batch, adapter_ids)  # [B, G + 1, V]
 
         greedy_n, greedy_next = greedy_accept(drafts, logits, num_draft)
-        argmax_p = jax.nn.one_hot(jnp.argmax(logits[:, :gamma], -1), vocab)
 
-        def greedy_only():
-            return greedy_n, greedy_next, argmax_p
+        # Each branch returns (accepted, next token, E[min(p, q)] per drafted position [B, G]).
+        def greedy_only():  # p and q are both one-hot: E[min(p, q)] is argmax == draft
+            best = jnp.argmax(logits[:, :gamma], -1)
+            return greedy_n, greedy_next, (best == drafts).astype(jnp.float32)
 
         def mixed():
-            p = _probs(logits, temperature, top_k, top_p)
+            p = probabilities(logits, temperature, top_k, top_p)
             n, nxt = sampling_accept(drafts, q, p, num_draft, keys, base + lengths + 1)
             pick = temperature == 0
+            argmax_p = jax.nn.one_hot(jnp.argmax(logits[:, :gamma], -1), vocab)
             p_eff = jnp.where(pick[:, None, None], argmax_p, p[:, :gamma])
-            return jnp.where(pick, greedy_n, n), jnp.where(pick, greedy_next, nxt), p_eff
+            return (jnp.where(pick, greedy_n, n), jnp.where(pick, greedy_next, nxt),
+                    jnp.sum(jnp.minimum(p_eff, q), axis=-1))
 
-        accepted, nxt, p_eff = jax.lax.cond(all_greedy, greedy_only, mixed)
-        alpha_terms = jnp.sum(jnp.minimum(p_eff, q), axis=-1)  # E[min(p, q)], [B, G]
+        accepted, nxt, alpha_terms = jax.lax.cond(all_greedy, greedy_only, mixed)
 
         # Emit d_1 .. d_accepted then nxt, within the budget, up to the first stop token.
         out = jnp.where(cols < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
@@ -232,8 +225,8 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
         return s
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, state)
-    result = {key: state[key] for key in ("tokens", "cache", "lengths", "last", "draft_cache",
-                                          "draft_lengths", "prev", "history")}
+    result = {key: state[key] for key in ("tokens", "cache", "lengths", "draft_cache",
+                                          "draft_lengths", "prev")}
     result["logits"] = state["logits"] if return_logits else None
     result["rounds"] = state["round"]
     result.update(state["stats"])
