@@ -8,6 +8,7 @@ step divided by the bandwidth a jitted matrix-vector product reaches on this mac
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -26,7 +27,7 @@ from kvjax.runtime.batching import bucket, page_table, pages_for
 from kvjax.runtime.sampling import sample
 
 
-def _median_seconds(fn, reps: int, warmup: int = 2) -> float:
+def median_seconds(fn, reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -43,17 +44,17 @@ def measure_bandwidth(megabytes: int = 256, reps: int = 10) -> float:
     w = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     x = jnp.ones((n,), jnp.float32)
     matvec = jax.jit(lambda w, x: w @ x)
-    seconds = _median_seconds(lambda: matvec(w, x).block_until_ready(), reps)
+    seconds = median_seconds(lambda: matvec(w, x).block_until_ready(), reps)
     return n * n * 4 / seconds
 
 
-def _filled(cache, seed: int = 0):
+def filled_with_noise(cache, seed: int = 0):
     """Random K/V so attention reads real numbers (timing does not depend on them)."""
     k = jax.random.normal(jax.random.PRNGKey(seed), cache.k.shape, cache.k.dtype)
     return cache.replace(k=k, v=k * 0.5)
 
 
-class _Holder:
+class Holder:
     """Keeps the donated cache threaded through repeated timed calls."""
 
     def __init__(self, cache):
@@ -68,41 +69,53 @@ def _step_timer(params, config, holder, tokens, batch):
     return run
 
 
+def contiguous_pages(cache_cfg: CacheConfig, batch: int, total: int):
+    """A page table giving each of `batch` rows its own `total` tokens of pages, and the
+    cache config with exactly that many pages."""
+    per_row = pages_for(total, cache_cfg.page_size)
+    rows = [list(range(i * per_row, (i + 1) * per_row)) for i in range(batch)]
+    table = page_table(rows, batch, cache_cfg.block_pages)
+    return table, dataclasses.replace(cache_cfg, num_pages=batch * per_row)
+
+
+def multistep_seconds(params, config: ModelConfig, holder: Holder, table, lengths,
+                      decode_steps: int, reps: int) -> float:
+    """Seconds per token of `decode_steps` greedy tokens per row decoded on device by
+    `steps.decode_loop` from `lengths` (the cache in `holder` is threaded through)."""
+    batch = len(lengths)
+    zeros = np.zeros(batch, np.int32)
+    keys = np.zeros((batch, 2), np.uint32)
+    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
+    budget = np.full(batch, decode_steps, np.int32)
+    last = np.ones(batch, np.int32)
+
+    def multi_step():
+        out, _, holder.cache, _ = steps.decode_loop(
+            params, config, holder.cache, table, lengths, last, budget, keys, temp, zeros,
+            top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16))
+        np.asarray(out)
+
+    return median_seconds(multi_step, reps) / decode_steps
+
+
 def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int, context: int,
                 decode_steps: int, reps: int, bandwidth: float) -> dict:
     """All measurements at one (batch, context) point."""
     total = context + decode_steps + 1
-    rows = [list(range(i * pages_for(total, cache_cfg.page_size),
-                       (i + 1) * pages_for(total, cache_cfg.page_size))) for i in range(batch)]
-    table = page_table(rows, batch, cache_cfg.block_pages)
-    num_pages = batch * pages_for(total, cache_cfg.page_size)
-    paged_cfg = CacheConfig(page_size=cache_cfg.page_size, num_pages=num_pages,
-                            dtype=cache_cfg.dtype, prefill_chunk=cache_cfg.prefill_chunk,
-                            attn_block=cache_cfg.attn_block)
+    table, paged_cfg = contiguous_pages(cache_cfg, batch, total)
     lengths = np.full(batch, context, np.int32)
     one = np.ones(batch, np.int32)
     tokens = np.ones((batch, 1), np.int32)
     decode_batch = BatchInfo(page_table=table, lengths=lengths, num_new=one)
 
-    paged = _Holder(_filled(init_cache(config, paged_cfg)))
-    paged_s = _median_seconds(_step_timer(params, config, paged, tokens, decode_batch), reps)
+    paged = Holder(filled_with_noise(init_cache(config, paged_cfg)))
+    paged_s = median_seconds(_step_timer(params, config, paged, tokens, decode_batch), reps)
 
-    dense = _Holder(_filled(init_dense_cache(config, batch, total, cache_cfg.dtype)))
-    dense_s = _median_seconds(_step_timer(params, config, dense, tokens, decode_batch), reps)
+    dense = Holder(filled_with_noise(init_dense_cache(config, batch, total, cache_cfg.dtype)))
+    dense_s = median_seconds(_step_timer(params, config, dense, tokens, decode_batch), reps)
 
     # Multi-step decode on device vs one jitted call per token from Python.
-    zeros = np.zeros(batch, np.int32)
-    keys = np.zeros((batch, 2), np.uint32)
-    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
-    budget = np.full(batch, decode_steps, np.int32)
-
-    def multi_step():
-        out, _, paged.cache, _ = steps.decode_loop(
-            params, config, paged.cache, table, lengths, tokens[:, 0], budget, keys, temp,
-            zeros, top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16))
-        np.asarray(out)
-
-    multi_s = _median_seconds(multi_step, reps) / decode_steps
+    multi_s = multistep_seconds(params, config, paged, table, lengths, decode_steps, reps)
     sample_jit = jax.jit(sample)
 
     def python_loop():
@@ -110,14 +123,16 @@ def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int,
         for i in range(decode_steps):
             b = BatchInfo(page_table=table, lengths=lengths + i, num_new=one)
             logits, paged.cache = steps.extend(params, config, paged.cache, last, b)
-            nxt = sample_jit(logits[:, 0], keys, lengths + i + 1, temp, zeros, top_p)
+            nxt = sample_jit(logits[:, 0], np.zeros((batch, 2), np.uint32), lengths + i + 1,
+                             np.zeros(batch, np.float32), np.zeros(batch, np.int32),
+                             np.ones(batch, np.float32))
             last = np.asarray(nxt)[:, None]  # the host needs each token (stop checks)
 
-    loop_s = _median_seconds(python_loop, max(1, reps // 2), warmup=1) / decode_steps
+    loop_s = median_seconds(python_loop, max(1, reps // 2), warmup=1) / decode_steps
 
     ids = jnp.ones((batch, context + 1), jnp.int32)
     nocache_reps = 3 if batch * context >= 8192 else reps
-    nocache_s = _median_seconds(lambda: forward(params, config, ids).block_until_ready(),
+    nocache_s = median_seconds(lambda: forward(params, config, ids).block_until_ready(),
                                 nocache_reps, warmup=1)
 
     cost = memory.step_cost(config, batch, context, 1, param_bytes=4,

@@ -101,8 +101,9 @@ def main(args) -> int:
     points = [(d, g) for d in ("model", "ngram") for g in gammas]
     with Progress(len(points) + 4, "operating point") as bar:
         for drafter, gamma in points:
-            rows.append(_point(target, draft, prompts, args, drafter, gamma, False,
-                               c_model if drafter == "model" else 0.0, slope, args.gen_tokens))
+            rows.append(measure_point(target, draft, prompts, args, drafter, gamma, False,
+                                      c_model if drafter == "model" else 0.0, slope,
+                                      args.gen_tokens))
             bar.update(1)
         for drafter in ("model", "ngram"):
             c = c_model if drafter == "model" else 0.0
@@ -112,10 +113,10 @@ def main(args) -> int:
             # Adaptive γ re-chooses γ at every engine call (every `adaptive_steps` tokens);
             # the best fixed γ is rerun at the same call granularity for a like-for-like
             # comparison.
-            same_grain = _point(target, draft, prompts, args, drafter, best["gamma"], False, c,
-                                slope, args.adaptive_steps)
-            adaptive = _point(target, draft, prompts, args, drafter, max(gammas), True, c,
-                              slope, args.adaptive_steps)
+            same_grain = measure_point(target, draft, prompts, args, drafter, best["gamma"],
+                                       False, c, slope, args.adaptive_steps)
+            adaptive = measure_point(target, draft, prompts, args, drafter, max(gammas), True,
+                                     c, slope, args.adaptive_steps)
             adaptive["vs_best_fixed"] = adaptive["speedup"] / same_grain["speedup"]
             adaptive["best_fixed_same_grain"] = same_grain["speedup"]
             rows.append(adaptive)
@@ -134,8 +135,8 @@ def main(args) -> int:
     return 0
 
 
-def _point(target, draft, prompts, args, drafter, gamma, adaptive, c, slope,
-           decode_steps) -> dict:
+def measure_point(target, draft, prompts, args, drafter, gamma, adaptive, c, slope,
+                  decode_steps) -> dict:
     spec = SpecConfig(drafter=drafter, gamma=gamma, adaptive=adaptive,
                       cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None)
     speedup, plain_s, seconds, metrics, same = _paired(target, draft, prompts, args, spec,

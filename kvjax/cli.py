@@ -1,9 +1,10 @@
-"""`kvjax generate|memory|bench` on the command line."""
+"""`kvjax run|generate|train|memory|bench` on the command line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvjax.config import ConfigError, ModelConfig, load_config
 
@@ -66,6 +67,32 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from kvjax import experiments, runner
+    from kvjax.results import publish
+
+    if args.list:
+        for name in experiments.shipped():
+            print(f"{name:24s} {experiments.describe(experiments.load(name))}")
+        configs = sorted(Path("configs").glob("*.toml")) if Path("configs").is_dir() else []
+        shipped = [c for c in configs if c.read_text().lstrip().startswith("#")
+                   and "experiment =" in c.read_text()]
+        if shipped:
+            print("\nconfigs: " + " ".join(str(c) for c in shipped))
+        return 0
+    if args.config is None:
+        raise ConfigError("config", "give a config file (or --list)")
+    exp = runner.resolve(args.config, args.set)
+    print(f"{exp.name}: {experiments.describe(exp.module)} ({len(exp.points)} points, "
+          f"scale {exp.scale}, seed {exp.seed})")
+    out = runner.run(exp, args.out, fresh=args.fresh)
+    if args.publish:
+        for path in publish(out, Path(args.publish), exp.name):
+            print(f"copied {path}")
+    print(f"results: {out}/ (summary.md, metrics.jsonl, metrics.csv, plots)")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.which == "prefix":
         from kvjax import bench_prefix
@@ -87,6 +114,19 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment config (a sweep) into a results folder")
+    run.add_argument("config", nargs="?", help="a TOML file in configs/ naming an experiment")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="seed=1, scale=small, params.<field>=V (or <field>=V), "
+                          "sweep.<field>=[...]")
+    run.add_argument("--out", help="results folder (default results/<config name>[-small])")
+    run.add_argument("--fresh", action="store_true",
+                     help="discard earlier results in the folder instead of resuming")
+    run.add_argument("--publish", metavar="DIR",
+                     help="also copy the plots to DIR (docs/ for the README)")
+    run.add_argument("--list", action="store_true", help="list the shipped experiments")
+    run.set_defaults(func=_run)
 
     gen = sub.add_parser("generate", help="generate from a model built from a config")
     gen.add_argument("config", help="a TOML file in configs/")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import platform
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,10 +32,38 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
+PACKAGES = ("kvjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "numpy")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> dict:
+    """The commit of the kvjax checkout and whether it has uncommitted changes (or None)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=root, capture_output=True, text=True, check=True,
+                                timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(status.strip())}
+
+
 def environment() -> dict:
-    return {"jax": jax.__version__, "device": str(jax.devices()[0]),
+    """Package versions, device, machine and the git commit a result was made with."""
+    return {"versions": {p: _version(p) for p in PACKAGES},
+            "device": str(jax.devices()[0]), "device_count": jax.device_count(),
+            "backend": jax.default_backend(), "cpus": os.cpu_count(),
             "machine": platform.machine(), "processor": platform.processor(),
-            "python": platform.python_version()}
+            "platform": platform.platform(), "python": platform.python_version(),
+            "git": git_commit()}
 
 
 def write_results(out, table: str, results: list[dict], **meta) -> Path:

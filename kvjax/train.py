@@ -148,3 +148,23 @@ def train(config: Config, out_dir: str | None = None, resume: bool = True,
     final = history[-1] if history else {"step": step, "train_loss": loss}
     return {**final, "out": str(out / "ckpt" / "model"), "train_seconds": trained_s,
             "history": history}
+
+
+def trained(config_path: str, out_dir: str, overrides=(), log=print) -> tuple:
+    """(params, model config) of the model `config_path` trains into `out_dir`, training
+    it first (or finishing an interrupted run) when `out_dir` holds no finished checkpoint.
+
+    `overrides` (`section.key=value`) make a shorter setting, e.g. `train.steps=60`.
+    """
+    from kvjax.config import load_config
+
+    config = load_config(config_path, overrides)
+    path = Path(out_dir) / "ckpt" / "model"
+    if path.exists():
+        meta = checkpoint.read_metadata(path)
+        if meta["metadata"].get("step", 0) >= config.train.steps:
+            return checkpoint.load(path)[::-1]
+    log(f"training {config_path} into {out_dir} ({config.train.steps} steps"
+        + (f"; {', '.join(overrides)}" if overrides else "") + ")")
+    train(config, out_dir=out_dir, resume=True, log=log)
+    return checkpoint.load(path)[::-1]

@@ -14,7 +14,7 @@ import numpy as np
 from kvjax.runtime.requests import Request, RequestResult
 
 
-def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(0, vocab, size=n)]
 
 
@@ -22,8 +22,8 @@ def shared_system_prompt(num_requests: int, prefix_len: int, suffix_len: int, vo
                          max_new_tokens: int = 8, seed: int = 0, **request_kw) -> list[Request]:
     """Requests sharing one system prompt, each with its own suffix."""
     rng = np.random.default_rng(seed)
-    system = _ids(rng, prefix_len, vocab)
-    return [Request(system + _ids(rng, suffix_len, vocab), max_new_tokens, **request_kw)
+    system = random_ids(rng, prefix_len, vocab)
+    return [Request(system + random_ids(rng, suffix_len, vocab), max_new_tokens, **request_kw)
             for _ in range(num_requests)]
 
 
@@ -32,9 +32,23 @@ def few_shot(num_requests: int, num_examples: int, example_len: int, query_len: 
              **request_kw) -> list[Request]:
     """The same shared examples (in the same order) followed by a different query."""
     rng = np.random.default_rng(seed)
-    examples = [t for _ in range(num_examples) for t in _ids(rng, example_len, vocab)]
-    return [Request(examples + _ids(rng, query_len, vocab), max_new_tokens, **request_kw)
+    examples = [t for _ in range(num_examples) for t in random_ids(rng, example_len, vocab)]
+    return [Request(examples + random_ids(rng, query_len, vocab), max_new_tokens, **request_kw)
             for _ in range(num_requests)]
+
+
+def popular_prompts(num_requests: int, num_prompts: int, prompt_len: int, suffix_len: int,
+                    vocab: int, zipf: float = 1.0, max_new_tokens: int = 8, seed: int = 0,
+                    **request_kw) -> list[Request]:
+    """Requests drawn from `num_prompts` shared prompts (apps, system prompts) with Zipf
+    popularity (prompt k has weight 1 / (k + 1)^zipf), each with its own suffix, in a
+    seeded random arrival order."""
+    rng = np.random.default_rng(seed)
+    prompts = [random_ids(rng, prompt_len, vocab) for _ in range(num_prompts)]
+    weights = 1.0 / np.arange(1, num_prompts + 1) ** zipf
+    picks = rng.choice(num_prompts, size=num_requests, p=weights / weights.sum())
+    return [Request(prompts[k] + random_ids(rng, suffix_len, vocab), max_new_tokens, **request_kw)
+            for k in picks]
 
 
 def mid_page_divergence(num_requests: int, prefix_len: int, total_len: int, vocab: int,
@@ -42,8 +56,8 @@ def mid_page_divergence(num_requests: int, prefix_len: int, total_len: int, voca
                         **request_kw) -> list[Request]:
     """Requests equal up to `prefix_len` (chosen inside a page) and different after."""
     rng = np.random.default_rng(seed)
-    head = _ids(rng, prefix_len, vocab)
-    return [Request(head + _ids(rng, total_len - prefix_len, vocab), max_new_tokens,
+    head = random_ids(rng, prefix_len, vocab)
+    return [Request(head + random_ids(rng, total_len - prefix_len, vocab), max_new_tokens,
                     **request_kw) for _ in range(num_requests)]
 
 
@@ -62,12 +76,12 @@ def run_multi_turn(engine, num_conversations: int, turns: int, system_len: int,
     `engine` (turn by turn, the conversations of a turn batched together).
     """
     rng = np.random.default_rng(seed)
-    system = _ids(rng, system_len, vocab)
+    system = random_ids(rng, system_len, vocab)
     convs = [Conversation(history=list(system)) for _ in range(num_conversations)]
     for _ in range(turns):
         requests = []
         for conv in convs:
-            conv.history += _ids(rng, user_len, vocab)
+            conv.history += random_ids(rng, user_len, vocab)
             requests.append(Request(list(conv.history), max_new_tokens, **request_kw))
         for conv, result in zip(convs, engine.generate(requests), strict=True):
             conv.results.append(result)

@@ -1,0 +1,80 @@
+"""Pieces the shipped experiments share: model presets, engine runs, plots (host code)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+
+# Random-weight models: exactness and reuse do not depend on training, and a fixed seed
+# makes every run identical. "tiny" is the smoke scale.
+MODELS = {
+    "tiny": ModelConfig(vocab_size=256, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+                        d_ff=128, max_seq_len=4096),
+    "small": ModelConfig(vocab_size=256, num_layers=4, d_model=256, num_heads=8,
+                         num_kv_heads=2, d_ff=704, max_seq_len=4096),
+}
+
+
+def check_model(name: str) -> None:
+    if name not in MODELS:
+        raise ConfigError("model", f"{name!r} is not one of {', '.join(map(repr, MODELS))}")
+
+
+@functools.cache
+def model(name: str, seed: int):
+    """(params, config) of a preset, initialised from `seed` (cached per process)."""
+    from kvjax.model.transformer import init_params
+
+    config = MODELS[name]
+    return init_params(config, seed), config
+
+
+def engine_config(page_size: int, num_pages: int, slots: int, chunk: int = 64,
+                  **engine_kw) -> EngineConfig:
+    """An engine whose prefill chunk and attention block are `chunk` tokens at every page
+    size, so a token's arithmetic is the same whatever the page size."""
+    chunk = max(chunk, page_size)
+    cache = CacheConfig(page_size=page_size, num_pages=num_pages, prefill_chunk=chunk,
+                        attn_block=chunk)
+    return EngineConfig(cache=cache, max_slots=slots, **engine_kw)
+
+
+def tokens_digest(tokens) -> str:
+    """A short digest of generated token lists (to compare outputs across points)."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def max_abs_diff(a_list, b_list) -> float:
+    """Largest |a - b| over matching logits arrays (inf where shapes differ)."""
+    worst = 0.0
+    for a, b in zip(a_list, b_list, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:
+            return float("inf")
+        worst = max(worst, float(np.max(np.abs(a - b))) if a.size else 0.0)
+    return worst
+
+
+def figure(width: float = 6.4, height: float = 4.2, ncols: int = 1):
+    """A headless matplotlib figure: (plt, fig, axes), one axes per column."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=100)
+    return plt, fig, axes
+
+
+def save(plt, fig, out: Path, name: str) -> Path:
+    path = Path(out) / name
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,142 @@
+"""Speculative decoding operating point: measured vs predicted speedup across γ and drafters.
+
+On the trained target/draft pair (trained first when the checkpoints are missing) and
+prompts from the held-out split of the stdlib corpus, each point runs plain engine decoding
+and speculative decoding (model or n-gram drafter at one γ) back to back, `reps` times after
+a warm-up, and takes the median of the pair ratios. Greedy: every run must give the plain
+run's tokens (counted). Reported beside the measured speedup: α, acceptance, tokens per
+target call, the textbook prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)) at the measured α
+and draft/target cost ratio c, the prediction with the measured verify cost (1 + s·γ target
+steps per verify), and the cost model (measured tokens per call over γc + 1 + sγ). c and s
+are measured once per process (`kvjax.runtime.spec_cost`). See `kvjax bench spec` for the
+adaptive-γ comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+from kvjax.bench_spec import held_out_prompts, measure_point
+from kvjax.config import ConfigError
+from kvjax.experiments import common
+from kvjax.memory import num_params
+from kvjax.runtime.spec_cost import cost_ratio, verify_slope
+from kvjax.train import trained
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    drafter: str = "model"
+    gamma: int = 4
+    target_dir: str = "checkpoints/target"
+    draft_dir: str = "checkpoints/draft"
+    target_train: str = "configs/train_target.toml"
+    draft_train: str = "configs/train_draft.toml"
+    target_set: tuple[str, ...] = ()  # overrides when the target must be trained here
+    draft_set: tuple[str, ...] = ()
+    prompts: int = 8
+    prompt_len: int = 512
+    gen_tokens: int = 128
+    reps: int = 3
+    slots: int = 1
+    slope_gamma: int = 8  # the widest verify the slope s is fitted to
+
+    def __post_init__(self):
+        if self.drafter not in ("model", "ngram"):
+            raise ConfigError("drafter", f"{self.drafter!r} is not one of 'model', 'ngram'")
+        if not 1 <= self.gamma <= 32:
+            raise ConfigError("gamma", f"must be in [1, 32], got {self.gamma}")
+        for key in ("prompts", "prompt_len", "gen_tokens", "reps", "slots", "slope_gamma"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+
+
+@functools.cache
+def _pair(p: Params):
+    """(target, draft) as (params, config) pairs, trained first if missing."""
+    target = trained(p.target_train, p.target_dir, p.target_set)
+    draft = trained(p.draft_train, p.draft_dir, p.draft_set)
+    return target, draft
+
+
+@functools.cache
+def _costs(p: Params) -> tuple[float, float]:
+    """(c, verify slope s), measured once per process at the run's batch and context."""
+    target, draft = _pair(p)
+    context = p.prompt_len + p.gen_tokens // 2
+    return (cost_ratio(target, draft, p.slots, context),
+            verify_slope(target, p.slots, context, p.slope_gamma + 1))
+
+
+def run(config) -> dict:
+    p = config.params
+    shared = dataclasses.replace(p, drafter="model", gamma=1)  # the cache key of a run
+    target, draft = _pair(shared)
+    c_model, slope = _costs(shared)
+    prompts = held_out_prompts(p.prompts, p.prompt_len, seed=config.seed)
+    args = types.SimpleNamespace(slots=p.slots, gen_tokens=p.gen_tokens, reps=p.reps)
+    c = c_model if p.drafter == "model" else 0.0
+    row = measure_point(target, draft, prompts, args, p.drafter, p.gamma, False, c, slope,
+                        p.gen_tokens)
+    row["verify_slope"] = slope
+    row["target_params"], row["draft_params"] = num_params(target[1]), num_params(draft[1])
+    return row
+
+
+TIMING = ("c", "verify_slope", "predicted", "predicted_verify", "cost_model", "speedup")
+
+COLUMNS = [
+    ("drafter", lambda r: r["drafter"]),
+    ("γ", lambda r: str(r["gamma"])),
+    ("α", lambda r: f"{r['alpha']:.3f}"),
+    ("accept", lambda r: f"{r['acceptance_rate']:.3f}"),
+    ("tokens/call", lambda r: f"{r['mean_accepted_length']:.2f}"),
+    ("c", lambda r: f"{r['c']:.3f}"),
+    ("predicted", lambda r: f"{r['predicted']:.2f}x"),
+    ("predicted (verify cost)", lambda r: f"{r['predicted_verify']:.2f}x"),
+    ("measured", lambda r: f"{r['speedup']:.2f}x"),
+    ("measured / predicted (verify cost)",
+     lambda r: f"{r['speedup'] / r['predicted_verify']:.2f}"),
+    ("same tokens", lambda r: f"{r['same']}/{r['prompts']}"),
+]
+
+
+def headline(rows: list[dict]) -> str:
+    lines = []
+    for drafter in dict.fromkeys(r["drafter"] for r in rows):
+        rs = [r for r in rows if r["drafter"] == drafter]
+        best = max(rs, key=lambda r: r["speedup"])
+        lines.append(f"- {drafter} drafter: best γ {best['gamma']}, {best['speedup']:.2f}x "
+                     f"measured vs {best['predicted']:.2f}x textbook and "
+                     f"{best['predicted_verify']:.2f}x with the measured verify cost "
+                     f"({best['speedup'] / best['predicted_verify']:.2f}); α "
+                     f"{best['alpha']:.2f}")
+    same = all(r["same"] == r["prompts"] for r in rows)
+    lines.append(f"- greedy tokens equal plain decoding at every point: "
+                 f"{'yes' if same else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out) -> list:
+    plt, fig, ax = common.figure(6.4, 4.4)
+    for drafter, color in (("model", "tab:blue"), ("ngram", "tab:orange")):
+        rs = sorted((r for r in rows if r["drafter"] == drafter), key=lambda r: r["gamma"])
+        if not rs:
+            continue
+        gammas = [r["gamma"] for r in rs]
+        ax.plot(gammas, [r["speedup"] for r in rs], "o-", color=color,
+                label=f"{drafter}: measured")
+        ax.plot(gammas, [r["predicted"] for r in rs], "--", color=color,
+                label=f"{drafter}: predicted (textbook)")
+        ax.plot(gammas, [r["predicted_verify"] for r in rs], ":", color=color,
+                label=f"{drafter}: predicted (measured verify cost)")
+        best = max(rs, key=lambda r: r["speedup"])
+        ax.plot([best["gamma"]], [best["speedup"]], "*", color=color, markersize=14)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("γ (drafted tokens per target call)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("Speculative decoding operating point (held-out prompts)", fontsize=9)
+    ax.legend(fontsize=6, loc="upper left", ncol=2)
+    return [common.save(plt, fig, out, "spec_operating_point.png")]

@@ -1,0 +1,193 @@
+"""`kvjax run CONFIG`: resolve an experiment config, run its sweep, keep a resumable journal.
+
+A config is a TOML file:
+
+    experiment = "prefix_page_size"   # a module in kvjax.experiments (or a dotted path)
+    seed = 0
+    scale = "full"                    # "full" | "small" (the smoke variant)
+    [params]                          # the experiment's Params fields
+    requests = 32
+    [sweep]                           # a grid: the cartesian product of these lists
+    page_size = [1, 4, 16, 64]
+    [small.params]                    # applied over [params] when scale = "small"
+    requests = 4
+    [small.sweep]                     # replaces these sweep keys when scale = "small"
+    page_size = [4, 16]
+
+`--set` takes `seed=1`, `scale=small`, `params.requests=8` (or just `requests=8`, which
+also fixes a swept field) and `sweep.page_size=[4,16]`. Everything is checked, every sweep
+point built and validated, before any work starts. Finished points are appended to
+`points.jsonl` in the results folder, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+import time
+import typing
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from kvjax import experiments, results
+from kvjax.config import ConfigError, _check_type, build, parse_override
+from kvjax.progress import Progress
+
+TOP_LEVEL = ("experiment", "seed", "scale", "params", "sweep", "small")
+SCALES = ("full", "small")
+
+
+@dataclasses.dataclass(frozen=True)
+class PointConfig:
+    """What an experiment's `run` gets for one sweep point."""
+
+    params: Any  # the experiment's Params, with this point's swept values
+    seed: int
+    scale: str  # "full" | "small"
+    out: Path  # the results folder (for artifacts an experiment wants to keep)
+    point: dict  # the swept values of this point
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """A resolved config: the module, base parameters, and every point of the sweep."""
+
+    source: str
+    module: ModuleType
+    name: str
+    seed: int
+    scale: str
+    params: Any
+    sweep: dict[str, list]
+    points: list[tuple[dict, Any]]  # (swept values, Params) in sweep order
+    overrides: tuple[str, ...] = ()
+
+    def resolved(self) -> dict:
+        """The JSON form written to config.json and compared on resume."""
+        return json.loads(json.dumps({
+            "experiment": self.name, "seed": self.seed, "scale": self.scale,
+            "params": dataclasses.asdict(self.params), "sweep": self.sweep,
+            "points": [p for p, _ in self.points]}, default=results.plain))
+
+    def default_out(self) -> Path:
+        stem = Path(self.source).stem
+        return Path("results") / (stem if self.scale == "full" else f"{stem}-{self.scale}")
+
+
+def point_id(point: dict) -> str:
+    return json.dumps(point, sort_keys=True, default=results.plain)
+
+
+def resolve(path: str | Path, overrides: typing.Iterable[str] = ()) -> Experiment:
+    """Loads and validates a config; raises ConfigError before any work."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", f"no such file: {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("config", f"{path} is not valid TOML: {e}") from None
+    for key in raw:
+        if key not in TOP_LEVEL:
+            raise ConfigError(key, f"unknown top-level key (known: {', '.join(TOP_LEVEL)})")
+    overrides = tuple(overrides)
+    parsed = [parse_override(text) for text in overrides]
+    for keys, value in parsed:  # the top-level keys first: they choose the module and scale
+        if len(keys) == 1 and keys[0] in ("experiment", "seed", "scale"):
+            raw[keys[0]] = value
+    module = experiments.load(raw.get("experiment", ""))
+    seed, scale = raw.get("seed", 0), raw.get("scale", "full")
+    _check_type(seed, int, "seed")
+    if scale not in SCALES:
+        raise ConfigError("scale", f"{scale!r} is not one of {', '.join(map(repr, SCALES))}")
+    params = dict(_table(raw, "params"))
+    sweep = dict(_table(raw, "sweep"))
+    small = _table(raw, "small")
+    for key in small:
+        if key not in ("params", "sweep"):
+            raise ConfigError(f"small.{key}", "unknown key (known: params, sweep)")
+    if scale == "small":
+        params.update(_table(small, "params", "small."))
+        sweep.update(_table(small, "sweep", "small."))
+    fields = {f.name for f in dataclasses.fields(module.Params)}
+    for keys, value in parsed:
+        if len(keys) == 1 and keys[0] in ("experiment", "seed", "scale"):
+            continue
+        if len(keys) == 2 and keys[0] == "sweep":
+            sweep[keys[1]] = value
+        elif (len(keys) == 2 and keys[0] == "params") or (len(keys) == 1 and keys[0] in fields):
+            params[keys[-1]] = value
+            sweep.pop(keys[-1], None)  # a value set on the command line fixes a swept field
+        else:
+            raise ConfigError(".".join(keys), f"unknown key for --set (known: experiment, "
+                              f"seed, scale, params.<field>, sweep.<field>; fields of "
+                              f"{module.__name__}.Params: {', '.join(sorted(fields))})")
+    base = build(module.Params, params, "params")
+    grid = _grid(module.Params, fields, sweep)
+    points = []
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values, strict=True))
+        try:
+            points.append((point, dataclasses.replace(base, **point)))
+        except ConfigError as e:
+            where = f"sweep.{e.key}" if e.key in point else f"params.{e.key}"
+            raise ConfigError(where, f"at sweep point {point}: "
+                              f"{str(e).split(': ', 1)[1]}") from None
+    return Experiment(str(path), module, raw["experiment"], seed, scale, base, grid, points,
+                      overrides)
+
+
+def _table(raw: dict, key: str, prefix: str = "") -> dict:
+    table = raw.get(key, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{prefix}{key}", "must be a table")
+    return table
+
+
+def _grid(params_cls: type, fields: set[str], sweep: dict) -> dict[str, list]:
+    hints = typing.get_type_hints(params_cls)
+    grid = {}
+    for key, values in sweep.items():
+        if key not in fields:
+            raise ConfigError(f"sweep.{key}", f"not a parameter of this experiment (known: "
+                              f"{', '.join(sorted(fields))})")
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ConfigError(f"sweep.{key}", f"must be a non-empty list, got {values!r}")
+        grid[key] = [_check_type(v, hints[key], f"sweep.{key}") for v in values]
+        if len({point_id({"v": v}) for v in grid[key]}) != len(grid[key]):
+            raise ConfigError(f"sweep.{key}", f"repeats a value: {values!r}")
+    return grid
+
+
+def run(exp: Experiment, out: str | Path | None = None, fresh: bool = False,
+        echo=print) -> Path:
+    """Runs every point not already in the folder's journal; writes the results folder."""
+    out = Path(out) if out is not None else exp.default_out()
+    resolved = exp.resolved()
+    done = results.start(out, resolved, fresh)
+    todo = [(p, params) for p, params in exp.points if point_id(p) not in done]
+    if done:
+        echo(f"resuming {out}: {len(exp.points) - len(todo)} of {len(exp.points)} points "
+             f"already done")
+    results.write_json(out / "environment.json", results.run_environment(exp))
+    with Progress(len(exp.points), exp.name, start=len(exp.points) - len(todo)) as bar:
+        for point, params in todo:
+            t0 = time.perf_counter()
+            rows = exp.module.run(PointConfig(params, exp.seed, exp.scale, out, point))
+            rows = [rows] if isinstance(rows, dict) else list(rows)
+            results.append_point(out, point_id(point), point, rows,
+                                 time.perf_counter() - t0)
+            bar.update(1, **{k: v for k, v in point.items() if not isinstance(v, (list, dict))})
+    rows = results.rows_in_order(out, [point_id(p) for p, _ in exp.points])
+    written = results.finish(out, exp, rows)
+    for path in written:
+        echo(f"wrote {path}")
+    return out
