@@ -72,16 +72,20 @@ def _run(args: argparse.Namespace) -> int:
     from kvjax.results import publish
 
     if args.list:
+        configs = runner.shipped_configs(Path("configs"))
         for name in experiments.shipped():
-            print(f"{name:24s} {experiments.describe(experiments.load(name))}")
-        configs = sorted(Path("configs").glob("*.toml")) if Path("configs").is_dir() else []
-        shipped = [c for c in configs if c.read_text().lstrip().startswith("#")
-                   and "experiment =" in c.read_text()]
-        if shipped:
-            print("\nconfigs: " + " ".join(str(c) for c in shipped))
+            where = "  ".join(str(c) for c in configs.get(name, []))
+            print(f"{name:22s} {experiments.describe(experiments.load(name))}"
+                  + (f"\n{'':22s} {where}" if where else ""))
         return 0
     if args.config is None:
         raise ConfigError("config", "give a config file (or --list)")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("kvjax run: plots need matplotlib: pip install 'kvjax[experiments]'",
+              file=sys.stderr)
+        return 2
     exp = runner.resolve(args.config, args.set)
     print(f"{exp.name}: {experiments.describe(exp.module)} ({len(exp.points)} points, "
           f"scale {exp.scale}, seed {exp.seed})")
@@ -89,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.publish:
         for path in publish(out, Path(args.publish), exp.name):
             print(f"copied {path}")
+    print("\n" + (out / "summary.md").read_text())
     print(f"results: {out}/ (summary.md, metrics.jsonl, metrics.csv, plots)")
     return 0
 

@@ -242,7 +242,7 @@ class Config:
 _SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 
-def _check_type(value: Any, annotation: Any, key: str) -> Any:
+def check_type(value: Any, annotation: Any, key: str) -> Any:
     """Checks a TOML value against a field annotation; returns it (lists become tuples)."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -254,14 +254,14 @@ def _check_type(value: Any, annotation: Any, key: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _check_type(value, option, key)
+                return check_type(value, option, key)
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
     if origin is tuple:
         _require(isinstance(value, (list, tuple)), key, f"expected a list, got {value!r}")
         (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
-        return tuple(_check_type(v, item, key) for v in value)
+        return tuple(check_type(v, item, key) for v in value)
     if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
         return build(annotation, value, key)
     if annotation is float:
@@ -287,7 +287,7 @@ def build(cls: type, table: dict[str, Any], section: str = ""):
         if key not in names:
             raise ConfigError(f"{prefix}{key}",
                               f"unknown key (known: {', '.join(sorted(names))})")
-        kwargs[key] = _check_type(value, hints[key], f"{prefix}{key}")
+        kwargs[key] = check_type(value, hints[key], f"{prefix}{key}")
     try:
         return cls(**kwargs)
     except ConfigError as e:

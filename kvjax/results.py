@@ -128,17 +128,17 @@ def finish(out: Path, exp, rows: list[dict]) -> list[Path]:
         "".join(json.dumps(r, default=plain) + "\n" for r in rows))
     (out / "metrics.csv").write_text(to_csv(rows))
     plots = [Path(p) for p in exp.module.plot(rows, out)]
-    (out / "summary.md").write_text(summary(exp, rows, plots))
+    (out / "summary.md").write_text(summary(exp, rows, plots, out))
     return [out / "metrics.jsonl", out / "metrics.csv", *plots, out / "summary.md"]
 
 
-def summary(exp, rows: list[dict], plots: list[Path]) -> str:
+def summary(exp, rows: list[dict], plots: list[Path], out: Path) -> str:
     from kvjax.experiments import describe
 
     command = " ".join(["kvjax run", exp.source, *(f"--set {o}" for o in exp.overrides)])
     if exp.scale != "full" and not any(o.startswith("scale=") for o in exp.overrides):
         command += f" --set scale={exp.scale}"
-    env = environment()
+    env = json.loads((out / "environment.json").read_text())
     lines = [f"# {exp.name}: {describe(exp.module)}", "", f"Reproduce: `{command}`", ""]
     if hasattr(exp.module, "headline"):
         lines += [exp.module.headline(rows), ""]

@@ -38,7 +38,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from kvjax import experiments, results
-from kvjax.config import ConfigError, _check_type, build, parse_override
+from kvjax.config import ConfigError, build, check_type, parse_override
 from kvjax.progress import Progress
 
 TOP_LEVEL = ("experiment", "seed", "scale", "params", "sweep", "small")
@@ -82,6 +82,19 @@ class Experiment:
         return Path("results") / (stem if self.scale == "full" else f"{stem}-{self.scale}")
 
 
+def shipped_configs(folder: Path) -> dict[str, list[Path]]:
+    """Experiment name -> the config files in `folder` that run it."""
+    found: dict[str, list[Path]] = {}
+    for path in sorted(Path(folder).glob("*.toml")):
+        try:
+            name = tomllib.loads(path.read_text()).get("experiment")
+        except tomllib.TOMLDecodeError:
+            continue
+        if isinstance(name, str):
+            found.setdefault(name, []).append(path)
+    return found
+
+
 def point_id(point: dict) -> str:
     return json.dumps(point, sort_keys=True, default=results.plain)
 
@@ -105,7 +118,7 @@ def resolve(path: str | Path, overrides: typing.Iterable[str] = ()) -> Experimen
             raw[keys[0]] = value
     module = experiments.load(raw.get("experiment", ""))
     seed, scale = raw.get("seed", 0), raw.get("scale", "full")
-    _check_type(seed, int, "seed")
+    check_type(seed, int, "seed")
     if scale not in SCALES:
         raise ConfigError("scale", f"{scale!r} is not one of {', '.join(map(repr, SCALES))}")
     params = dict(_table(raw, "params"))
@@ -161,7 +174,7 @@ def _grid(params_cls: type, fields: set[str], sweep: dict) -> dict[str, list]:
                               f"{', '.join(sorted(fields))})")
         if not isinstance(values, (list, tuple)) or not values:
             raise ConfigError(f"sweep.{key}", f"must be a non-empty list, got {values!r}")
-        grid[key] = [_check_type(v, hints[key], f"sweep.{key}") for v in values]
+        grid[key] = [check_type(v, hints[key], f"sweep.{key}") for v in values]
         if len({point_id({"v": v}) for v in grid[key]}) != len(grid[key]):
             raise ConfigError(f"sweep.{key}", f"repeats a value: {values!r}")
     return grid

@@ -330,3 +330,47 @@ def test_set_fixes_a_swept_field_and_sweep_overrides_replace_lists():
     exp = runner.resolve(config, ["scale=small", "sweep.page_size=[1, 64]", "params.slots=2"])
     assert exp.sweep["page_size"] == [1, 64] and exp.params.slots == 2
     assert exp.params.model == "tiny"  # the small table still applies
+
+
+def test_a_researchers_own_experiment_module_runs_from_the_working_directory(tmp_path,
+                                                                               monkeypatch):
+    (tmp_path / "my_lab").mkdir()
+    (tmp_path / "my_lab" / "__init__.py").write_text("")
+    (tmp_path / "my_lab" / "square.py").write_text('''"""Squares a number."""
+import dataclasses
+
+from kvjax.config import ConfigError
+from kvjax.experiments import common
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    x: int = 1
+
+    def __post_init__(self):
+        if self.x < 0:
+            raise ConfigError("x", "must be >= 0")
+
+
+def run(config):
+    return {"square": config.params.x ** 2, "seed": config.seed}
+
+
+COLUMNS = [("x", lambda r: str(r["x"])), ("x²", lambda r: str(r["square"]))]
+
+
+def plot(rows, out):
+    plt, fig, ax = common.figure()
+    ax.plot([r["x"] for r in rows], [r["square"] for r in rows], "o-")
+    return [common.save(plt, fig, out, "square.png")]
+''')
+    config = tmp_path / "square.toml"
+    config.write_text('experiment = "my_lab.square"\nseed = 3\n[sweep]\nx = [1, 2, 3]\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"sweep.x: at sweep point \{'x': -1\}"):
+        runner.resolve(config, ["sweep.x=[1, -1]"])
+    out = runner.run(runner.resolve(config), echo=_quiet)
+    assert out == Path("results/square")
+    assert [(r["x"], r["square"], r["seed"]) for r in _read(out)] == [(1, 1, 3), (2, 4, 3),
+                                                                      (3, 9, 3)]
+    assert "| 3 | 9 |" in (out / "summary.md").read_text()

@@ -12,13 +12,16 @@ An experiment module exposes
     headline(rows) (optional)    one line for the summary and `--list`
 
 and a module docstring whose first line describes it. A config may also name any
-importable module (`experiment = "mypackage.my_experiment"`) with the same interface.
+importable module (`experiment = "experiments.my_ablation"`, found from the working
+directory too) with the same interface.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import sys
 from types import ModuleType
 
 from kvjax.config import ConfigError
@@ -37,6 +40,8 @@ def load(name: str) -> ModuleType:
     if not isinstance(name, str) or not name:
         raise ConfigError("experiment", f"must name an experiment, got {name!r}")
     if "." in name:
+        if os.getcwd() not in sys.path:  # a researcher's own experiments/ folder
+            sys.path.append(os.getcwd())
         try:
             module = importlib.import_module(name)
         except ImportError as e:

@@ -1,5 +1,4 @@
-"""Identity strictness: reuse lost to each namespace field, and proof that ignoring it would
-have changed the outputs.
+"""Identity strictness: reuse lost per namespace field, and the outputs ignoring it changes.
 
 One workload shares a system prompt across groups of requests that differ from the plain
 group in exactly one namespace field: a LoRA adapter, a position shift, a tenant salt, or
