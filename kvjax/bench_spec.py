@@ -131,7 +131,8 @@ def main(args) -> int:
                   verify_slope=slope, prompts=args.prompts, prompt_len=args.prompt_len,
                   gen_tokens=args.gen_tokens, slots=args.slots, reps=args.reps)
     if args.plot:
-        _plot(rows, gammas, args.plot)
+        plot_operating_point(rows, args.plot)
+        emit(f"wrote {args.plot}")
     return 0
 
 
@@ -159,7 +160,8 @@ def measure_point(target, draft, prompts, args, drafter, gamma, adaptive, c, slo
     }
 
 
-def _plot(rows, gammas, path) -> None:
+def plot_operating_point(rows, path) -> None:
+    """Measured and predicted speedup against γ per drafter (adaptive rows as bands)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,7 +169,11 @@ def _plot(rows, gammas, path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
     for drafter, color in (("model", "tab:blue"), ("ngram", "tab:orange")):
-        fixed = [r for r in rows if r["drafter"] == drafter and not r["adaptive"]]
+        fixed = sorted((r for r in rows if r["drafter"] == drafter and not r["adaptive"]),
+                       key=lambda r: r["gamma"])
+        if not fixed:
+            continue
+        gammas = [r["gamma"] for r in fixed]
         ax.plot(gammas, [r["speedup"] for r in fixed], "o-", color=color,
                 label=f"{drafter}: measured")
         ax.plot(gammas, [r["predicted"] for r in fixed], "--", color=color,
@@ -191,4 +197,3 @@ def _plot(rows, gammas, path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    emit(f"wrote {path}")

@@ -21,9 +21,24 @@ MODELS = {
 }
 
 
-def check_model(name: str) -> None:
-    if name not in MODELS:
-        raise ConfigError("model", f"{name!r} is not one of {', '.join(map(repr, MODELS))}")
+def check_choice(params, key: str, choices) -> None:
+    """ConfigError naming `key` unless `params.key` is one of `choices`."""
+    value = getattr(params, key)
+    if value not in choices:
+        raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def check_positive(params, *keys: str) -> None:
+    """ConfigError naming the first of `keys` whose value is below 1."""
+    for key in keys:
+        if getattr(params, key) < 1:
+            raise ConfigError(key, f"must be >= 1, got {getattr(params, key)}")
+
+
+def check_page_size(params) -> None:
+    if params.page_size < 1 or params.capacity_tokens % params.page_size:
+        raise ConfigError("page_size", f"must be >= 1 and divide capacity_tokens "
+                          f"({params.capacity_tokens}), got {params.page_size}")
 
 
 @functools.cache

@@ -38,14 +38,10 @@ class Params:
     def __post_init__(self):
         if not 0 < self.capacity <= 4:
             raise ConfigError("capacity", f"must be in (0, 4], got {self.capacity}")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ConfigError("eviction", f"{self.eviction!r} is not one of "
-                              f"{', '.join(map(repr, EVICTION_POLICIES))}")
-        common.check_model(self.model)
-        for key in ("requests", "prompts", "prompt_len", "suffix_len", "new_tokens", "slots",
-                    "page_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        common.check_choice(self, "eviction", EVICTION_POLICIES)
+        common.check_choice(self, "model", common.MODELS)
+        common.check_positive(self, "requests", "prompts", "prompt_len", "suffix_len",
+                              "new_tokens", "slots", "page_size")
         if self.zipf < 0:
             raise ConfigError("zipf", f"must be >= 0, got {self.zipf}")
 

@@ -42,11 +42,10 @@ class Params:
     slots: int = 4
 
     def __post_init__(self):
-        common.check_model(self.model)
-        for key in ("system_len", "suffix_len", "per_group", "tenants", "adapter_rank",
-                    "page_size", "new_tokens", "slots", "position_shift"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        common.check_choice(self, "model", common.MODELS)
+        common.check_positive(self, "system_len", "suffix_len", "per_group", "tenants",
+                              "adapter_rank", "page_size", "new_tokens", "slots",
+                              "position_shift")
         if self.system_len < self.page_size:
             raise ConfigError("system_len", "must fill at least one page")
 

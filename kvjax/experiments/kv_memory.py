@@ -18,7 +18,7 @@ import numpy as np
 from kvjax import memory
 from kvjax.bench import Holder, contiguous_pages, filled_with_noise, multistep_seconds
 from kvjax.cache.paged import cache_bytes, init_cache
-from kvjax.config import CacheConfig, ConfigError, ModelConfig
+from kvjax.config import CacheConfig, ModelConfig
 from kvjax.experiments import common
 from kvjax.model.transformer import init_params
 from kvjax.runtime.generate import generate
@@ -42,16 +42,10 @@ class Params:
     page_size: int = 16
 
     def __post_init__(self):
-        if self.attention not in LAYOUTS:
-            raise ConfigError("attention", f"{self.attention!r} is not one of "
-                              f"{', '.join(map(repr, LAYOUTS))}")
-        if self.cache_dtype not in ("float32", "bfloat16"):
-            raise ConfigError("cache_dtype", f"{self.cache_dtype!r} is not one of "
-                              f"'float32', 'bfloat16'")
-        for key in ("num_layers", "d_model", "num_heads", "gqa_kv_heads", "d_ff", "batch",
-                    "context", "decode_steps", "reps", "page_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        common.check_choice(self, "attention", LAYOUTS)
+        common.check_choice(self, "cache_dtype", ("float32", "bfloat16"))
+        common.check_positive(self, "num_layers", "d_model", "num_heads", "gqa_kv_heads",
+                              "d_ff", "batch", "context", "decode_steps", "reps", "page_size")
         self.model_config()  # the model's own checks (head counts, divisibility)
 
     def kv_heads(self) -> int:

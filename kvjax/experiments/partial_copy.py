@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax import workloads
-from kvjax.config import ConfigError
 from kvjax.experiments import common
 from kvjax.runtime.engine import Engine
 
@@ -35,17 +34,11 @@ class Params:
     capacity_tokens: int = 32768
 
     def __post_init__(self):
-        if self.workload not in WORKLOADS:
-            raise ConfigError("workload", f"{self.workload!r} is not one of "
-                              f"{', '.join(map(repr, WORKLOADS))}")
-        if self.page_size < 1 or self.capacity_tokens % self.page_size:
-            raise ConfigError("page_size", f"must be >= 1 and divide capacity_tokens "
-                              f"({self.capacity_tokens}), got {self.page_size}")
-        common.check_model(self.model)
-        for key in ("requests", "shared_len", "suffix_len", "examples", "example_len",
-                    "new_tokens", "slots"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        common.check_choice(self, "workload", WORKLOADS)
+        common.check_page_size(self)
+        common.check_choice(self, "model", common.MODELS)
+        common.check_positive(self, "requests", "shared_len", "suffix_len", "examples",
+                              "example_len", "new_tokens", "slots")
 
 
 def _requests(p: Params, vocab: int, seed: int):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax import workloads
-from kvjax.config import ConfigError
 from kvjax.experiments import common
 from kvjax.memory import human_bytes
 from kvjax.runtime.engine import Engine
@@ -39,17 +38,12 @@ class Params:
     capacity_tokens: int = 65536  # cache size in tokens (unbounded for these workloads)
 
     def __post_init__(self):
-        if self.workload not in WORKLOADS:
-            raise ConfigError("workload", f"{self.workload!r} is not one of "
-                              f"{', '.join(map(repr, WORKLOADS))}")
-        if self.page_size < 1 or self.capacity_tokens % self.page_size:
-            raise ConfigError("page_size", f"must be >= 1 and divide capacity_tokens "
-                              f"({self.capacity_tokens}), got {self.page_size}")
-        common.check_model(self.model)
-        for key in ("requests", "system_len", "suffix_len", "conversations", "turns",
-                    "new_tokens", "slots", "examples", "example_len", "user_len"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        common.check_choice(self, "workload", WORKLOADS)
+        common.check_page_size(self)
+        common.check_choice(self, "model", common.MODELS)
+        common.check_positive(self, "requests", "system_len", "suffix_len", "conversations",
+                              "turns", "new_tokens", "slots", "examples", "example_len",
+                              "user_len")
 
 
 def run_workload(engine, p: Params, vocab: int, seed: int) -> list:

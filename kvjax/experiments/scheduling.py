@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax import workloads
-from kvjax.config import ConfigError
 from kvjax.experiments import common
 from kvjax.experiments.eviction import Params as _EvictionParams
 from kvjax.experiments.eviction import pool_pages
@@ -35,8 +34,7 @@ class Params:
     page_size: int = 16
 
     def __post_init__(self):
-        if self.schedule not in ("fcfs", "lpm"):
-            raise ConfigError("schedule", f"{self.schedule!r} is not one of 'fcfs', 'lpm'")
+        common.check_choice(self, "schedule", ("fcfs", "lpm"))
         _as_eviction(self)  # the shared fields' checks
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
+from pathlib import Path
 
+from kvjax import bench_spec
 from kvjax.bench_spec import held_out_prompts, measure_point
 from kvjax.config import ConfigError
 from kvjax.experiments import common
@@ -44,13 +46,11 @@ class Params:
     slope_gamma: int = 8  # the widest verify the slope s is fitted to
 
     def __post_init__(self):
-        if self.drafter not in ("model", "ngram"):
-            raise ConfigError("drafter", f"{self.drafter!r} is not one of 'model', 'ngram'")
+        common.check_choice(self, "drafter", ("model", "ngram"))
         if not 1 <= self.gamma <= 32:
             raise ConfigError("gamma", f"must be in [1, 32], got {self.gamma}")
-        for key in ("prompts", "prompt_len", "gen_tokens", "reps", "slots", "slope_gamma"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        common.check_positive(self, "prompts", "prompt_len", "gen_tokens", "reps", "slots",
+                              "slope_gamma")
 
 
 @functools.cache
@@ -87,20 +87,7 @@ def run(config) -> dict:
 
 TIMING = ("c", "verify_slope", "predicted", "predicted_verify", "cost_model", "speedup")
 
-COLUMNS = [
-    ("drafter", lambda r: r["drafter"]),
-    ("γ", lambda r: str(r["gamma"])),
-    ("α", lambda r: f"{r['alpha']:.3f}"),
-    ("accept", lambda r: f"{r['acceptance_rate']:.3f}"),
-    ("tokens/call", lambda r: f"{r['mean_accepted_length']:.2f}"),
-    ("c", lambda r: f"{r['c']:.3f}"),
-    ("predicted", lambda r: f"{r['predicted']:.2f}x"),
-    ("predicted (verify cost)", lambda r: f"{r['predicted_verify']:.2f}x"),
-    ("measured", lambda r: f"{r['speedup']:.2f}x"),
-    ("measured / predicted (verify cost)",
-     lambda r: f"{r['speedup'] / r['predicted_verify']:.2f}"),
-    ("same tokens", lambda r: f"{r['same']}/{r['prompts']}"),
-]
+COLUMNS = bench_spec.COLUMNS
 
 
 def headline(rows: list[dict]) -> str:
@@ -120,23 +107,6 @@ def headline(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out) -> list:
-    plt, fig, ax = common.figure(6.4, 4.4)
-    for drafter, color in (("model", "tab:blue"), ("ngram", "tab:orange")):
-        rs = sorted((r for r in rows if r["drafter"] == drafter), key=lambda r: r["gamma"])
-        if not rs:
-            continue
-        gammas = [r["gamma"] for r in rs]
-        ax.plot(gammas, [r["speedup"] for r in rs], "o-", color=color,
-                label=f"{drafter}: measured")
-        ax.plot(gammas, [r["predicted"] for r in rs], "--", color=color,
-                label=f"{drafter}: predicted (textbook)")
-        ax.plot(gammas, [r["predicted_verify"] for r in rs], ":", color=color,
-                label=f"{drafter}: predicted (measured verify cost)")
-        best = max(rs, key=lambda r: r["speedup"])
-        ax.plot([best["gamma"]], [best["speedup"]], "*", color=color, markersize=14)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("γ (drafted tokens per target call)")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.set_title("Speculative decoding operating point (held-out prompts)", fontsize=9)
-    ax.legend(fontsize=6, loc="upper left", ncol=2)
-    return [common.save(plt, fig, out, "spec_operating_point.png")]
+    path = Path(out) / "spec_operating_point.png"
+    bench_spec.plot_operating_point(rows, path)
+    return [path]

@@ -16,7 +16,6 @@ import types
 from pathlib import Path
 
 from kvjax.bench_spec import held_out_prompts, measure_point
-from kvjax.config import ConfigError
 from kvjax.experiments import common
 from kvjax.io.tokenizer import ByteTokenizer
 from kvjax.runtime.batching import pages_for
@@ -55,11 +54,9 @@ class Params:
     gamma: int = 4
 
     def __post_init__(self):
-        if self.part not in ("prefix", "spec"):
-            raise ConfigError("part", f"{self.part!r} is not one of 'prefix', 'spec'")
-        for key in ("new_tokens", "spec_prompts", "spec_prompt_len", "spec_tokens", "gamma"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        common.check_choice(self, "part", ("prefix", "spec"))
+        common.check_positive(self, "new_tokens", "spec_prompts", "spec_prompt_len",
+                              "spec_tokens", "gamma")
 
 
 def models(p: Params):
