@@ -1,6 +1,6 @@
 """kvjax: a JAX research framework for provably exact cached decoding."""
 
-from kvjax import memory, speculative
+from kvjax import io, memory, speculative
 from kvjax.cache.allocator import AllocatorError, PageAllocator
 from kvjax.cache.identity import CacheNamespace
 from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
@@ -52,6 +52,7 @@ __all__ = [
     "init_adapter",
     "init_cache",
     "init_params",
+    "io",
     "load_config",
     "memory",
     "speculative",

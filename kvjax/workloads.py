@@ -39,16 +39,19 @@ def few_shot(num_requests: int, num_examples: int, example_len: int, query_len: 
 
 def popular_prompts(num_requests: int, num_prompts: int, prompt_len: int, suffix_len: int,
                     vocab: int, zipf: float = 1.0, max_new_tokens: int = 8, seed: int = 0,
-                    **request_kw) -> list[Request]:
+                    one_off: float = 0.0, **request_kw) -> list[Request]:
     """Requests drawn from `num_prompts` shared prompts (apps, system prompts) with Zipf
     popularity (prompt k has weight 1 / (k + 1)^zipf), each with its own suffix, in a
-    seeded random arrival order."""
+    seeded random arrival order. A fraction `one_off` of the requests instead carry a
+    prompt of the same length seen only once (a scan that pollutes recency)."""
     rng = np.random.default_rng(seed)
     prompts = [random_ids(rng, prompt_len, vocab) for _ in range(num_prompts)]
     weights = 1.0 / np.arange(1, num_prompts + 1) ** zipf
     picks = rng.choice(num_prompts, size=num_requests, p=weights / weights.sum())
-    return [Request(prompts[k] + random_ids(rng, suffix_len, vocab), max_new_tokens, **request_kw)
-            for k in picks]
+    scan = rng.random(num_requests) < one_off
+    return [Request((random_ids(rng, prompt_len, vocab) if s else prompts[k])
+                    + random_ids(rng, suffix_len, vocab), max_new_tokens, **request_kw)
+            for k, s in zip(picks, scan, strict=True)]
 
 
 def mid_page_divergence(num_requests: int, prefix_len: int, total_len: int, vocab: int,

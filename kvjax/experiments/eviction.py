@@ -31,6 +31,7 @@ class Params:
     prompt_len: int = 256
     suffix_len: int = 16
     zipf: float = 1.0
+    one_off: float = 0.0  # fraction of requests with a prompt seen once (a scan)
     new_tokens: int = 4
     slots: int = 4
     page_size: int = 16
@@ -44,6 +45,8 @@ class Params:
                               "new_tokens", "slots", "page_size")
         if self.zipf < 0:
             raise ConfigError("zipf", f"must be >= 0, got {self.zipf}")
+        if not 0 <= self.one_off < 1:
+            raise ConfigError("one_off", f"must be in [0, 1), got {self.one_off}")
 
 
 def pool_pages(p: Params) -> tuple[int, int, int]:
@@ -60,12 +63,16 @@ def pool_pages(p: Params) -> tuple[int, int, int]:
     return private + max(shared, round(p.capacity * working)), working, private
 
 
+def workload(p: Params, vocab: int, seed: int) -> list:
+    """The requests: shared prompts with Zipf popularity, each with its own suffix."""
+    return workloads.popular_prompts(p.requests, p.prompts, p.prompt_len, p.suffix_len, vocab,
+                                     p.zipf, p.new_tokens, seed=seed, one_off=p.one_off)
+
+
 def run(config) -> dict:
     p = config.params
     params, model = common.model(p.model, config.seed)
-    requests = workloads.popular_prompts(p.requests, p.prompts, p.prompt_len, p.suffix_len,
-                                         model.vocab_size, p.zipf, p.new_tokens,
-                                         seed=config.seed)
+    requests = workload(p, model.vocab_size, config.seed)
     num_pages, working, running = pool_pages(p)
     ec = common.engine_config(p.page_size, num_pages, p.slots, eviction=p.eviction)
     engine = Engine(params, model, ec)
@@ -92,6 +99,7 @@ def run(config) -> dict:
 
 COLUMNS = [
     ("policy", lambda r: r["eviction"]),
+    ("one-off prompts", lambda r: f"{r['one_off']:.0%}"),
     ("cache", lambda r: f"{r['capacity']:.0%} ({r['num_pages']} pages)"),
     ("token hit rate", lambda r: f"{r['token_reuse_rate']:.1%}"),
     ("ceiling", lambda r: f"{r['ceiling_token_reuse_rate']:.1%}"),
@@ -106,13 +114,15 @@ COLUMNS = [
 
 def headline(rows: list[dict]) -> str:
     lines = []
-    for cap in sorted({r["capacity"] for r in rows}):
-        rs = sorted((r for r in rows if r["capacity"] == cap),
-                    key=lambda r: -r["token_reuse_rate"])
-        lines.append(f"- cache at {cap:.0%} of the working set: " + ", ".join(
-            f"{r['eviction']} {r['fraction_of_ceiling']:.0%}" for r in rs)
-            + " of the unbounded ceiling")
-    same = len({r["tokens_digest"] for r in rows}) == 1
+    for one_off in sorted({r["one_off"] for r in rows}):
+        for cap in sorted({r["capacity"] for r in rows}):
+            rs = sorted((r for r in rows if r["capacity"] == cap and r["one_off"] == one_off),
+                        key=lambda r: -r["token_reuse_rate"])
+            lines.append(f"- {one_off:.0%} one-off prompts, cache at {cap:.0%} of the working "
+                         f"set: " + ", ".join(f"{r['eviction']} {r['fraction_of_ceiling']:.0%}"
+                                            for r in rs) + " of the unbounded ceiling")
+    same = all(len({r["tokens_digest"] for r in rows if r["one_off"] == o}) == 1
+               for o in {r["one_off"] for r in rows})
     lines.append(f"- outputs identical at every cache size and policy: "
                  f"{'yes' if same else 'NO'}")
     return "\n".join(lines)
@@ -122,17 +132,22 @@ def plot(rows: list[dict], out) -> list:
     plt, fig, (ax1, ax2) = common.figure(10.0, 3.8, ncols=2)
     caps = sorted({r["capacity"] for r in rows})
     policies = list(dict.fromkeys(r["eviction"] for r in rows))
-    for policy in policies:
-        rs = sorted((r for r in rows if r["eviction"] == policy), key=lambda r: r["capacity"])
-        ax1.plot([100 * r["capacity"] for r in rs],
-                 [100 * r["fraction_of_ceiling"] for r in rs], "o-", label=policy)
+    one_offs = sorted({r["one_off"] for r in rows})
+    for i, policy in enumerate(policies):
+        for one_off, style in zip(one_offs, ("o-", "s--", "^:", "v-."), strict=False):
+            rs = sorted((r for r in rows if r["eviction"] == policy and r["one_off"] == one_off),
+                        key=lambda r: r["capacity"])
+            ax1.plot([100 * r["capacity"] for r in rs],
+                     [100 * r["fraction_of_ceiling"] for r in rs], style, color=f"C{i}",
+                     label=f"{policy}, {one_off:.0%} one-off")
     ax1.set_xlabel("cache for shared prompts (% of working set)")
     ax1.set_ylabel("token hit rate (% of unbounded ceiling)")
     ax1.set_xticks([100 * c for c in caps])
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=7)
+    scan = [r for r in rows if r["one_off"] == one_offs[-1]]
     width = 0.8 / max(len(policies), 1)
     for i, policy in enumerate(policies):
-        rs = sorted((r for r in rows if r["eviction"] == policy), key=lambda r: r["capacity"])
+        rs = sorted((r for r in scan if r["eviction"] == policy), key=lambda r: r["capacity"])
         x = [j + i * width for j in range(len(rs))]
         ax2.bar(x, [r["misses_cold"] for r in rs], width, color="tab:gray",
                 label="cold" if i == 0 else None)
@@ -142,7 +157,7 @@ def plot(rows: list[dict], out) -> list:
     ax2.set_xticks([j + width * (len(policies) - 1) / 2 for j in range(len(caps))],
                    [f"{c:.0%}" for c in caps])
     ax2.set_xlabel("cache for shared prompts (% of working set)")
-    ax2.set_ylabel("requests missing, by cause")
+    ax2.set_ylabel(f"requests missing, by cause ({one_offs[-1]:.0%} one-off)")
     ax2.legend(fontsize=7)
     fig.suptitle("Eviction under memory pressure", fontsize=10)
     return [common.save(plt, fig, out, "eviction.png")]

@@ -177,7 +177,7 @@ def plot(rows: list[dict], out) -> list:
             color="tab:blue")
     ax2.set_yscale("log")
     ax2.set_ylabel("max |Δlogit| if the field were ignored")
-    ax2.set_title("What ignoring the field would have changed (1e-12 = nothing)", fontsize=9)
+    ax2.set_title("Ignoring the field changes logits by (1e-12: nothing)", fontsize=9)
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelsize=8)
     return [common.save(plt, fig, out, "identity.png")]

@@ -1,7 +1,9 @@
 """Partial-page copy off vs on: prompt tokens reused beyond whole pages, outputs unchanged.
 
 Without it, a request reuses only the whole pages before its divergence from a cached
-history; the matching tokens of the page it diverges in are recomputed. With it, the engine
+history; the matching tokens of the page it diverges in are recomputed. (A multi-turn
+conversation gains nothing: the page after the previous prompt's last full page was never
+cached, since it ends in decode-written tokens.) With it, the engine
 copies that cached page into a fresh one and prefills from the first differing token. Each
 point runs one workload three times on fresh engines: prefix cache off (the reference),
 partial copy off, partial copy on; greedy tokens and every logit must equal the
@@ -16,7 +18,7 @@ from kvjax import workloads
 from kvjax.experiments import common
 from kvjax.runtime.engine import Engine
 
-WORKLOADS = ("mid_page", "system_prompt", "few_shot")
+WORKLOADS = ("mid_page", "few_shot", "multi_turn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,8 @@ class Params:
     suffix_len: int = 40
     examples: int = 3
     example_len: int = 97
+    conversations: int = 3  # multi_turn: conversations x turns over a shared_len system prompt
+    turns: int = 3
     new_tokens: int = 8
     slots: int = 4
     capacity_tokens: int = 32768
@@ -38,32 +42,34 @@ class Params:
         common.check_page_size(self)
         common.check_choice(self, "model", common.MODELS)
         common.check_positive(self, "requests", "shared_len", "suffix_len", "examples",
-                              "example_len", "new_tokens", "slots")
+                              "example_len", "conversations", "turns", "new_tokens", "slots")
 
 
-def _requests(p: Params, vocab: int, seed: int):
+def _serve(engine, p: Params, vocab: int, seed: int) -> list:
+    """Runs the workload on `engine`; returns the request results in order."""
     kw = {"return_logits": True}
     if p.workload == "mid_page":
-        return workloads.mid_page_divergence(p.requests, p.shared_len,
-                                             p.shared_len + p.suffix_len, vocab, p.new_tokens,
-                                             seed=seed, **kw)
-    if p.workload == "system_prompt":
-        return workloads.shared_system_prompt(p.requests, p.shared_len, p.suffix_len, vocab,
-                                              p.new_tokens, seed=seed, **kw)
-    return workloads.few_shot(p.requests, p.examples, p.example_len, p.suffix_len, vocab,
-                              p.new_tokens, seed=seed, **kw)
+        return engine.generate(workloads.mid_page_divergence(
+            p.requests, p.shared_len, p.shared_len + p.suffix_len, vocab, p.new_tokens,
+            seed=seed, **kw))
+    if p.workload == "few_shot":
+        return engine.generate(workloads.few_shot(
+            p.requests, p.examples, p.example_len, p.suffix_len, vocab, p.new_tokens,
+            seed=seed, **kw))
+    convs = workloads.run_multi_turn(engine, p.conversations, p.turns, p.shared_len,
+                                     p.suffix_len, vocab, p.new_tokens, seed=seed, **kw)
+    return [r for c in convs for r in c.results]
 
 
 def run(config) -> dict:
     p = config.params
     params, model = common.model(p.model, config.seed)
-    requests = _requests(p, model.vocab_size, config.seed)
     runs = {}
     for name, kw in (("reference", {"prefix_cache": False}),
                      ("off", {"partial_page_copy": False}), ("on", {"partial_page_copy": True})):
         ec = common.engine_config(p.page_size, p.capacity_tokens // p.page_size, p.slots, **kw)
         engine = Engine(params, model, ec)
-        results = engine.generate(requests)
+        results = _serve(engine, p, model.vocab_size, config.seed)
         runs[name] = (engine.metrics(), results)
     (m_off, r_off), (m_on, r_on) = runs["off"], runs["on"]
     ref = runs["reference"][1]

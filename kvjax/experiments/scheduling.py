@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax import workloads
 from kvjax.experiments import common
 from kvjax.experiments.eviction import Params as _EvictionParams
-from kvjax.experiments.eviction import pool_pages
+from kvjax.experiments.eviction import pool_pages, workload
 from kvjax.runtime.engine import Engine
 
 
@@ -47,9 +46,7 @@ def _as_eviction(p: Params) -> _EvictionParams:
 def run(config) -> dict:
     p = config.params
     params, model = common.model(p.model, config.seed)
-    requests = workloads.popular_prompts(p.requests, p.prompts, p.prompt_len, p.suffix_len,
-                                         model.vocab_size, p.zipf, p.new_tokens,
-                                         seed=config.seed)
+    requests = workload(_as_eviction(p), model.vocab_size, config.seed)
     num_pages, _, _ = pool_pages(_as_eviction(p))
     ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule)
     Engine(params, model, ec).generate(requests[: p.slots])  # compiles the shapes

@@ -39,7 +39,7 @@ class Params:
     target_set: tuple[str, ...] = ()  # overrides when the target must be trained here
     draft_set: tuple[str, ...] = ()
     prompts: int = 8
-    prompt_len: int = 512
+    prompt_len: int = 128  # the pair was trained on 256-token windows: stay inside them
     gen_tokens: int = 128
     reps: int = 3
     slots: int = 1
