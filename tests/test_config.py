@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,14 @@ import pytest
 from kvjax import CacheConfig, ConfigError, ModelConfig, load_config
 from kvjax.config import config_from_dict
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Experiment configs (`experiment = ...`, run by `kvjax run`) are tested in test_experiments.
+CONFIGS = sorted(p for p in (Path(__file__).parent.parent / "configs").glob("*.toml")
+                 if "experiment" not in tomllib.loads(p.read_text()))
 
 
 def test_there_are_configs():

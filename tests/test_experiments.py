@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import experiments, runner
+from kvjax import experiments, results, runner
 from kvjax.cli import main
 from kvjax.config import ConfigError, load_config
 from kvjax.results import deterministic
@@ -245,14 +245,14 @@ def test_unknown_experiment_in_a_config_file(tmp_path, no_work):
         runner.resolve(config)
 
 
-def test_a_folder_of_another_config_is_not_overwritten(tmp_path, monkeypatch):
+def test_a_folder_of_another_config_is_not_overwritten(tmp_path, no_work):
     config = ROOT / "configs/prefix_page_size.toml"
-    small = ["scale=small", "sweep.page_size=[16]", "sweep.workload=['few_shot']"]
-    out = runner.run(runner.resolve(config, small), tmp_path / "o", echo=_quiet)
-    other = runner.resolve(config, [*small, "seed=1"])
-    monkeypatch.setattr(other.module, "run", lambda _c: pytest.fail("work started"))
+    out = tmp_path / "o"
+    results.start(out, runner.resolve(config, ["scale=small"]).resolved(), fresh=False)
+    other = runner.resolve(config, ["scale=small", "seed=1"])
     with pytest.raises(ConfigError, match="holds results of a different config"):
         runner.run(other, out, echo=_quiet)
+    assert json.loads((out / "config.json").read_text())["seed"] == 0
 
 
 # -- determinism and resume ----------------------------------------------------------------

@@ -44,6 +44,8 @@ class Params:
     reps: int = 3
     slots: int = 1
     slope_gamma: int = 8  # the widest verify the slope s is fitted to
+    cost_ratio: float | None = None  # pin c instead of measuring it
+    verify_slope: float | None = None  # pin s instead of measuring it
 
     def __post_init__(self):
         common.check_choice(self, "drafter", ("model", "ngram"))
@@ -66,8 +68,11 @@ def _costs(p: Params) -> tuple[float, float]:
     """(c, verify slope s), measured once per process at the run's batch and context."""
     target, draft = _pair(p)
     context = p.prompt_len + p.gen_tokens // 2
-    return (cost_ratio(target, draft, p.slots, context),
-            verify_slope(target, p.slots, context, p.slope_gamma + 1))
+    c = p.cost_ratio if p.cost_ratio is not None else cost_ratio(target, draft, p.slots,
+                                                                 context)
+    s = p.verify_slope if p.verify_slope is not None else verify_slope(
+        target, p.slots, context, p.slope_gamma + 1)
+    return c, s
 
 
 def run(config) -> dict:
