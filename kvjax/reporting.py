@@ -48,7 +48,7 @@ def git_commit() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True, timeout=10).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        status = subprocess.run(["git", "status", "--porcelain"],
                                 cwd=root, capture_output=True, text=True, check=True,
                                 timeout=10).stdout
     except (OSError, subprocess.SubprocessError):

@@ -3,7 +3,7 @@
     config.json       the resolved config: experiment, seed, scale, params, sweep, points
     environment.json  package versions, device, machine, git commit, command line
     points.jsonl      the journal: one line per finished sweep point (resume reads it)
-    metrics.jsonl     one line per row: the point's swept values, then the row's metrics
+    metrics.jsonl     one line per row: the swept values, the other parameters, the metrics
     metrics.csv       the same rows; lists and tables as JSON text
     summary.md        what was run, the headline, the summary table, the plots
     *.png             the experiment's plots
@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -25,8 +26,9 @@ from kvjax.config import ConfigError
 from kvjax.reporting import environment, markdown_table
 
 JOURNAL = "points.jsonl"
+PLOTS = "plots.json"  # the PNGs this run wrote (so --fresh removes only those)
 OWN_FILES = ("config.json", "environment.json", JOURNAL, "metrics.jsonl", "metrics.csv",
-             "summary.md")
+             "summary.md", PLOTS)
 
 
 def plain(value):
@@ -37,6 +39,8 @@ def plain(value):
         return value.tolist()
     if isinstance(value, Path):
         return str(value)
+    if hasattr(value, "__array__"):  # jax arrays
+        return np.asarray(value).tolist()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
@@ -54,10 +58,11 @@ def start(out: Path, resolved: dict, fresh: bool) -> set[str]:
     """
     config_path = out / "config.json"
     if fresh and out.exists():
+        if (out / PLOTS).exists():
+            for name in json.loads((out / PLOTS).read_text()):
+                (out / name).unlink(missing_ok=True)
         for name in OWN_FILES:
             (out / name).unlink(missing_ok=True)
-        for png in out.glob("*.png"):
-            png.unlink()
     if config_path.exists():
         old = json.loads(config_path.read_text())
         if old != resolved:
@@ -90,10 +95,12 @@ def _journal(out: Path) -> dict[str, dict]:
     return entries
 
 
-def append_point(out: Path, pid: str, point: dict, rows: list[dict], seconds: float) -> None:
-    """Appends one finished point to the journal, flushed to disk."""
-    line = json.dumps({"point_id": pid, "point": point, "seconds": seconds, "rows": rows},
-                      default=plain)
+def append_point(out: Path, pid: str, point: dict, params: dict, rows: list[dict],
+                 seconds: float, commit: str | None) -> None:
+    """Appends one finished point (its parameters, and the commit it ran at) to the
+    journal, flushed to disk."""
+    line = json.dumps({"point_id": pid, "point": point, "params": params, "seconds": seconds,
+                       "commit": commit, "rows": rows}, default=plain)
     with open(out / JOURNAL, "a") as f:
         f.write(line + "\n")
         f.flush()
@@ -101,14 +108,26 @@ def append_point(out: Path, pid: str, point: dict, rows: list[dict], seconds: fl
 
 
 def rows_in_order(out: Path, point_ids: list[str]) -> list[dict]:
-    """Every row of every point, in sweep order: the point's values, then the metrics."""
+    """Every row of every point, in sweep order: the swept values, the other parameters,
+    then the metrics (each row says everything that produced it)."""
     entries = _journal(out)
-    return [{**entries[pid]["point"], **row} for pid in point_ids for row in entries[pid]["rows"]]
+    return [{**entries[pid]["point"], **entries[pid]["params"], **row}
+            for pid in point_ids for row in entries[pid]["rows"]]
 
 
-def run_environment(exp) -> dict:
-    return {**environment(), "command": sys.argv, "config": exp.source,
-            "overrides": list(exp.overrides)}
+def record_environment(out: Path, exp, resumed: bool) -> dict:
+    """Writes environment.json for a new run; a resumed run appends itself to `resumes`,
+    so a folder whose points ran on different commits or machines says so."""
+    env = {**environment(), "command": sys.argv, "config": exp.source,
+           "overrides": list(exp.overrides)}
+    path = out / "environment.json"
+    if resumed and path.exists():
+        first = json.loads(path.read_text())
+        first.setdefault("resumes", []).append(env)
+        write_json(path, first)
+    else:
+        write_json(path, {**env, "resumes": []})
+    return env
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -128,6 +147,7 @@ def finish(out: Path, exp, rows: list[dict]) -> list[Path]:
         "".join(json.dumps(r, default=plain) + "\n" for r in rows))
     (out / "metrics.csv").write_text(to_csv(rows))
     plots = [Path(p) for p in exp.module.plot(rows, out)]
+    write_json(out / PLOTS, [p.name for p in plots])
     (out / "summary.md").write_text(summary(exp, rows, plots, out))
     return [out / "metrics.jsonl", out / "metrics.csv", *plots, out / "summary.md"]
 
@@ -135,7 +155,8 @@ def finish(out: Path, exp, rows: list[dict]) -> list[Path]:
 def summary(exp, rows: list[dict], plots: list[Path], out: Path) -> str:
     from kvjax.experiments import describe
 
-    command = " ".join(["kvjax run", exp.source, *(f"--set {o}" for o in exp.overrides)])
+    command = " ".join(["kvjax run", shlex.quote(exp.source),
+                        *(f"--set {shlex.quote(o)}" for o in exp.overrides)])
     if exp.scale != "full" and not any(o.startswith("scale=") for o in exp.overrides):
         command += f" --set scale={exp.scale}"
     env = json.loads((out / "environment.json").read_text())

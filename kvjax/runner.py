@@ -190,15 +190,15 @@ def run(exp: Experiment, out: str | Path | None = None, fresh: bool = False,
     if done:
         echo(f"resuming {out}: {len(exp.points) - len(todo)} of {len(exp.points)} points "
              f"already done")
-    results.write_json(out / "environment.json", results.run_environment(exp))
+    env = results.record_environment(out, exp, resumed=bool(done))
     with Progress(len(exp.points), exp.name, start=len(exp.points) - len(todo)) as bar:
         for point, params in todo:
             t0 = time.perf_counter()
             rows = exp.module.run(PointConfig(params, exp.seed, exp.scale, out, point))
             rows = [rows] if isinstance(rows, dict) else list(rows)
-            results.append_point(out, point_id(point), point, rows,
-                                 time.perf_counter() - t0)
-            bar.update(1, **{k: v for k, v in point.items() if not isinstance(v, (list, dict))})
+            results.append_point(out, point_id(point), point, dataclasses.asdict(params), rows,
+                                 time.perf_counter() - t0, env["git"]["commit"])
+            bar.update(1, done=" ".join(f"{k}={v}" for k, v in point.items()))
     rows = results.rows_in_order(out, [point_id(p) for p, _ in exp.points])
     written = results.finish(out, exp, rows)
     for path in written:

@@ -9,6 +9,7 @@ are a pure function of (seed, step), reaches exactly the weights an uninterrupte
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
 from functools import partial
@@ -150,6 +151,25 @@ def train(config: Config, out_dir: str | None = None, resume: bool = True,
             "history": history}
 
 
+def is_trained(config_path: str, out_dir: str, overrides=()) -> bool:
+    """Whether `out_dir` holds the finished model `config_path` (+ overrides) trains.
+
+    A checkpoint of another model config there is a CheckpointError, never a silent swap.
+    """
+    from kvjax.config import load_config
+
+    config = load_config(config_path, overrides)
+    path = Path(out_dir) / "ckpt" / "model"
+    if not path.exists():
+        return False
+    meta = checkpoint.read_metadata(path)
+    if meta["config"] != json.loads(json.dumps(dataclasses.asdict(config.model))):
+        raise CheckpointError(f"{out_dir} holds a model of another config than {config_path}"
+                              + (f" with {', '.join(overrides)}" if overrides else "")
+                              + "; use another folder or delete it")
+    return meta["metadata"].get("step", 0) >= config.train.steps
+
+
 def trained(config_path: str, out_dir: str, overrides=(), log=print) -> tuple:
     """(params, model config) of the model `config_path` trains into `out_dir`, training
     it first (or finishing an interrupted run) when `out_dir` holds no finished checkpoint.
@@ -158,12 +178,10 @@ def trained(config_path: str, out_dir: str, overrides=(), log=print) -> tuple:
     """
     from kvjax.config import load_config
 
-    config = load_config(config_path, overrides)
     path = Path(out_dir) / "ckpt" / "model"
-    if path.exists():
-        meta = checkpoint.read_metadata(path)
-        if meta["metadata"].get("step", 0) >= config.train.steps:
-            return checkpoint.load(path)[::-1]
+    if is_trained(config_path, out_dir, overrides):
+        return checkpoint.load(path)[::-1]
+    config = load_config(config_path, overrides)
     log(f"training {config_path} into {out_dir} ({config.train.steps} steps"
         + (f"; {', '.join(overrides)}" if overrides else "") + ")")
     train(config, out_dir=out_dir, resume=True, log=log)

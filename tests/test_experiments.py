@@ -65,11 +65,11 @@ def _smoke_overrides(name: str, pair: Path) -> list[str]:
     extra = {
         "spec_operating_point": [f'params.target_dir="{pair / "target"}"',
                                  f'params.draft_dir="{pair / "draft"}"',
-                                 f'params.target_train="{ROOT / "configs/train_target.toml"}"',
-                                 f'params.draft_train="{ROOT / "configs/train_draft.toml"}"'],
+                                 f'params.target_train="{ROOT / "configs/train_tiny_target.toml"}"',
+                                 f'params.draft_train="{ROOT / "configs/train_tiny_draft.toml"}"'],
         "tour": [f'params.short_dir="{pair}"',
-                 f'params.target_train="{ROOT / "configs/train_target.toml"}"',
-                 f'params.draft_train="{ROOT / "configs/train_draft.toml"}"'],
+                 f'params.target_train="{ROOT / "configs/train_tiny_target.toml"}"',
+                 f'params.draft_train="{ROOT / "configs/train_tiny_draft.toml"}"'],
     }
     return ["scale=small", *extra.get(name, [])]
 
@@ -117,8 +117,16 @@ def test_smoke_variant_runs_end_to_end(name, tmp_path, pair_dir, capsys):
         args += ["--set", o]
     assert main(args) == 0
     assert f"results: {tmp_path / 'out'}" in capsys.readouterr().out
-    rows = _check_folder(tmp_path / "out", runner.resolve(config, overrides))
+    exp = runner.resolve(config, overrides)
+    rows = _check_folder(tmp_path / "out", exp)
     CHECKS[name](rows)
+    # Same config, same seed: the first point again gives the same metrics but timings.
+    first = exp.points[0][0]
+    fixed = [f"{k}={json.dumps(v)}" for k, v in first.items()]
+    again = runner.run(runner.resolve(config, overrides + fixed), tmp_path / "again",
+                       echo=_quiet)
+    expected = [r for r in rows if all(r[k] == v for k, v in first.items())]
+    assert deterministic(_read(again), exp.module) == deterministic(expected, exp.module)
 
 
 def _prefix(rows):

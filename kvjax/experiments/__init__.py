@@ -60,4 +60,5 @@ def load(name: str) -> ModuleType:
 
 def describe(module: ModuleType) -> str:
     """The first line of the module's docstring."""
-    return (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+    lines = (module.__doc__ or "").strip().splitlines()
+    return lines[0] if lines else ""

@@ -35,6 +35,13 @@ def check_positive(params, *keys: str) -> None:
             raise ConfigError(key, f"must be >= 1, got {getattr(params, key)}")
 
 
+def check_files(params, *keys: str) -> None:
+    """ConfigError naming the first of `keys` whose value is not an existing file."""
+    for key in keys:
+        if not Path(getattr(params, key)).is_file():
+            raise ConfigError(key, f"no such file: {getattr(params, key)}")
+
+
 def check_page_size(params) -> None:
     if params.page_size < 1 or params.capacity_tokens % params.page_size:
         raise ConfigError("page_size", f"must be >= 1 and divide capacity_tokens "

@@ -48,6 +48,11 @@ class Params:
                               "position_shift")
         if self.system_len < self.page_size:
             raise ConfigError("system_len", "must fill at least one page")
+        end = self.position_shift + self.system_len + self.suffix_len + self.new_tokens
+        if end > common.MODELS[self.model].max_seq_len:
+            raise ConfigError("position_shift", f"position_shift + system_len + suffix_len + "
+                              f"new_tokens = {end} exceeds the model's max_seq_len "
+                              f"{common.MODELS[self.model].max_seq_len}")
 
 
 class IgnoringEngine(Engine):
@@ -161,9 +166,9 @@ def headline(rows: list[dict]) -> str:
             f"to {max((r['max_logit_diff'] for r in rows), default=0):.3g}): those fields are "
             f"needed for exactness.")
     if free:
-        text += (f" Ignoring {', '.join(free)} leaves every logit bit-identical: it isolates "
-                 f"tenants (no cross-tenant timing signal), it is not needed for exactness; "
-                 f"its price is the reuse lost in the table.")
+        text += (f" Ignoring {', '.join(free)} leaves every logit bit-identical: not needed "
+                 f"for exactness (the salt is there to isolate tenants); its price is the reuse "
+                 f"lost in the table.")
     return text
 
 

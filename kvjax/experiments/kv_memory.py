@@ -21,9 +21,11 @@ from kvjax.cache.paged import cache_bytes, init_cache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.experiments import common
 from kvjax.model.transformer import init_params
+from kvjax.runtime.batching import pages_for
 from kvjax.runtime.generate import generate
 
 LAYOUTS = ("mha", "gqa", "mqa")
+PROBE_LEN = 96  # prompt tokens of the bfloat16-vs-float32 logit comparison
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Params:
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=256, num_layers=self.num_layers, d_model=self.d_model,
                            num_heads=self.num_heads, num_kv_heads=self.kv_heads(),
-                           d_ff=self.d_ff, max_seq_len=self.context + self.decode_steps + 64)
+                           d_ff=self.d_ff,
+                           max_seq_len=max(self.context + self.decode_steps + 64, PROBE_LEN + 64))
 
 
 def run(config) -> dict:
@@ -76,8 +79,7 @@ def run(config) -> dict:
     seconds = multistep_seconds(params, model, holder, table, lengths, p.decode_steps, p.reps)
     del holder
     return {
-        "kv_heads": model.num_kv_heads, "head_dim": model.head_dim, "batch": p.batch,
-        "context": p.context,
+        "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
         "bytes_per_token_calculator": calculated, "bytes_per_token_measured": measured,
         "calculator_matches": calculated == measured,
         "cache_bytes_at_context": calculated * p.batch * p.context,
@@ -90,10 +92,11 @@ def _dtype_diff(params, model: ModelConfig, p: Params, chunk: int) -> float:
     """Largest |logit| difference between this cache dtype and float32 (greedy, 16 tokens)."""
     if p.cache_dtype == "float32":
         return 0.0
-    prompts = [[(7 * i + 3 * j) % 256 for j in range(96)] for i in range(2)]
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(PROBE_LEN)] for i in range(2)]
     logits = {}
     for dtype in ("float32", p.cache_dtype):
-        cache = CacheConfig(page_size=p.page_size, num_pages=64, dtype=dtype,
+        pages = 2 * pages_for(PROBE_LEN + 16, p.page_size)
+        cache = CacheConfig(page_size=p.page_size, num_pages=pages, dtype=dtype,
                             prefill_chunk=chunk, attn_block=chunk)
         result = generate(params, model, prompts, 16, cache=cache, return_logits=True)
         logits[dtype] = result.logits

@@ -1,13 +1,12 @@
 """Partial-page copy off vs on: prompt tokens reused beyond whole pages, outputs unchanged.
 
 Without it, a request reuses only the whole pages before its divergence from a cached
-history; the matching tokens of the page it diverges in are recomputed. (A multi-turn
-conversation gains nothing: the page after the previous prompt's last full page was never
-cached, since it ends in decode-written tokens.) With it, the engine
-copies that cached page into a fresh one and prefills from the first differing token. Each
-point runs one workload three times on fresh engines: prefix cache off (the reference),
-partial copy off, partial copy on; greedy tokens and every logit must equal the
-reference's bit for bit.
+history; the matching tokens of the page it diverges in are recomputed. With it, the engine
+copies that cached page into a fresh one and prefills from the first differing token. A
+multi-turn conversation gains little: the page after the previous prompt's last full page
+ends in decode-written tokens and was never cached. Each point runs one workload three
+times on fresh engines: prefix cache off (the reference), partial copy off, partial copy
+on; greedy tokens and every logit must equal the reference's bit for bit.
 """
 
 from __future__ import annotations

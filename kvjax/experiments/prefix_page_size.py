@@ -81,8 +81,6 @@ def run(config) -> dict:
     }
 
 
-TIMING = ("prefill_tokens_per_s",)
-
 COLUMNS = [
     ("workload", lambda r: r["workload"]),
     ("page size", lambda r: str(r["page_size"])),

@@ -53,6 +53,7 @@ class Params:
             raise ConfigError("gamma", f"must be in [1, 32], got {self.gamma}")
         common.check_positive(self, "prompts", "prompt_len", "gen_tokens", "reps", "slots",
                               "slope_gamma")
+        common.check_files(self, "target_train", "draft_train")
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from kvjax.io.tokenizer import ByteTokenizer
 from kvjax.runtime.batching import pages_for
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.requests import Request
-from kvjax.train import trained
+from kvjax.train import is_trained, trained
 
 SYSTEM = ("You are the kvjax tour guide. A KV-cache entry is the state a specific computation "
           "produced for a specific token history. Reusing it is valid only when the new "
@@ -57,12 +57,15 @@ class Params:
         common.check_choice(self, "part", ("prefix", "spec"))
         common.check_positive(self, "new_tokens", "spec_prompts", "spec_prompt_len",
                               "spec_tokens", "gamma")
+        common.check_files(self, "target_train", "draft_train")
 
 
 def models(p: Params):
-    """(target, draft, where): the full pair if trained, else the short pair (trained now)."""
-    full = all((Path(d) / "ckpt" / "model").exists() for d in (p.target_dir, p.draft_dir))
-    if full and p.use_trained:
+    """(target, draft, where): the full pair if its training finished, else the short pair
+    (trained now, or finished if interrupted)."""
+    full = p.use_trained and is_trained(p.target_train, p.target_dir) and is_trained(
+        p.draft_train, p.draft_dir)
+    if full:
         return (trained(p.target_train, p.target_dir), trained(p.draft_train, p.draft_dir),
                 p.target_dir)
     short = Path(p.short_dir)
