@@ -6,7 +6,9 @@ times the working set plus the running batch's private pages (suffixes, generate
 The engine's trie remembers evicted blocks, so it reports the reuse an unbounded cache
 would have had (the ceiling) and attributes each miss to its cause: cold (first sight),
 capacity (cached once, since evicted), divergence. Outputs must not depend on the cache
-size (greedy tokens compared across the sweep, by digest).
+size (greedy tokens compared across the sweep, by digest). The trie evicts leaves only (a
+page goes after every page continuing it), so any policy first drops request-private
+suffix pages; the policy only orders the shared-prompt chains.
 """
 
 from __future__ import annotations
