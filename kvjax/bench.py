@@ -117,15 +117,15 @@ def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int,
     # Multi-step decode on device vs one jitted call per token from Python.
     multi_s = multistep_seconds(params, config, paged, table, lengths, decode_steps, reps)
     sample_jit = jax.jit(sample)
+    keys, zeros = np.zeros((batch, 2), np.uint32), np.zeros(batch, np.int32)
+    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
 
     def python_loop():
         last = tokens
         for i in range(decode_steps):
             b = BatchInfo(page_table=table, lengths=lengths + i, num_new=one)
             logits, paged.cache = steps.extend(params, config, paged.cache, last, b)
-            nxt = sample_jit(logits[:, 0], np.zeros((batch, 2), np.uint32), lengths + i + 1,
-                             np.zeros(batch, np.float32), np.zeros(batch, np.int32),
-                             np.ones(batch, np.float32))
+            nxt = sample_jit(logits[:, 0], keys, lengths + i + 1, temp, zeros, top_p)
             last = np.asarray(nxt)[:, None]  # the host needs each token (stop checks)
 
     loop_s = median_seconds(python_loop, max(1, reps // 2), warmup=1) / decode_steps

@@ -7,6 +7,7 @@
     metrics.csv       the same rows; lists and tables as JSON text
     summary.md        what was run, the headline, the summary table, the plots
     *.png             the experiment's plots
+    plots.json        their names (`--fresh` removes only these)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.config import ConfigError
+from kvjax.experiments import describe
 from kvjax.reporting import environment, markdown_table
 
 JOURNAL = "points.jsonl"
@@ -153,8 +155,6 @@ def finish(out: Path, exp, rows: list[dict]) -> list[Path]:
 
 
 def summary(exp, rows: list[dict], plots: list[Path], out: Path) -> str:
-    from kvjax.experiments import describe
-
     command = " ".join(["kvjax run", shlex.quote(exp.source),
                         *(f"--set {shlex.quote(o)}" for o in exp.overrides)])
     if exp.scale != "full" and not any(o.startswith("scale=") for o in exp.overrides):

@@ -158,7 +158,10 @@ def is_trained(config_path: str, out_dir: str, overrides=()) -> bool:
     """
     from kvjax.config import load_config
 
-    config = load_config(config_path, overrides)
+    return _finished(load_config(config_path, overrides), out_dir, config_path, overrides)
+
+
+def _finished(config: Config, out_dir: str, config_path: str, overrides) -> bool:
     path = Path(out_dir) / "ckpt" / "model"
     if not path.exists():
         return False
@@ -179,9 +182,9 @@ def trained(config_path: str, out_dir: str, overrides=(), log=print) -> tuple:
     from kvjax.config import load_config
 
     path = Path(out_dir) / "ckpt" / "model"
-    if is_trained(config_path, out_dir, overrides):
-        return checkpoint.load(path)[::-1]
     config = load_config(config_path, overrides)
+    if _finished(config, out_dir, config_path, overrides):
+        return checkpoint.load(path)[::-1]
     log(f"training {config_path} into {out_dir} ({config.train.steps} steps"
         + (f"; {', '.join(overrides)}" if overrides else "") + ")")
     train(config, out_dir=out_dir, resume=True, log=log)

@@ -62,14 +62,12 @@ def pair_dir(tmp_path_factory) -> Path:
 
 
 def _smoke_overrides(name: str, pair: Path) -> list[str]:
+    train = [f'params.target_train="{ROOT / "configs/train_tiny_target.toml"}"',
+             f'params.draft_train="{ROOT / "configs/train_tiny_draft.toml"}"']
     extra = {
         "spec_operating_point": [f'params.target_dir="{pair / "target"}"',
-                                 f'params.draft_dir="{pair / "draft"}"',
-                                 f'params.target_train="{ROOT / "configs/train_tiny_target.toml"}"',
-                                 f'params.draft_train="{ROOT / "configs/train_tiny_draft.toml"}"'],
-        "tour": [f'params.short_dir="{pair}"',
-                 f'params.target_train="{ROOT / "configs/train_tiny_target.toml"}"',
-                 f'params.draft_train="{ROOT / "configs/train_tiny_draft.toml"}"'],
+                                 f'params.draft_dir="{pair / "draft"}"', *train],
+        "tour": [f'params.short_dir="{pair}"', *train],
     }
     return ["scale=small", *extra.get(name, [])]
 

@@ -67,6 +67,11 @@ def engine_config(page_size: int, num_pages: int, slots: int, chunk: int = 64,
     return EngineConfig(cache=cache, max_slots=slots, **engine_kw)
 
 
+# Summary-table columns several experiments share: (header, cell of a row).
+CAPACITY_COLUMN = ("cache", lambda r: f"{r['capacity']:.0%} ({r['num_pages']} pages)")
+OUTPUTS_COLUMN = ("outputs", lambda r: r["tokens_digest"][:8])
+
+
 def tokens_digest(tokens) -> str:
     """A short digest of generated token lists (to compare outputs across points)."""
     return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]

@@ -102,7 +102,7 @@ def run(config) -> dict:
 COLUMNS = [
     ("policy", lambda r: r["eviction"]),
     ("one-off prompts", lambda r: f"{r['one_off']:.0%}"),
-    ("cache", lambda r: f"{r['capacity']:.0%} ({r['num_pages']} pages)"),
+    common.CAPACITY_COLUMN,
     ("token hit rate", lambda r: f"{r['token_reuse_rate']:.1%}"),
     ("ceiling", lambda r: f"{r['ceiling_token_reuse_rate']:.1%}"),
     ("of ceiling", lambda r: f"{r['fraction_of_ceiling']:.1%}"),
@@ -110,7 +110,7 @@ COLUMNS = [
      lambda r: f"{r['misses_cold']} / {r['misses_capacity']} / {r['misses_divergence']}"),
     ("evictions", lambda r: f"{r['evictions']:,}"),
     ("computed tokens", lambda r: f"{r['computed_tokens']:,}"),
-    ("outputs", lambda r: r["tokens_digest"][:8]),
+    common.OUTPUTS_COLUMN,
 ]
 
 

@@ -90,7 +90,7 @@ COLUMNS = [
     ("prefill s", lambda r: f"{r['prefill_s']:.2f}"),
     ("mean TTFT s", lambda r: f"{r['mean_ttft_s']:.3f}"),
     ("cached KV", lambda r: human_bytes(r["resident_bytes"])),
-    ("outputs", lambda r: r["tokens_digest"][:8]),
+    common.OUTPUTS_COLUMN,
 ]
 
 

@@ -46,8 +46,9 @@ def _as_eviction(p: Params) -> _EvictionParams:
 def run(config) -> dict:
     p = config.params
     params, model = common.model(p.model, config.seed)
-    requests = workload(_as_eviction(p), model.vocab_size, config.seed)
-    num_pages, _, _ = pool_pages(_as_eviction(p))
+    same = _as_eviction(p)
+    requests = workload(same, model.vocab_size, config.seed)
+    num_pages, _, _ = pool_pages(same)
     ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule)
     Engine(params, model, ec).generate(requests[: p.slots])  # compiles the shapes
     engine = Engine(params, model, ec)
@@ -66,14 +67,14 @@ def run(config) -> dict:
 
 COLUMNS = [
     ("schedule", lambda r: r["schedule"]),
-    ("cache", lambda r: f"{r['capacity']:.0%} ({r['num_pages']} pages)"),
+    common.CAPACITY_COLUMN,
     ("token reuse", lambda r: f"{r['token_reuse_rate']:.1%}"),
     ("computed tokens", lambda r: f"{r['computed_tokens']:,}"),
     ("evictions", lambda r: f"{r['evictions']:,}"),
     ("mean TTFT s", lambda r: f"{r['mean_ttft_s']:.3f}"),
     ("p90 TTFT s", lambda r: f"{r['p90_ttft_s']:.3f}"),
     ("prefill s", lambda r: f"{r['prefill_s']:.2f}"),
-    ("outputs", lambda r: r["tokens_digest"][:8]),
+    common.OUTPUTS_COLUMN,
 ]
 
 
