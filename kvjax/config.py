@@ -154,11 +154,18 @@ class EngineConfig:
     decode_steps: int = 16  # on-device decode steps between scheduling rounds
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
+    mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
+    attention: str = "auto"  # decode kernel: auto | reference | pallas_gpu | pallas_tpu
+    attention_interpret: bool = False  # run a Pallas kernel in interpret mode (CPU tests)
 
     def __post_init__(self):
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
+        _choice(self.attention, "attention", ("auto", "reference", "pallas_gpu", "pallas_tpu"))
+        if isinstance(self.mesh, str):
+            from kvjax.sharding import parse_mesh
+            parse_mesh(self.mesh)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,14 @@ from kvjax.cache.dense import DenseKVCache, dense_write_kv
 from kvjax.cache.paged import BatchInfo, PagedKVCache, write_kv
 from kvjax.config import ModelConfig
 from kvjax.model.attention import dense_attention, full_attention, paged_attention_reference
+from kvjax.model.kernels import (
+    AttentionKernel,
+    paged_decode_attention,
+    sharded_paged_decode_attention,
+)
 from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm
 from kvjax.model.lora import add_lora, stack_adapters
+from kvjax.sharding import StepShardings
 
 Cache = PagedKVCache | DenseKVCache | None
 
@@ -42,6 +48,8 @@ class NonCausalCacheError(ValueError):
 class Attention(nn.Module):
     config: ModelConfig
     layer: int
+    sharding: StepShardings | None = None
+    kernel: AttentionKernel | None = None  # None: the reference for every step
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache,
@@ -63,7 +71,7 @@ class Attention(nn.Module):
                 out = full_attention(q, k, v, positions, cfg.causal, cfg.sliding_window)
             elif isinstance(cache, PagedKVCache):
                 cache = write_kv(cache, self.layer, k, v, batch)
-                out = paged_attention_reference(q, cache, self.layer, batch, cfg.sliding_window)
+                out = self.paged(q, cache, batch)
             else:
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, cfg.sliding_window)
@@ -71,14 +79,30 @@ class Attention(nn.Module):
                             name="o")(out)
         return add_lora(self, "o", out, y, adapter_ids, in_dims=2), cache
 
+    def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo) -> jax.Array:
+        """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
+        if one is chosen (under shard_map on a mesh), everything else by the reference."""
+        kernel, window = self.kernel, self.config.sliding_window
+        if kernel is None or kernel.backend == "reference" or q.shape[1] != 1:
+            return paged_attention_reference(q, cache, self.layer, batch, window)
+        if self.sharding is None:
+            return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
+                                          kernel.interpret, window=window)
+        return sharded_paged_decode_attention(
+            q, cache, self.layer, batch, kernel.backend, mesh=self.sharding.mesh,
+            cache_spec=self.sharding.cache, interpret=kernel.interpret)
+
 
 class Block(nn.Module):
     config: ModelConfig
     layer: int
+    sharding: StepShardings | None = None
+    kernel: AttentionKernel | None = None
 
     @nn.compact
     def __call__(self, x, positions, cache, batch, adapter_ids):
-        attn_out, cache = Attention(self.config, self.layer, name="attn")(
+        attn_out, cache = Attention(self.config, self.layer, self.sharding, self.kernel,
+                                    name="attn")(
             make_norm(self.config, "attn_norm")(x), positions, cache, batch, adapter_ids)
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(make_norm(self.config, "mlp_norm")(x),
@@ -87,9 +111,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer; every piece is chosen by `config`."""
+    """Decoder-only transformer; every piece is chosen by `config`.
+
+    With `sharding` (a mesh, see `kvjax.sharding`) the hidden state's batch axis is split
+    over the mesh's "data" axis; the weights' and cache's own shardings do the rest.
+    `kernel` picks the decode-attention kernel (`kvjax.model.kernels`).
+    """
 
     config: ModelConfig
+    sharding: StepShardings | None = None
+    kernel: AttentionKernel | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache = None,
@@ -107,12 +138,14 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=EMBED_INIT,
                          dtype=cfg.dtype, name="embed")
         x = embed(tokens)  # [B, T, D]
+        if self.sharding is not None:
+            x = self.sharding.batch(x)
         if cfg.position == "learned":
             x = x + nn.Embed(cfg.max_seq_len, cfg.d_model, embedding_init=EMBED_INIT,
                              dtype=cfg.dtype, name="pos_embed")(positions)
         for layer in range(cfg.num_layers):
-            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, positions, cache, batch,
-                                                               adapter_ids)
+            x, cache = Block(cfg, layer, self.sharding, self.kernel, name=f"layer_{layer}")(
+                x, positions, cache, batch, adapter_ids)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)

@@ -19,11 +19,13 @@ import collections
 import dataclasses
 import json
 import time
+import warnings
 from collections.abc import Iterator
 
 import jax
 import numpy as np
 
+from kvjax import sharding
 from kvjax.cache.allocator import PageAllocator
 from kvjax.cache.identity import (
     CacheNamespace,
@@ -40,6 +42,7 @@ from kvjax.cache.paged import (
 )
 from kvjax.cache.trie import EVICTION_POLICIES, Match, PrefixTrie, history_digests
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.lora import stack_adapters
 from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime import steps
@@ -112,8 +115,13 @@ class Engine:
         self._lora = (stack_adapters(config, list(self.adapters.values()))
                       if self.adapters else None)
         self._adapter_ids = {name: adapter_identity(name, a) for name, a in self.adapters.items()}
+        mesh = sharding.resolve_mesh(ec.mesh)
+        self.sharding = None if mesh is None else sharding.ShardingPlan(mesh, config)
+        if self.sharding is not None and self._lora is not None:
+            self._lora = self.sharding.place_replicated(self._lora)
         self.load_params(params)
-        self.cache = init_cache(config, ec.cache)
+        self.cache = (init_cache(config, ec.cache) if self.sharding is None
+                      else self.sharding.init_cache(ec.cache))
         self.allocator = PageAllocator(ec.cache.num_pages, track_freed=ec.poison_freed)
         if ec.eviction not in EVICTION_POLICIES:
             raise ConfigError("engine.eviction", f"{ec.eviction!r} is not one of "
@@ -135,8 +143,19 @@ class Engine:
             self.cache = poison_pages(self.cache, np.arange(ec.cache.num_pages, dtype=np.int32))
         if draft is not None and spec is None:
             spec = SpecConfig()
-        self.spec = None if spec is None else Speculator(spec, draft, config, ec, hash_fn)
+        self.spec = None if spec is None else Speculator(spec, draft, config, ec, hash_fn, mesh)
         self._draft = None if self.spec is None else self.spec.pool
+        backend = resolve_backend(ec.attention, config, cache=ec.cache,
+                                  poison_freed=ec.poison_freed)
+        self.attention = backend
+        self._kernel = (None if backend == "reference"
+                        else AttentionKernel(backend, ec.attention_interpret))
+        self._shardings = None
+        if self.sharding is not None:
+            draft_plan = None if self._draft is None else self._draft.sharding
+            self._shardings = self.sharding.steps(draft_plan)
+            for note in self.sharding.notes + ([] if draft_plan is None else draft_plan.notes):
+                warnings.warn(f"kvjax mesh: {note}", stacklevel=2)
 
     # -- public API ---------------------------------------------------------------------------
     def load_params(self, params) -> None:
@@ -147,7 +166,9 @@ class Engine:
         if getattr(self, "_reqs", None):
             raise RuntimeError(f"load_params with {len(self._reqs)} live requests: finish or "
                                f"cancel them first")
-        self.params = jax.device_put(params)  # host arrays would be copied at every step
+        # Host arrays would be copied at every step: weights live on the device(s).
+        self.params = (jax.device_put(params) if self.sharding is None
+                       else self.sharding.place_params(params))
         self.fingerprint = model_fingerprint(self.config, params)
 
     def namespace(self, request: Request) -> CacheNamespace:
@@ -445,7 +466,8 @@ class Engine:
         start = len(reused) * ps
         t0 = time.perf_counter()
         _, pool.cache = prefill(pool.params, pool.config, pool.cache, pool.cache_config,
-                                req.tokens, pages, start, req.request.position_base)
+                                req.tokens, pages, start, req.request.position_base,
+                                sharding=pool.step_shardings)
         self._timers["draft_prefill_s"] += time.perf_counter() - t0
         if self.engine_config.prefix_cache:
             pool.trie.insert(pool.namespace(req.request.position_base), req.tokens, req.salts,
@@ -456,7 +478,7 @@ class Engine:
         """Prefills tokens[start:] in fixed chunks; returns the last token's logits [V]."""
         logits, self.cache = prefill(self.params, self.config, self.cache, self.cache_config,
                                      req.tokens, pages, start, req.request.position_base,
-                                     self._lora, req.adapter_index)
+                                     self._lora, req.adapter_index, self._shardings)
         return logits
 
     def _record_admission(self, req: _Req, match: Match, reuse: int, start: int, copied: int,
@@ -618,7 +640,8 @@ class Engine:
             out, logits, self.cache, new_lengths = steps.decode_loop(
                 self.params, self.config, self.cache, table, lengths, last, budget, keys,
                 *knobs, stops, max_steps=ec.decode_steps, return_logits=want_logits,
-                position_offset=offsets, lora=self._lora, adapter_ids=adapter_ids)
+                position_offset=offsets, lora=self._lora, adapter_ids=adapter_ids,
+                sharding=self._shardings, kernel=self._kernel)
         else:
             if self._draft is not None:
                 self._flush_poison(self._draft)

@@ -22,6 +22,7 @@ from kvjax.model.transformer import NonCausalCacheError
 from kvjax.runtime.batching import bucket, page_table
 from kvjax.runtime.spec_loop import STAT_KEYS, spec_loop
 from kvjax.runtime.speculative import predicted_speedup
+from kvjax.sharding import ShardingPlan
 
 DECAY = 0.8  # weight of the older calls in the running estimates that drive adaptive γ
 MIN_EVIDENCE = 4.0  # decayed drafts at a position before its own acceptance rate is trusted
@@ -31,18 +32,25 @@ class DraftPool:
     """The draft model's weights, paged cache, allocator and prefix trie."""
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig,
-                 hash_fn=None):
-        self.params = jax.device_put(params)
+                 hash_fn=None, mesh=None):
+        self.sharding = None if mesh is None else ShardingPlan(mesh, config)
+        self.params = (jax.device_put(params) if self.sharding is None
+                       else self.sharding.place_params(params))
         self.config = config
         self.cache_config = cc = engine_config.cache
         self.fingerprint = model_fingerprint(config, params)
-        self.cache = init_cache(config, cc)
+        self.cache = init_cache(config, cc) if mesh is None else self.sharding.init_cache(cc)
         self.allocator = PageAllocator(cc.num_pages, track_freed=engine_config.poison_freed)
         self.trie = PrefixTrie(cc.page_size, self.allocator, engine_config.eviction,
                                evicted_record=engine_config.evicted_record,
                                **({} if hash_fn is None else {"hash_fn": hash_fn}))
         if engine_config.poison_freed:
             self.cache = poison_pages(self.cache, np.arange(cc.num_pages, dtype=np.int32))
+
+    @property
+    def step_shardings(self):
+        """The draft's own step shardings (its prefill runs `steps.extend` on its cache)."""
+        return None if self.sharding is None else self.sharding.steps()
 
     def namespace(self, position_base: int) -> CacheNamespace:
         return CacheNamespace(model=self.fingerprint, adapter="none",
@@ -75,7 +83,7 @@ class Speculator:
     """Runs speculative decode calls for the engine and keeps their statistics."""
 
     def __init__(self, spec: SpecConfig, draft, config: ModelConfig,
-                 engine_config: EngineConfig, hash_fn=None):
+                 engine_config: EngineConfig, hash_fn=None, mesh=None):
         self.spec = spec
         self.pool: DraftPool | None = None
         if spec.drafter == "model":
@@ -88,7 +96,7 @@ class Speculator:
             if draft_config.vocab_size != config.vocab_size:
                 raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
                                   f"the target's {config.vocab_size}")
-            self.pool = DraftPool(params, draft_config, engine_config, hash_fn)
+            self.pool = DraftPool(params, draft_config, engine_config, hash_fn, mesh)
         self.totals = empty_totals(spec.gamma)
         self.target_calls = 0
         self.gamma_history: list[int] = []
@@ -166,7 +174,8 @@ class Speculator:
                         *arrays["knobs"], arrays["stops"], drafter=self.spec.drafter,
                         gamma=gamma, max_out=engine.engine_config.decode_steps,
                         return_logits=arrays["want_logits"], position_offset=arrays["offsets"],
-                        lora=engine._lora, adapter_ids=arrays["adapters"], **kwargs)
+                        lora=engine._lora, adapter_ids=arrays["adapters"],
+                        sharding=engine._shardings, **kwargs)
         engine.cache = out.pop("cache")
         draft_cache = out.pop("draft_cache")
         if self.pool is not None:

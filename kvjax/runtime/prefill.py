@@ -17,11 +17,11 @@ from kvjax.runtime.batching import page_table
 
 def prefill(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
             tokens: list[int], pages: list[int], start: int = 0, position_base: int = 0,
-            lora: dict | None = None,
-            adapter_index: int | None = None) -> tuple[jax.Array | None, PagedKVCache]:
+            lora: dict | None = None, adapter_index: int | None = None,
+            sharding=None) -> tuple[jax.Array | None, PagedKVCache]:
     """Writes tokens[start:] into `pages`; returns (last token's logits [V] or None, cache).
 
-    Donates `cache` (through `steps.extend`).
+    Donates `cache` (through `steps.extend`; `sharding` as there).
     """
     chunk = cache_config.prefill_chunk
     table = page_table([pages], 1, cache_config.block_pages)
@@ -35,5 +35,5 @@ def prefill(params, config: ModelConfig, cache: PagedKVCache, cache_config: Cach
         batch = BatchInfo(page_table=table, lengths=np.array([s], np.int32),
                           num_new=np.array([len(piece)], np.int32), position_offset=offset)
         logits, cache = steps.extend(params, config, cache, padded, batch, lora, ids,
-                                     last_only=True)
+                                     last_only=True, sharding=sharding)
     return (None if logits is None else logits[0, 0]), cache

@@ -35,6 +35,7 @@ from kvjax.runtime import steps
 from kvjax.runtime.ngram_device import ngram_propose
 from kvjax.runtime.sampling import probabilities, sample
 from kvjax.runtime.speculative import greedy_accept, sampling_accept
+from kvjax.sharding import maybe_constrain_cache, maybe_replicated
 
 DRAFT_TAG = 0xD4AF  # the draft's sampling keys: fold_in(sequence key, DRAFT_TAG)
 
@@ -42,9 +43,9 @@ STAT_KEYS = ("verifications", "drafted", "accepted", "emitted", "alpha_sum", "al
 
 
 def _draft_model(params, config, cache, table, draft_lengths, lengths, last, prev, active,
-                 keys, offset, temperature, top_k, top_p, gamma):
+                 keys, offset, temperature, top_k, top_p, gamma, sharding=None):
     """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft_lengths)."""
-    model = Transformer(config)
+    model = Transformer(config, sharding)
     variables = {"params": params}
     lag = (draft_lengths < lengths) & active
     num_new = jnp.where(active, 1 + lag, 0).astype(jnp.int32)
@@ -91,24 +92,24 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
     for i in range(1, gamma):
         carry = body(i, carry)
     cache, draft_lengths, drafts, q = carry
-    return drafts, q, cache, draft_lengths
+    return drafts, q, maybe_constrain_cache(sharding, cache, draft=True), draft_lengths
 
 
 @partial(jax.jit, static_argnames=("config", "draft_config", "drafter", "gamma", "max_out",
-                                   "ngram_max", "return_logits"),
+                                   "ngram_max", "return_logits", "sharding"),
          donate_argnames=("cache", "draft_cache"))
 def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, budget, keys,
               temperature, top_k, top_p, stop_token, *, drafter: str, gamma: int,
               max_out: int, draft_params=None, draft_config: ModelConfig | None = None,
               draft_cache=None, draft_page_table=None, draft_lengths=None, prev=None,
               history=None, ngram_max: int = 3, return_logits: bool = False,
-              position_offset=None, lora=None, adapter_ids=None):
+              position_offset=None, lora=None, adapter_ids=None, sharding=None):
     """Emits up to `budget[b]` tokens per sequence by speculative rounds on device.
 
     Donates `cache` and `draft_cache`. `drafter` is "model" (draft_params, draft_config,
     draft_cache, draft_page_table int32[B, P'], draft_lengths, prev int32[B]) or "ngram"
     (history int32[B, H]: each row's tokens including `last`, H >= lengths + budget + 1).
-    Arrays as in `steps.decode_loop`; rows with budget 0 do nothing.
+    Arrays and `sharding` as in `steps.decode_loop`; rows with budget 0 do nothing.
 
     Returns a dict: tokens int32[B, S] (-1 past the end), logits float32[B, S, V] (the
     target logits each token was accepted or sampled from) or None, cache, lengths,
@@ -122,7 +123,7 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     g1 = gamma + 1
     rows = jnp.arange(b)
     cols = jnp.arange(g1)[None, :]
-    model = Transformer(config)
+    model = Transformer(config, sharding)
     variables = steps.model_variables(params, lora)
     base = 0 if position_offset is None else position_offset
     all_greedy = jnp.all(temperature == 0)
@@ -133,8 +134,9 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     stats["accepted_by_position"] = jnp.zeros((b, gamma), jnp.int32)
     state = {
         "round": jnp.int32(0), "count": zeros_b, "done": budget <= 0,
-        "cache": cache, "lengths": lengths, "last": last,
-        "draft_cache": draft_cache, "draft_lengths": draft_lengths, "prev": prev,
+        "cache": maybe_constrain_cache(sharding, cache), "lengths": lengths, "last": last,
+        "draft_cache": maybe_constrain_cache(sharding, draft_cache, draft=True),
+        "draft_lengths": draft_lengths, "prev": prev,
         "history": history,
         "tokens": jnp.full((b, max_out), -1, jnp.int32),
         "logits": jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
@@ -149,7 +151,7 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
             drafts, q, s["draft_cache"], draft_len = _draft_model(
                 draft_params, draft_config, s["draft_cache"], draft_page_table,
                 s["draft_lengths"], lengths, last, s["prev"], active, keys, position_offset,
-                temperature, top_k, top_p, gamma)
+                temperature, top_k, top_p, gamma, sharding)
             num_draft = jnp.where(active, jnp.minimum(gamma, room), 0)
         else:
             drafts, found = ngram_propose(s["history"], lengths + 1, gamma, ngram_max)
@@ -162,6 +164,7 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
                           position_offset)
         logits, s["cache"] = model.apply(variables, fed, model_positions(batch, g1),
                                          s["cache"], batch, adapter_ids)  # [B, G + 1, V]
+        s["cache"] = maybe_constrain_cache(sharding, s["cache"])
 
         greedy_n, greedy_next = greedy_accept(drafts, logits, num_draft)
 
@@ -230,4 +233,6 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     result["logits"] = state["logits"] if return_logits else None
     result["rounds"] = state["round"]
     result.update(state["stats"])
+    host = {k: v for k, v in result.items() if k not in ("cache", "draft_cache")}
+    result.update(maybe_replicated(sharding, host))
     return result

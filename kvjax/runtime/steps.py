@@ -18,8 +18,10 @@ import jax.numpy as jnp
 
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
+from kvjax.model.kernels import AttentionKernel
 from kvjax.model.transformer import Cache, Transformer
 from kvjax.runtime.sampling import sample
+from kvjax.sharding import StepShardings, maybe_constrain_cache, maybe_replicated
 
 _TRACES: collections.Counter = collections.Counter()
 
@@ -39,33 +41,40 @@ def model_variables(params: dict, lora: dict | None) -> dict:
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
-@partial(jax.jit, static_argnames=("config", "last_only"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("config", "last_only", "sharding"),
+         donate_argnames=("cache",))
 def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
            batch: BatchInfo, lora: dict | None = None, adapter_ids: jax.Array | None = None,
-           last_only: bool = False) -> tuple[jax.Array, Cache]:
+           last_only: bool = False,
+           sharding: StepShardings | None = None) -> tuple[jax.Array, Cache]:
     """Appends `tokens` [B, T] to each sequence's cache; returns logits [B, T, V] and the cache.
 
     Donates `cache`. New token t of sequence b goes to cache slot `batch.lengths[b] + t` and
     attends to every cached slot up to and including its own. `lora` (stacked adapters, see
     `kvjax.model.lora`) and `adapter_ids` int32[B] select a LoRA adapter per sequence.
     `last_only` returns only each row's last real token's logits, [B, 1, V] (the cache
-    contents are the same either way).
+    contents are the same either way). `sharding` (see `kvjax.sharding`) pins the cache's
+    sharding in and out and replicates the logits.
     """
     note_trace("extend")
     positions = model_positions(batch, tokens.shape[1])
     logits_at = jnp.maximum(batch.num_new - 1, 0) if last_only else None
-    return Transformer(config).apply(model_variables(params, lora), tokens, positions, cache, batch,
-                                     adapter_ids, logits_at)
+    cache = maybe_constrain_cache(sharding, cache)
+    logits, cache = Transformer(config, sharding).apply(
+        model_variables(params, lora), tokens, positions, cache, batch, adapter_ids, logits_at)
+    return maybe_replicated(sharding, logits), maybe_constrain_cache(sharding, cache)
 
 
-@partial(jax.jit, static_argnames=("config", "max_steps", "return_logits"),
+@partial(jax.jit,
+         static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel"),
          donate_argnames=("cache",))
 def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax.Array,
                 lengths: jax.Array, last: jax.Array, budget: jax.Array, keys: jax.Array,
                 temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                 stop_token: jax.Array, max_steps: int, return_logits: bool = False,
                 position_offset: jax.Array | None = None, lora: dict | None = None,
-                adapter_ids: jax.Array | None = None):
+                adapter_ids: jax.Array | None = None, sharding: StepShardings | None = None,
+                kernel: AttentionKernel | None = None):
     """Decodes up to `max_steps` tokens per sequence on device, sampling inside the loop.
 
     Donates `cache`. Sequence b feeds `last[b]` (not yet cached, at position `lengths[b]`),
@@ -75,7 +84,8 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
     Args:
       page_table: int32[B, P]; lengths, last, budget: int32[B]; keys: uint32[B, 2];
       temperature, top_p: float32[B]; top_k, stop_token: int32[B];
-      position_offset, adapter_ids: int32[B] or None (see `extend`).
+      position_offset, adapter_ids: int32[B] or None; sharding: see `extend`;
+      kernel: the decode-attention kernel (None: the reference).
     Returns:
       tokens int32[B, S] (-1 past the end), logits float32[B, S, V] or None, the cache,
       and the final lengths int32[B].
@@ -85,7 +95,7 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
     vocab = config.vocab_size
     out_tokens = jnp.full((b, max_steps), -1, jnp.int32)
     out_logits = jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32)
-    model = Transformer(config)
+    model = Transformer(config, sharding, kernel)
     variables = model_variables(params, lora)
 
     def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits)
@@ -99,6 +109,7 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
         positions = model_positions(batch, 1)
         logits, cache = model.apply(variables, last[:, None], positions, cache, batch,
                                     adapter_ids)
+        cache = maybe_constrain_cache(sharding, cache)
         logits = logits[:, 0]  # [B, V]
         offset = 0 if position_offset is None else position_offset
         nxt = sample(logits, keys, offset + lengths + 1, temperature, top_k, top_p)
@@ -111,6 +122,8 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
                 out_logits)
 
     done = budget <= 0
-    state = (jnp.int32(0), cache, lengths, last, done, out_tokens, out_logits)
+    state = (jnp.int32(0), maybe_constrain_cache(sharding, cache), lengths, last, done,
+             out_tokens, out_logits)
     _, cache, lengths, _, _, out_tokens, out_logits = jax.lax.while_loop(cond, body, state)
+    out_tokens, out_logits, lengths = maybe_replicated(sharding, (out_tokens, out_logits, lengths))
     return out_tokens, (out_logits if return_logits else None), cache, lengths

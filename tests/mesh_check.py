@@ -1,0 +1,99 @@
+"""The engine on a fake 8-device CPU mesh, against one device: prints JSON for test_sharding.
+
+Run in its own process (the device count is fixed when JAX starts): `python mesh_check.py`.
+Every case serves the same two waves of requests (the second wave shares a system prompt
+with the first, so it reuses pages) on one device and on a mesh, and reports tokens, reuse
+counts, the largest logit difference and the shard shapes the mesh produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import warnings
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+import kvjax  # noqa: E402
+from kvjax import CacheConfig, Engine, EngineConfig, Request, SpecConfig  # noqa: E402
+from kvjax.config import ModelConfig  # noqa: E402
+
+TARGET = ModelConfig(vocab_size=64, num_layers=2, d_model=128, num_heads=8, num_kv_heads=8,
+                     d_ff=128, max_seq_len=256)
+DRAFT = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=4,
+                    d_ff=64, max_seq_len=256)
+ENGINE = EngineConfig(cache=CacheConfig(page_size=8, num_pages=96, prefill_chunk=32,
+                                        attn_block=16), max_slots=8, decode_steps=8)
+SYSTEM = [int(t) for t in np.random.default_rng(0).integers(1, 64, 27)]
+
+
+def requests() -> list[list[Request]]:
+    rng = np.random.default_rng(1)
+    prompts = [SYSTEM + [int(t) for t in rng.integers(1, 64, 5 + 6 * i)] for i in range(6)]
+    reqs = [Request(p, max_new_tokens=10, return_logits=True) for p in prompts]
+    return [reqs[:2], reqs[2:]]
+
+
+def serve(config: ModelConfig, params, mesh=None, **kw) -> tuple[dict, Engine]:
+    spec = kw.pop("spec", None)
+    draft = kw.pop("draft", None)
+    engine = Engine(params, config, dataclasses.replace(ENGINE, mesh=mesh, **kw), spec=spec,
+                    draft=draft)
+    results = [r for wave in requests() for r in engine.generate(wave)]
+    return {"tokens": [r.tokens for r in results],
+            "reused": [r.stats["reused_tokens"] for r in results],
+            "logits": [np.asarray(r.logits) for r in results]}, engine
+
+
+def compare(ref: dict, got: dict) -> dict:
+    return {"tokens": got["tokens"], "ref_tokens": ref["tokens"], "reused": got["reused"],
+            "ref_reused": ref["reused"],
+            "max_logit_diff": max(float(np.abs(a - b).max())
+                                  for a, b in zip(ref["logits"], got["logits"], strict=True)),
+            "bitwise": all(np.array_equal(a, b)
+                           for a, b in zip(ref["logits"], got["logits"], strict=True))}
+
+
+def shards(engine: Engine) -> dict:
+    q = engine.params["layer_0"]["attn"]["q"]["kernel"]
+    return {"cache_shard": list(engine.cache.k.addressable_shards[0].data.shape),
+            "cache_global": list(engine.cache.k.shape),
+            "q_shard": list(q.addressable_shards[0].data.shape),
+            "embed_shard": list(engine.params["embed"]["embedding"]
+                                .addressable_shards[0].data.shape)}
+
+
+def main() -> None:
+    out = {"devices": jax.device_count()}
+    for name, config in (("mha", TARGET), ("mqa", dataclasses.replace(TARGET, num_kv_heads=1))):
+        params = kvjax.init_params(config, seed=3)
+        ref, _ = serve(config, params)
+        meshes = (("1x8", "model=8"), ("2x4", "data=2,model=4"), ("8x1", "data=8"))
+        for label, mesh in meshes if name == "mha" else meshes[:1]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got, engine = serve(config, params, mesh)
+            out[f"{name} {label}"] = {**compare(ref, got), **shards(engine),
+                                     "warnings": [str(w.message) for w in caught]}
+        if name == "mha":
+            on, _ = serve(config, params, "data=2,model=4")
+            off, _ = serve(config, params, "data=2,model=4", prefix_cache=False)
+            out["prefix on vs off 2x4"] = compare(off, on)
+            draft = (kvjax.init_params(DRAFT, seed=4), DRAFT)
+            for drafter in ("model", "ngram"):
+                got, _ = serve(config, params, "data=2,model=4", draft=draft,
+                               spec=SpecConfig(drafter=drafter, gamma=3))
+                out[f"spec {drafter} 2x4"] = compare(ref, got)
+            got, _ = serve(config, params, "data=2,model=4", attention="pallas_gpu",
+                           attention_interpret=True)
+            out["pallas_gpu 2x4"] = compare(ref, got)
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
