@@ -42,17 +42,37 @@ def _generate(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from kvjax import memory
 
+    device_memory = round((args.device_memory_gib or 80.0) * memory.GIB)
+    if args.table is not None:
+        paths = args.table or memory.LARGE_CONFIGS
+        for path in paths:
+            if not Path(path).is_file():
+                raise ConfigError("table", f"{path}: no such file (the shipped configs are "
+                                           f"found from the repository root)")
+        configs = {Path(p).stem: load_config(p, args.set).model for p in paths}
+        print(memory.scale_table(configs, device_memory=device_memory,
+                                 kv_bytes_per_scalar=args.kv_bytes, param_bytes=args.param_bytes,
+                                 page_size=args.page_size, reserve=args.reserve))
+        return 0
     if args.config:
         model = load_config(args.config, args.set).model
     else:
         model = ModelConfig(num_layers=args.layers, num_kv_heads=args.kv_heads,
                             num_heads=args.heads or args.kv_heads, head_dim=args.head_dim,
                             d_model=args.d_model, d_ff=args.d_ff, vocab_size=args.vocab,
-                            tie_embeddings=args.tied)
+                            max_seq_len=args.max_seq_len, tie_embeddings=args.tied)
+    plan = None  # made first, so that a bad mesh is refused before anything is printed
+    if args.mesh is not None or args.device_memory_gib is not None:
+        plan = memory.plan_report(model, mesh=args.mesh or "model=1", device_memory=device_memory,
+                                  kv_bytes_per_scalar=args.kv_bytes, param_bytes=args.param_bytes,
+                                  page_size=args.page_size, reserve=args.reserve,
+                                  batch=args.batch, context=args.context)
     print(memory.report(model, batch=args.batch, context=args.context,
                         page_size=args.page_size, kv_bytes_per_scalar=args.kv_bytes,
                         param_bytes=args.param_bytes, prefill_tokens=args.prefill_tokens,
                         peak_flops=args.peak_gflops * 1e9, bandwidth=args.bandwidth_gbs * 1e9))
+    if plan is not None:
+        print("\n" + plan)
     return 0
 
 
@@ -156,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--d-model", type=int, default=4096)
     mem.add_argument("--d-ff", type=int, default=14336)
     mem.add_argument("--vocab", type=int, default=128256)
+    mem.add_argument("--max-seq-len", type=int, default=8192)
     mem.add_argument("--tied", action="store_true", help="tied input/output embeddings")
     mem.add_argument("--batch", type=int, default=1)
     mem.add_argument("--context", type=int, default=4096)
@@ -167,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="machine peak (default: H100 bf16 dense)")
     mem.add_argument("--bandwidth-gbs", type=float, default=3350.0,
                      help="machine memory bandwidth (default: H100 SXM HBM3)")
+    plan = mem.add_argument_group("per-device plan (printed when --mesh or "
+                                  "--device-memory-gib is given)")
+    plan.add_argument("--mesh", help="price this mesh, e.g. data=2,model=4 (axes: data, "
+                                     "model; a missing axis is 1); no devices needed")
+    plan.add_argument("--device-memory-gib", type=float, default=None,
+                      help="memory of each device (default 80)")
+    plan.add_argument("--reserve", type=float, default=0.1,
+                      help="fraction of device memory held back for activations, logits and "
+                           "XLA workspace (an assumption, not measured; default 0.1)")
+    plan.add_argument("--table", nargs="*", metavar="CONFIG", default=None,
+                      help="print only the markdown scale table (weights and KV per device, "
+                           "largest batch at 8k context, largest context at batch 1) for "
+                           "these configs (default: configs/models/llama3_8b.toml and "
+                           "llama3_70b.toml) at model=1, model=8 and data=2,model=4")
     mem.set_defaults(func=_memory)
 
     bench = sub.add_parser("bench", help="benchmarks: decode (paged vs dense vs no cache), "
