@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -40,17 +41,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from kvjax import memory
+    from kvjax import memory, memory_plan
 
-    device_memory = round((args.device_memory_gib or 80.0) * memory.GIB)
+    device_memory = round((args.device_memory_gib or 80.0) * memory_plan.GIB)
     if args.table is not None:
-        paths = args.table or memory.LARGE_CONFIGS
+        paths = args.table or memory_plan.LARGE_CONFIGS
         for path in paths:
             if not Path(path).is_file():
                 raise ConfigError("table", f"{path}: no such file (the shipped configs are "
                                            f"found from the repository root)")
         configs = {Path(p).stem: load_config(p, args.set).model for p in paths}
-        print(memory.scale_table(configs, device_memory=device_memory,
+        print(memory_plan.scale_table(configs, device_memory=device_memory,
                                  kv_bytes_per_scalar=args.kv_bytes, param_bytes=args.param_bytes,
                                  page_size=args.page_size, reserve=args.reserve))
         return 0
@@ -63,10 +64,11 @@ def _memory(args: argparse.Namespace) -> int:
                             max_seq_len=args.max_seq_len, tie_embeddings=args.tied)
     plan = None  # made first, so that a bad mesh is refused before anything is printed
     if args.mesh is not None or args.device_memory_gib is not None:
-        plan = memory.plan_report(model, mesh=args.mesh or "model=1", device_memory=device_memory,
-                                  kv_bytes_per_scalar=args.kv_bytes, param_bytes=args.param_bytes,
-                                  page_size=args.page_size, reserve=args.reserve,
-                                  batch=args.batch, context=args.context)
+        plan = memory_plan.plan_report(
+            model, mesh=args.mesh or "model=1", device_memory=device_memory,
+            kv_bytes_per_scalar=args.kv_bytes, param_bytes=args.param_bytes,
+            page_size=args.page_size, reserve=args.reserve,
+            batch=args.batch, context=args.context)
     print(memory.report(model, batch=args.batch, context=args.context,
                         page_size=args.page_size, kv_bytes_per_scalar=args.kv_bytes,
                         param_bytes=args.param_bytes, prefill_tokens=args.prefill_tokens,
@@ -107,6 +109,10 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     exp = runner.resolve(args.config, args.set)
+    if exp.mesh is not None:  # before any JAX work: a CPU-only machine gets the devices
+        from kvjax import sharding
+        sharding.request_cpu_devices(math.prod(sharding.parse_mesh(exp.mesh).values()))
+        sharding.make_mesh(exp.mesh)  # too few devices: refused before any work
     print(f"{exp.name}: {experiments.describe(exp.module)} ({len(exp.points)} points, "
           f"scale {exp.scale}, seed {exp.seed})")
     out = runner.run(exp, args.out, fresh=args.fresh)

@@ -10,7 +10,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 
-from kvjax import CacheConfig, init_cache, load_config, memory, sharding
+from kvjax import CacheConfig, init_cache, load_config, memory, memory_plan, sharding
 from kvjax.cli import main
 
 ROOT = Path(__file__).parent.parent
@@ -27,7 +27,7 @@ def plan(config, mesh, **kwargs):
     """The plan at the README's settings: bf16 weights and KV, 80 GiB devices, 16-token pages."""
     settings = dict(device_memory=80 * GIB, kv_bytes_per_scalar=2, param_bytes=2,
                     page_size=16, reserve=0.1) | kwargs
-    return memory.plan(config, mesh, **settings)
+    return memory_plan.plan(config, mesh, **settings)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/models").glob("*.toml")),
@@ -35,7 +35,7 @@ def plan(config, mesh, **kwargs):
 def test_large_configs_build_as_shapes_with_the_expected_parameter_count(path):
     expected = {"llama3_8b.toml": 8_030_261_248, "llama3_70b.toml": 70_553_706_496}[path.name]
     config = load_config(path).model
-    shapes = memory.param_shapes(config)
+    shapes = memory_plan.param_shapes(config)
     leaves = jax.tree.leaves(shapes)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
     assert sum(math.prod(x.shape) for x in leaves) == memory.num_params(config) == expected
@@ -64,7 +64,7 @@ def test_per_device_bytes_equal_jax_shard_shapes_on_an_abstract_mesh():
     for mesh in ("model=8", "data=2,model=4", "model=16"):
         sizes = sharding.parse_mesh(mesh)
         abstract = AbstractMesh(tuple(sizes.values()), sharding.MESH_AXES)
-        shapes = memory.param_shapes(LLAMA_8B)
+        shapes = memory_plan.param_shapes(LLAMA_8B)
         specs = sharding.param_specs(shapes, sizes)
         scalars = jax.tree.map(
             lambda x, s, m=abstract: math.prod(NamedSharding(m, s).shard_shape(x.shape)),
@@ -86,7 +86,7 @@ def test_mqa_on_model_8_keeps_the_whole_cache_on_every_device():
     assert p["kv_replicated"]
     assert p["kv_split"] == 1
     assert "KV cache: kv_heads (1) is not divisible by model=8; replicated on model" in p["notes"]
-    text = memory.plan_report(mqa, mesh="model=8")
+    text = memory_plan.plan_report(mqa, mesh="model=8")
     assert "16,384 B; not split: the KV heads are replicated on model=8" in text
     # 8 KV heads on 16 model shards are not split either.
     p16 = plan(LLAMA_8B, "model=16")
@@ -127,7 +127,7 @@ def test_70b_weights_do_not_fit_one_80_gib_device():
     assert p["weight_bytes"] == 2 * PARAMS_70B == 2 * 70_553_706_496
     assert p["kv_budget"] < 0
     assert p["max_batch"] == p["max_context"] == 0
-    assert "weights do not fit" in memory.plan_report(LLAMA_70B, mesh="model=1")
+    assert "weights do not fit" in memory_plan.plan_report(LLAMA_70B, mesh="model=1")
 
 
 def test_cli_prints_the_report_and_the_plan(capsys):
@@ -149,7 +149,7 @@ def test_cli_table_is_the_scale_table(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["memory", "--table"]) == 0
     out = capsys.readouterr().out
-    expected = memory.scale_table({"llama3_8b": LLAMA_8B, "llama3_70b": LLAMA_70B})
+    expected = memory_plan.scale_table({"llama3_8b": LLAMA_8B, "llama3_70b": LLAMA_70B})
     assert out.strip() == expected
     assert "| llama3_8b | model=8 | 1.87 GiB | 16.00 KiB | 561 | 4,596,016 |" in out
     assert "| llama3_70b | model=1 | 131.42 GiB | 320.00 KiB | 0 | weights do not fit |" in out
