@@ -166,8 +166,11 @@ def summary(exp, rows: list[dict], plots: list[Path], out: Path) -> str:
     lines += [markdown_table(rows, exp.module.COLUMNS), ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     git = env["git"]
+    where = env["device"]
+    if exp.mesh is not None:
+        where = f"mesh {exp.mesh} ({env['device_count']} {where.split(':')[0]} devices)"
     lines += ["", f"seed {exp.seed}, scale {exp.scale}; kvjax {env['versions']['kvjax']}, "
-              f"jax {env['versions']['jax']} on {env['device']}; commit {git['commit']}"
+              f"jax {env['versions']['jax']} on {where}; commit {git['commit']}"
               + (" (with uncommitted changes)" if git["dirty"] else ""), ""]
     return "\n".join(lines)
 

@@ -14,10 +14,14 @@ A config is a TOML file:
     [small.sweep]                     # replaces these sweep keys when scale = "small"
     page_size = [4, 16]
 
-`--set` takes `seed=1`, `scale=small`, `params.requests=8` (or just `requests=8`, which
-also fixes a swept field) and `sweep.page_size=[4,16]`. Everything is checked, every sweep
-point built and validated, before any work starts. Finished points are appended to
-`points.jsonl` in the results folder, so an interrupted run resumes where it stopped.
+`mesh = "data=2,model=4"` (top level) runs the engines of an experiment with `MESH = True`
+on that device mesh (see `kvjax.sharding`).
+
+`--set` takes `seed=1`, `scale=small`, `mesh=model=8`, `params.requests=8` (or just
+`requests=8`, which also fixes a swept field) and `sweep.page_size=[4,16]`. Everything
+is checked, every sweep point built and validated, before any work starts. Finished points
+are appended to `points.jsonl` in the results folder, so an interrupted run resumes where
+it stopped.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from kvjax import experiments, results
+from kvjax import experiments, results, sharding
 from kvjax.config import ConfigError, build, check_type, parse_override
 from kvjax.progress import Progress
 
-TOP_LEVEL = ("experiment", "seed", "scale", "params", "sweep", "small")
+TOP_LEVEL = ("experiment", "seed", "scale", "mesh", "params", "sweep", "small")
+SCALARS = ("experiment", "seed", "scale", "mesh")  # the top-level keys --set may give
 SCALES = ("full", "small")
 
 
@@ -54,6 +59,7 @@ class PointConfig:
     scale: str  # "full" | "small"
     out: Path  # the results folder (for artifacts an experiment wants to keep)
     point: dict  # the swept values of this point
+    mesh: str | None = None  # "data=D,model=M": engines run on this mesh (MESH experiments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +75,13 @@ class Experiment:
     sweep: dict[str, list]
     points: list[tuple[dict, Any]]  # (swept values, Params) in sweep order
     overrides: tuple[str, ...] = ()
+    mesh: str | None = None
 
     def resolved(self) -> dict:
         """The JSON form written to config.json and compared on resume."""
+        mesh = {} if self.mesh is None else {"mesh": self.mesh}
         return json.loads(json.dumps({
-            "experiment": self.name, "seed": self.seed, "scale": self.scale,
+            "experiment": self.name, "seed": self.seed, "scale": self.scale, **mesh,
             "params": dataclasses.asdict(self.params), "sweep": self.sweep,
             "points": [p for p, _ in self.points]}, default=results.plain))
 
@@ -114,13 +122,20 @@ def resolve(path: str | Path, overrides: typing.Iterable[str] = ()) -> Experimen
     overrides = tuple(overrides)
     parsed = [parse_override(text) for text in overrides]
     for keys, value in parsed:  # the top-level keys first: they choose the module and scale
-        if len(keys) == 1 and keys[0] in ("experiment", "seed", "scale"):
+        if len(keys) == 1 and keys[0] in SCALARS:
             raw[keys[0]] = value
     module = experiments.load(raw.get("experiment", ""))
     seed, scale = raw.get("seed", 0), raw.get("scale", "full")
     check_type(seed, int, "seed")
     if scale not in SCALES:
         raise ConfigError("scale", f"{scale!r} is not one of {', '.join(map(repr, SCALES))}")
+    mesh = raw.get("mesh")
+    if mesh is not None:
+        check_type(mesh, str, "mesh")
+        sharding.parse_mesh(mesh)
+        if not getattr(module, "MESH", False):
+            raise ConfigError("mesh", f"{raw['experiment']!r} does not run on a mesh (the "
+                              f"experiments that do: {', '.join(experiments.on_mesh())})")
     params = dict(_table(raw, "params"))
     sweep = dict(_table(raw, "sweep"))
     small = _table(raw, "small")
@@ -132,7 +147,7 @@ def resolve(path: str | Path, overrides: typing.Iterable[str] = ()) -> Experimen
         sweep.update(_table(small, "sweep", "small."))
     fields = {f.name for f in dataclasses.fields(module.Params)}
     for keys, value in parsed:
-        if len(keys) == 1 and keys[0] in ("experiment", "seed", "scale"):
+        if len(keys) == 1 and keys[0] in SCALARS:
             continue
         if len(keys) == 2 and keys[0] == "sweep":
             sweep[keys[1]] = value
@@ -141,7 +156,7 @@ def resolve(path: str | Path, overrides: typing.Iterable[str] = ()) -> Experimen
             sweep.pop(keys[-1], None)  # a value set on the command line fixes a swept field
         else:
             raise ConfigError(".".join(keys), f"unknown key for --set (known: experiment, "
-                              f"seed, scale, params.<field>, sweep.<field>; fields of "
+                              f"seed, scale, mesh, params.<field>, sweep.<field>; fields of "
                               f"{module.__name__}.Params: {', '.join(sorted(fields))})")
     base = build(module.Params, params, "params")
     grid = _grid(module.Params, fields, sweep)
@@ -155,7 +170,7 @@ def resolve(path: str | Path, overrides: typing.Iterable[str] = ()) -> Experimen
             raise ConfigError(where, f"at sweep point {point}: "
                               f"{str(e).split(': ', 1)[1]}") from None
     return Experiment(str(path), module, raw["experiment"], seed, scale, base, grid, points,
-                      overrides)
+                      overrides, mesh)
 
 
 def _table(raw: dict, key: str, prefix: str = "") -> dict:
@@ -194,7 +209,8 @@ def run(exp: Experiment, out: str | Path | None = None, fresh: bool = False,
     with Progress(len(exp.points), exp.name, start=len(exp.points) - len(todo)) as bar:
         for point, params in todo:
             t0 = time.perf_counter()
-            rows = exp.module.run(PointConfig(params, exp.seed, exp.scale, out, point))
+            rows = exp.module.run(PointConfig(params, exp.seed, exp.scale, out, point,
+                                              exp.mesh))
             rows = [rows] if isinstance(rows, dict) else list(rows)
             results.append_point(out, point_id(point), point, dataclasses.asdict(params), rows,
                                  time.perf_counter() - t0, env["git"]["commit"])

@@ -313,3 +313,19 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id)
+
+
+MAX_CPU_DEVICES = 64  # the most fake CPU devices `request_cpu_devices` asks for
+
+
+def request_cpu_devices(count: int) -> bool:
+    """Asks JAX for `count` CPU devices so a mesh fits on a CPU-only machine (a no-op for
+    GPU/TPU devices). Works only before JAX starts its backends, and for at most
+    MAX_CPU_DEVICES; returns whether it asked."""
+    if count > MAX_CPU_DEVICES:
+        return False
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices))
+    except RuntimeError:
+        return False
+    return True

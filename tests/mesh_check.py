@@ -1,6 +1,7 @@
 """The engine on a fake 8-device CPU mesh, against one device: prints JSON for test_sharding.
 
-Run in its own process (the device count is fixed when JAX starts): `python mesh_check.py`.
+Run in its own process (the device count is fixed when JAX starts):
+`python mesh_check.py RESULTS_FOLDER`.
 Every case serves the same two waves of requests (the second wave shares a system prompt
 with the first, so it reuses pages) on one device and on a mesh, and reports tokens, reuse
 counts, the largest logit difference and the shard shapes the mesh produced.
@@ -12,6 +13,7 @@ import dataclasses
 import json
 import sys
 import warnings
+from pathlib import Path
 
 import jax
 
@@ -92,7 +94,23 @@ def main() -> None:
             got, _ = serve(config, params, "data=2,model=4", attention="pallas_gpu",
                            attention_interpret=True)
             out["pallas_gpu 2x4"] = compare(ref, got)
+    out["run prefix_page_size 2x4"] = experiment_on_mesh(Path(sys.argv[1]))
     json.dump(out, sys.stdout)
+
+
+def experiment_on_mesh(folder: Path) -> dict:
+    """`kvjax run configs/prefix_page_size.toml` (one small point) with and without a mesh."""
+    from kvjax import runner
+
+    config = Path(__file__).parent.parent / "configs" / "prefix_page_size.toml"
+    rows = {}
+    for mesh in (None, "data=2,model=4"):
+        sets = ["scale=small", "page_size=16", "workload=system_prompt"]
+        exp = runner.resolve(config, sets + ([] if mesh is None else [f"mesh={mesh}"]))
+        out = runner.run(exp, folder / str(mesh), echo=lambda _: None)
+        rows[str(mesh)] = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    summary = (folder / "data=2,model=4" / "summary.md").read_text()
+    return {"rows": rows, "summary_mesh_line": summary.strip().splitlines()[-1]}
 
 
 if __name__ == "__main__":

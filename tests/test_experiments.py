@@ -227,6 +227,9 @@ def no_work(monkeypatch):
     (["sweep.page_size=[4, 'x']"], "sweep.page_size: expected an integer"),
     (["params.requests=0"], "params.requests: must be >= 1"),
     (["scale=tiny"], "scale: 'tiny' is not one of"),
+    (["mesh=pipe=2"], "mesh: 'pipe=2': unknown axis 'pipe'"),
+    (["mesh=data=128,model=128"], "mesh: 'data=128,model=128' needs 16384 devices"),
+    (["experiment=kv_memory", "mesh=model=2"], "mesh: 'kv_memory' does not run on a mesh"),
 ])
 def test_bad_config_is_a_clear_error_before_any_work(overrides, message, tmp_path, no_work,
                                                      capsys):

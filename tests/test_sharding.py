@@ -36,8 +36,8 @@ def _python(script: str, *args: str, timeout: int = 600) -> subprocess.Completed
 
 
 @pytest.fixture(scope="module")
-def mesh_runs() -> dict:
-    proc = _python("mesh_check.py")
+def mesh_runs(tmp_path_factory) -> dict:
+    proc = _python("mesh_check.py", str(tmp_path_factory.mktemp("mesh_results")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -90,6 +90,21 @@ def test_spec_and_kernel_on_the_mesh(mesh_runs, case):
     assert run["tokens"] == run["ref_tokens"]
     assert run["reused"] == run["ref_reused"]
     assert run["max_logit_diff"] <= tol(np.float32)
+
+
+def test_an_experiment_config_runs_on_a_mesh(mesh_runs):
+    """`kvjax run` with `mesh=data=2,model=4`: the same metrics as on one device (timings
+    aside), and the summary says where it ran."""
+    from kvjax.experiments import prefix_page_size
+    from kvjax.results import is_timing
+
+    run = mesh_runs["run prefix_page_size 2x4"]
+    one, mesh = run["rows"]["None"], run["rows"]["data=2,model=4"]
+    assert len(one) == len(mesh) == 1
+    same = {k: v for k, v in one[0].items() if not is_timing(k, prefix_page_size)}
+    assert same == {k: mesh[0][k] for k in same}
+    assert same["reused_tokens"] > 0
+    assert "on mesh data=2,model=4 (8 cpu devices)" in run["summary_mesh_line"]
 
 
 # -- several processes ------------------------------------------------------------------------
@@ -175,3 +190,18 @@ def test_shard_bytes_by_hand():
 def test_unknown_parameter_has_no_rule():
     with pytest.raises(KeyError, match="no sharding rule for parameter layer_0/attn/rot/kernel"):
         sharding.param_axes(("layer_0", "attn", "rot", "kernel"), 2)
+
+
+def test_adaptive_gamma_across_processes_needs_pinned_costs(monkeypatch):
+    """Each process would measure its own timings and could pick another γ (another
+    program: the collectives would hang), so measured costs are refused there."""
+    import jax
+
+    from kvjax import Engine, SpecConfig
+
+    config = small_model()
+    params = kvjax.init_params(config)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="spec.adaptive: with several processes"):
+        Engine(params, config, spec=SpecConfig(drafter="ngram", adaptive=True))
+    Engine(params, config, spec=SpecConfig(drafter="ngram", adaptive=True, verify_slope=0.1))

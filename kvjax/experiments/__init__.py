@@ -5,11 +5,12 @@ An experiment module exposes
     Params                  a frozen dataclass: the experiment's parameters, validated on
                             construction (`ConfigError` naming the bad field)
     run(config) -> rows     one sweep point: `config` is a `kvjax.runner.PointConfig`
-                            (params, seed, scale, out); returns a list of metric dicts
+                            (params, seed, scale, out, mesh); returns a list of metric dicts
     COLUMNS                 the summary table: (header, cell of a row) pairs
     plot(rows, out) -> [paths]   PNG plots of all rows into folder `out`
     TIMING (optional)       metric keys that are timings (besides keys ending in `_s`)
     headline(rows) (optional)    one line for the summary and `--list`
+    MESH (optional)         True: its engines take `config.mesh` (a config's `mesh = ...`)
 
 and a module docstring whose first line describes it. A config may also name any
 importable module (`experiment = "experiments.my_ablation"`, found from the working
@@ -62,3 +63,8 @@ def describe(module: ModuleType) -> str:
     """The first line of the module's docstring."""
     lines = (module.__doc__ or "").strip().splitlines()
     return lines[0] if lines else ""
+
+
+def on_mesh() -> list[str]:
+    """The shipped experiments whose engines run on a device mesh (`MESH = True`)."""
+    return [name for name in shipped() if getattr(load(name), "MESH", False)]

@@ -58,13 +58,14 @@ def model(name: str, seed: int):
 
 
 def engine_config(page_size: int, num_pages: int, slots: int, chunk: int = 64,
-                  **engine_kw) -> EngineConfig:
+                  mesh: str | None = None, **engine_kw) -> EngineConfig:
     """An engine whose prefill chunk and attention block are `chunk` tokens at every page
-    size, so a token's arithmetic is the same whatever the page size."""
+    size, so a token's arithmetic is the same whatever the page size; on `mesh` if given
+    (the config's top-level `mesh`, for experiments with `MESH = True`)."""
     chunk = max(chunk, page_size)
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, prefill_chunk=chunk,
                         attn_block=chunk)
-    return EngineConfig(cache=cache, max_slots=slots, **engine_kw)
+    return EngineConfig(cache=cache, max_slots=slots, mesh=mesh, **engine_kw)
 
 
 # Summary-table columns several experiments share: (header, cell of a row).

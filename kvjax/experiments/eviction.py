@@ -76,7 +76,8 @@ def run(config) -> dict:
     params, model = common.model(p.model, config.seed)
     requests = workload(p, model.vocab_size, config.seed)
     num_pages, working, running = pool_pages(p)
-    ec = common.engine_config(p.page_size, num_pages, p.slots, eviction=p.eviction)
+    ec = common.engine_config(p.page_size, num_pages, p.slots, eviction=p.eviction,
+                              mesh=config.mesh)
     engine = Engine(params, model, ec)
     results = engine.generate(requests)
     m = engine.metrics()
@@ -98,6 +99,8 @@ def run(config) -> dict:
         "tokens_digest": common.tokens_digest([r.tokens for r in results]),
     }
 
+
+MESH = True  # its engines run on a device mesh when the config sets `mesh`
 
 COLUMNS = [
     ("policy", lambda r: r["eviction"]),

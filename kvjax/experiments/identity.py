@@ -93,7 +93,7 @@ def _serve(p: Params, config, groups, ignore: str | None, kv_dtype: str = "float
     group and per-request stats."""
     params, model = common.model(p.model, config.seed)
     tuned = init_adapter(model, p.adapter_rank, seed=config.seed + 1, scale=p.adapter_scale)
-    ec = common.engine_config(p.page_size, 8192 // p.page_size, p.slots)
+    ec = common.engine_config(p.page_size, 8192 // p.page_size, p.slots, mesh=config.mesh)
     ec = dataclasses.replace(ec, cache=dataclasses.replace(ec.cache, dtype=kv_dtype))
     engine = IgnoringEngine(params, model, ec, adapters={"tuned": tuned}, ignore=ignore)
     first = [g for g in groups if g != "model"]
@@ -145,6 +145,8 @@ def _compare(field, strict, lax, strict_reuse, lax_reuse) -> dict:
     row.update(reused_strict=s, reused_ignoring=g, reuse_lost=g - s, namespace_misses=misses)
     return row
 
+
+MESH = True  # its engines run on a device mesh when the config sets `mesh`
 
 COLUMNS = [
     ("field", lambda r: r["field"]),

@@ -66,7 +66,8 @@ def run(config) -> dict:
     runs = {}
     for name, kw in (("reference", {"prefix_cache": False}),
                      ("off", {"partial_page_copy": False}), ("on", {"partial_page_copy": True})):
-        ec = common.engine_config(p.page_size, p.capacity_tokens // p.page_size, p.slots, **kw)
+        ec = common.engine_config(p.page_size, p.capacity_tokens // p.page_size, p.slots,
+                                  mesh=config.mesh, **kw)
         engine = Engine(params, model, ec)
         results = _serve(engine, p, model.vocab_size, config.seed)
         runs[name] = (engine.metrics(), results)
@@ -90,6 +91,8 @@ def run(config) -> dict:
         "prefill_off_s": m_off["prefill_s"], "prefill_on_s": m_on["prefill_s"],
     }
 
+
+MESH = True  # its engines run on a device mesh when the config sets `mesh`
 
 COLUMNS = [
     ("workload", lambda r: r["workload"]),

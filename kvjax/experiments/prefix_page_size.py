@@ -63,7 +63,8 @@ def run_workload(engine, p: Params, vocab: int, seed: int) -> list:
 def run(config) -> dict:
     p = config.params
     params, model = common.model(p.model, config.seed)
-    ec = common.engine_config(p.page_size, p.capacity_tokens // p.page_size, p.slots)
+    ec = common.engine_config(p.page_size, p.capacity_tokens // p.page_size, p.slots,
+                              mesh=config.mesh)
     run_workload(Engine(params, model, ec), p, model.vocab_size, config.seed)  # compiles
     engine = Engine(params, model, ec)
     results = run_workload(engine, p, model.vocab_size, config.seed)
@@ -80,6 +81,8 @@ def run(config) -> dict:
         "tokens_digest": common.tokens_digest([r.tokens for r in results]),
     }
 
+
+MESH = True  # its engines run on a device mesh when the config sets `mesh`
 
 COLUMNS = [
     ("workload", lambda r: r["workload"]),

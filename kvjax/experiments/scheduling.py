@@ -49,7 +49,8 @@ def run(config) -> dict:
     same = _as_eviction(p)
     requests = workload(same, model.vocab_size, config.seed)
     num_pages, _, _ = pool_pages(same)
-    ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule)
+    ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule,
+                              mesh=config.mesh)
     Engine(params, model, ec).generate(requests[: p.slots])  # compiles the shapes
     engine = Engine(params, model, ec)
     results = engine.generate(requests)
@@ -64,6 +65,8 @@ def run(config) -> dict:
         "tokens_digest": common.tokens_digest([r.tokens for r in results]),
     }
 
+
+MESH = True  # its engines run on a device mesh when the config sets `mesh`
 
 COLUMNS = [
     ("schedule", lambda r: r["schedule"]),

@@ -145,6 +145,11 @@ class Engine:
             spec = SpecConfig()
         self.spec = None if spec is None else Speculator(spec, draft, config, ec, hash_fn, mesh)
         self._draft = None if self.spec is None else self.spec.pool
+        if self.spec is not None and spec.adaptive and not self.spec.calibrated \
+                and jax.process_count() > 1:
+            raise ConfigError("spec.adaptive", "with several processes every process must "
+                              "choose the same γ: pin spec.cost_ratio and spec.verify_slope "
+                              "(timings measured in each process differ)")
         backend = resolve_backend(ec.attention, config, cache=ec.cache,
                                   poison_freed=ec.poison_freed)
         self.attention = backend
