@@ -205,3 +205,16 @@ def test_adaptive_gamma_across_processes_needs_pinned_costs(monkeypatch):
     with pytest.raises(ConfigError, match="spec.adaptive: with several processes"):
         Engine(params, config, spec=SpecConfig(drafter="ngram", adaptive=True))
     Engine(params, config, spec=SpecConfig(drafter="ngram", adaptive=True, verify_slope=0.1))
+
+
+def test_describe_says_what_is_sharded_how():
+    """The plan's description (no devices needed: an abstract 2x4 mesh)."""
+    from jax.sharding import AbstractMesh
+
+    config = small_model(num_heads=8, num_kv_heads=2, d_model=64)
+    lines = sharding.ShardingPlan(AbstractMesh((2, 4), ("data", "model")), config).describe()
+    assert lines[0] == "mesh data=2, model=4 (8 devices)"
+    assert "attn/q/kernel: (None, 'model', None)" in lines
+    assert "mlp/down/kernel: ('model', None)" in lines
+    assert lines[-1] == ("KV cache: kv_heads (2) is not divisible by model=4; replicated on "
+                         "model")
