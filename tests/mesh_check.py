@@ -25,7 +25,7 @@ import kvjax  # noqa: E402
 from kvjax import CacheConfig, Engine, EngineConfig, Request, SpecConfig  # noqa: E402
 from kvjax.config import ModelConfig  # noqa: E402
 
-TARGET = ModelConfig(vocab_size=64, num_layers=2, d_model=128, num_heads=8, num_kv_heads=8,
+TARGET = ModelConfig(vocab_size=64, num_layers=1, d_model=128, num_heads=8, num_kv_heads=8,
                      d_ff=128, max_seq_len=256)
 DRAFT = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=4,
                     d_ff=64, max_seq_len=256)
@@ -37,7 +37,7 @@ SYSTEM = [int(t) for t in np.random.default_rng(0).integers(1, 64, 27)]
 def requests() -> list[list[Request]]:
     rng = np.random.default_rng(1)
     prompts = [SYSTEM + [int(t) for t in rng.integers(1, 64, 5 + 6 * i)] for i in range(6)]
-    reqs = [Request(p, max_new_tokens=10, return_logits=True) for p in prompts]
+    reqs = [Request(p, max_new_tokens=6, return_logits=True) for p in prompts]
     return [reqs[:2], reqs[2:]]
 
 

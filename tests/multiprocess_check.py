@@ -16,7 +16,7 @@ import numpy as np
 from kvjax import CacheConfig, EngineConfig, Request, sharding
 from kvjax.config import ModelConfig
 
-CONFIG = ModelConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=8, num_kv_heads=4,
+CONFIG = ModelConfig(vocab_size=64, num_layers=1, d_model=64, num_heads=8, num_kv_heads=4,
                      d_ff=128, max_seq_len=256)
 ENGINE = EngineConfig(cache=CacheConfig(page_size=8, num_pages=64, prefill_chunk=32,
                                         attn_block=16), max_slots=4, decode_steps=8)

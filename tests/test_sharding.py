@@ -57,10 +57,10 @@ def test_mesh_matches_one_device(mesh_runs, case):
 @pytest.mark.parametrize(("case", "cache_shard", "q_shard", "embed_shard"), [
     # cache [layers, kv_heads, pages, page_size, head_dim]; q kernel [embed, heads, head_dim];
     # embedding [vocab, embed]. KV heads and query heads split on "model", vocab too.
-    ("mha 1x8", [2, 1, 96, 8, 16], [128, 1, 16], [8, 128]),
-    ("mha 2x4", [2, 2, 96, 8, 16], [128, 2, 16], [16, 128]),
-    ("mha 8x1", [2, 8, 96, 8, 16], [128, 8, 16], [64, 128]),
-    ("mqa 1x8", [2, 1, 96, 8, 16], [128, 1, 16], [8, 128]),  # one KV head: replicated
+    ("mha 1x8", [1, 1, 96, 8, 16], [128, 1, 16], [8, 128]),
+    ("mha 2x4", [1, 2, 96, 8, 16], [128, 2, 16], [16, 128]),
+    ("mha 8x1", [1, 8, 96, 8, 16], [128, 8, 16], [64, 128]),
+    ("mqa 1x8", [1, 1, 96, 8, 16], [128, 1, 16], [8, 128]),  # one KV head: replicated
 ])
 def test_mesh_shards_as_the_rules_say(mesh_runs, case, cache_shard, q_shard, embed_shard):
     run = mesh_runs[case]
