@@ -79,9 +79,10 @@ def contiguous_pages(cache_cfg: CacheConfig, batch: int, total: int):
 
 
 def multistep_seconds(params, config: ModelConfig, holder: Holder, table, lengths,
-                      decode_steps: int, reps: int) -> float:
+                      decode_steps: int, reps: int, kernel=None) -> float:
     """Seconds per token of `decode_steps` greedy tokens per row decoded on device by
-    `steps.decode_loop` from `lengths` (the cache in `holder` is threaded through)."""
+    `steps.decode_loop` from `lengths` (the cache in `holder` is threaded through), with
+    the decode-attention `kernel` (`kvjax.model.kernels.AttentionKernel`; None: reference)."""
     batch = len(lengths)
     zeros = np.zeros(batch, np.int32)
     keys = np.zeros((batch, 2), np.uint32)
@@ -92,7 +93,8 @@ def multistep_seconds(params, config: ModelConfig, holder: Holder, table, length
     def multi_step():
         out, _, holder.cache, _ = steps.decode_loop(
             params, config, holder.cache, table, lengths, last, budget, keys, temp, zeros,
-            top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16))
+            top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16),
+            kernel=kernel)
         np.asarray(out)
 
     return median_seconds(multi_step, reps) / decode_steps

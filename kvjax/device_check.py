@@ -30,7 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.bench import Holder, contiguous_pages, filled_with_noise, median_seconds
+from kvjax.bench import (
+    Holder,
+    contiguous_pages,
+    filled_with_noise,
+    median_seconds,
+    multistep_seconds,
+)
 from kvjax.cache.paged import BatchInfo, PagedKVCache, init_cache
 from kvjax.config import CacheConfig, EngineConfig, ModelConfig, load_config
 from kvjax.model.attention import paged_attention_reference
@@ -44,8 +50,7 @@ from kvjax.model.kernels import (
 from kvjax.model.transformer import init_params
 from kvjax.progress import Progress
 from kvjax.reporting import emit, environment, markdown_table
-from kvjax.runtime import steps
-from kvjax.runtime.batching import bucket, page_table, pages_for
+from kvjax.runtime.batching import page_table, pages_for
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.requests import Request
 
@@ -233,30 +238,12 @@ def prefix_ttft(params, config: ModelConfig, cache_cfg: CacheConfig, prefix: int
 
 
 # -- decode throughput -----------------------------------------------------------------------------
-def decode_seconds(params, config: ModelConfig, holder: Holder, table, lengths, decode_steps: int,
-                   reps: int, kernel: AttentionKernel | None) -> float:
-    """Median seconds of one `steps.decode_loop` call decoding `decode_steps` greedy tokens
-    per row from `lengths` (the cache in `holder` is donated and threaded through)."""
-    batch = len(lengths)
-    zeros, ones = np.zeros(batch, np.int32), np.ones(batch, np.int32)
-    keys = np.zeros((batch, 2), np.uint32)
-    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
-    budget, stop = np.full(batch, decode_steps, np.int32), np.full(batch, -1, np.int32)
-
-    def call():
-        out, _, holder.cache, _ = steps.decode_loop(
-            params, config, holder.cache, table, lengths, ones, budget, keys, temp, zeros,
-            top_p, stop, max_steps=bucket(decode_steps, 16), kernel=kernel)
-        np.asarray(out)
-
-    return median_seconds(call, reps)
-
-
 def decode_point(params, config: ModelConfig, holder: Holder, table, batch: int, context: int,
                  decode_steps: int, reps: int, kernel: AttentionKernel | None,
                  param_bytes: int, kv_bytes: int, peak: float | None) -> dict:
-    seconds = decode_seconds(params, config, holder, table[:batch],
-                             np.full(batch, context, np.int32), decode_steps, reps, kernel)
+    seconds = decode_steps * multistep_seconds(params, config, holder, table[:batch],
+                                               np.full(batch, context, np.int32),
+                                               decode_steps, reps, kernel)
     moved = sum(memory.step_cost(config, batch, context + i, 1, param_bytes, kv_bytes).bytes
                 for i in range(decode_steps))
     bandwidth = moved / seconds
