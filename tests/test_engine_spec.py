@@ -15,6 +15,7 @@ import kvjax
 from kvjax import CacheConfig, Engine, EngineConfig, SamplingConfig
 from kvjax.cache.paged import init_cache
 from kvjax.config import ConfigError, SpecConfig
+from kvjax.runtime import steps
 from kvjax.runtime.batching import pages_for
 from kvjax.runtime.drafters import NGramDrafter
 from kvjax.runtime.ngram_device import ngram_propose
@@ -59,16 +60,23 @@ def run_waves(engine):
     return engine.generate(first), engine.generate(second)
 
 
+# The γ sweep's cache: 8-token pages and 32-token attention blocks, so every sequence of the
+# waves fits the smallest page-table bucket (8 pages) and each γ compiles its loop once.
+SWEEP_CACHE = CacheConfig(page_size=8, num_pages=96, prefill_chunk=16, attn_block=32)
+
+
 @pytest.fixture(scope="module")
 def greedy_reference(target):
-    return run_waves(spec_engine(target, None))
+    return run_waves(spec_engine(target, None, cache=SWEEP_CACHE))
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 @pytest.mark.parametrize("gamma", range(1, 9))
 def test_greedy_equals_target_greedy(target, draft, greedy_reference, drafter, gamma):
+    traced = steps.trace_counts().get("spec_loop", 0)
     engine = spec_engine(target, SpecConfig(drafter=drafter, gamma=gamma),
-                         draft=(draft, DRAFT) if drafter == "model" else None)
+                         draft=(draft, DRAFT) if drafter == "model" else None,
+                         cache=SWEEP_CACHE)
     got = run_waves(engine)
     for ref_wave, got_wave in zip(greedy_reference, got, strict=True):
         assert [r.tokens for r in got_wave] == [r.tokens for r in ref_wave]
@@ -80,7 +88,8 @@ def test_greedy_equals_target_greedy(target, draft, greedy_reference, drafter, g
     assert m["spec"]["drafted"] > 0 and m["spec"]["target_calls"] > 0
     if drafter == "ngram":
         assert m["spec"]["accepted"] > 0
-    assert m["free_pages"] == CACHE.num_pages - m["resident_pages"]  # nothing leaked
+    assert m["free_pages"] == SWEEP_CACHE.num_pages - m["resident_pages"]  # nothing leaked
+    assert steps.trace_counts().get("spec_loop", 0) - traced <= 1  # one page-table bucket
 
 
 def test_cache_on_equals_off_bitwise(target, draft):
