@@ -60,14 +60,16 @@ def run_waves(engine):
     return engine.generate(first), engine.generate(second)
 
 
-# The γ sweep's cache: 8-token pages and 32-token attention blocks, so every sequence of the
-# waves fits the smallest page-table bucket (8 pages) and each γ compiles its loop once.
-SWEEP_CACHE = CacheConfig(page_size=8, num_pages=96, prefill_chunk=16, attn_block=32)
+# 8-token pages and 32-token attention blocks: every sequence of these tests fits the
+# smallest page-table bucket (8 pages), so each γ compiles its loop once, and tests that use
+# this cache with the same γ and drafter share that compile. (Page-boundary behaviour is
+# tested on the 4-token pages of CACHE.)
+ONE_BUCKET = CacheConfig(page_size=8, num_pages=96, prefill_chunk=16, attn_block=32)
 
 
 @pytest.fixture(scope="module")
 def greedy_reference(target):
-    return run_waves(spec_engine(target, None, cache=SWEEP_CACHE))
+    return run_waves(spec_engine(target, None, cache=ONE_BUCKET))
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
@@ -76,7 +78,7 @@ def test_greedy_equals_target_greedy(target, draft, greedy_reference, drafter, g
     traced = steps.trace_counts().get("spec_loop", 0)
     engine = spec_engine(target, SpecConfig(drafter=drafter, gamma=gamma),
                          draft=(draft, DRAFT) if drafter == "model" else None,
-                         cache=SWEEP_CACHE)
+                         cache=ONE_BUCKET)
     got = run_waves(engine)
     for ref_wave, got_wave in zip(greedy_reference, got, strict=True):
         assert [r.tokens for r in got_wave] == [r.tokens for r in ref_wave]
@@ -88,7 +90,7 @@ def test_greedy_equals_target_greedy(target, draft, greedy_reference, drafter, g
     assert m["spec"]["drafted"] > 0 and m["spec"]["target_calls"] > 0
     if drafter == "ngram":
         assert m["spec"]["accepted"] > 0
-    assert m["free_pages"] == SWEEP_CACHE.num_pages - m["resident_pages"]  # nothing leaked
+    assert m["free_pages"] == ONE_BUCKET.num_pages - m["resident_pages"]  # nothing leaked
     assert steps.trace_counts().get("spec_loop", 0) - traced <= 1  # one page-table bucket
 
 
@@ -112,7 +114,8 @@ def test_logits_match_the_full_sequence_reference(target, draft):
     _, requests = waves()
     requests = [Request(tokens=r.tokens, max_new_tokens=10, return_logits=True)
                 for r in requests]
-    results = spec_engine(target, SpecConfig(gamma=4), (draft, DRAFT)).generate(requests)
+    results = spec_engine(target, SpecConfig(gamma=4), (draft, DRAFT),
+                          cache=ONE_BUCKET).generate(requests)
     for request, result in zip(requests, results, strict=True):
         seq = list(request.tokens) + result.tokens
         full = np.asarray(kvjax.forward(target, CONFIG, np.array([seq]))[0])
@@ -198,10 +201,10 @@ def test_statistics_of_always_right_and_always_wrong_drafts(target, draft):
     per call with room for 3, 2, 1, 0 drafts, each emitting one token."""
     requests = [Request(tokens=[3, 1, 4, 1, 5, 9, 2, 6][: 5 + i], max_new_tokens=13)
                 for i in range(3)]
-    greedy = spec_engine(target, None).generate(requests)
+    greedy = spec_engine(target, None, cache=ONE_BUCKET).generate(requests)
     assert all(0 not in r.tokens for r in greedy)
 
-    right = spec_engine(target, SpecConfig(gamma=4), (target, CONFIG))
+    right = spec_engine(target, SpecConfig(gamma=4), (target, CONFIG), cache=ONE_BUCKET)
     assert [r.tokens for r in right.generate(requests)] == [r.tokens for r in greedy]
     s = right.metrics()["spec"]
     assert (s["verifications"], s["drafted"], s["accepted"], s["emitted"]) == (9, 27, 27, 36)
@@ -211,7 +214,7 @@ def test_statistics_of_always_right_and_always_wrong_drafts(target, draft):
 
     zero = jax.tree_util.tree_map_with_path(
         lambda path, x: x * 0 if "lm_head" in jax.tree_util.keystr(path) else x, draft)
-    wrong = spec_engine(target, SpecConfig(gamma=4), (zero, DRAFT))
+    wrong = spec_engine(target, SpecConfig(gamma=4), (zero, DRAFT), cache=ONE_BUCKET)
     got = wrong.generate(requests)
     assert [r.tokens for r in got] == [r.tokens for r in greedy]
     w = wrong.metrics()["spec"]
@@ -227,17 +230,18 @@ def test_adaptive_gamma_follows_the_running_alpha(target, draft):
     requests = [Request(tokens=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=25)]
     zero = jax.tree_util.tree_map_with_path(
         lambda path, x: x * 0 if "lm_head" in jax.tree_util.keystr(path) else x, draft)
-    greedy = spec_engine(target, None).generate(requests)
+    greedy = spec_engine(target, None, cache=ONE_BUCKET).generate(requests)
     for drafter, expect in (((target, CONFIG), 6), ((zero, DRAFT), 1)):
         engine = spec_engine(target, SpecConfig(gamma=6, adaptive=True, cost_ratio=0.05,
-                                                verify_slope=0.0), drafter)
+                                                verify_slope=0.0), drafter, cache=ONE_BUCKET)
         assert [r.tokens for r in engine.generate(requests)] == [r.tokens for r in greedy]
         history = engine.metrics()["spec"]["gamma_history"]
         assert history[0] == 6 and history[-1] == expect
 
 
 def test_measured_cost_ratio_and_verify_slope(target, draft):
-    engine = spec_engine(target, SpecConfig(gamma=2, adaptive=True), (draft, DRAFT))
+    engine = spec_engine(target, SpecConfig(gamma=2, adaptive=True), (draft, DRAFT),
+                         cache=ONE_BUCKET)
     engine.generate([Request(tokens=[1, 2, 3], max_new_tokens=9)])
     m = engine.metrics()["spec"]
     assert 0 < m["cost_ratio"] < 5 and 0 <= m["verify_slope"] < 5
