@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -109,10 +108,6 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     exp = runner.resolve(args.config, args.set)
-    if exp.mesh is not None:  # before any JAX work: a CPU-only machine gets the devices
-        from kvjax import sharding
-        sharding.request_cpu_devices(math.prod(sharding.parse_mesh(exp.mesh).values()))
-        sharding.make_mesh(exp.mesh)  # too few devices: refused before any work
     print(f"{exp.name}: {experiments.describe(exp.module)} ({len(exp.points)} points, "
           f"scale {exp.scale}, seed {exp.seed})")
     out = runner.run(exp, args.out, fresh=args.fresh)

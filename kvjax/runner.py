@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import sys
 import time
 import typing
@@ -197,7 +198,15 @@ def _grid(params_cls: type, fields: set[str], sweep: dict) -> dict[str, list]:
 
 def run(exp: Experiment, out: str | Path | None = None, fresh: bool = False,
         echo=print) -> Path:
-    """Runs every point not already in the folder's journal; writes the results folder."""
+    """Runs every point not already in the folder's journal; writes the results folder.
+
+    With a mesh, a CPU-only machine is first given the CPU devices it needs (possible only
+    before JAX starts), and a mesh larger than the visible devices is refused before any
+    work or folder.
+    """
+    if exp.mesh is not None:
+        sharding.request_cpu_devices(math.prod(sharding.parse_mesh(exp.mesh).values()))
+        sharding.make_mesh(exp.mesh)
     out = Path(out) if out is not None else exp.default_out()
     resolved = exp.resolved()
     done = results.start(out, resolved, fresh)

@@ -109,8 +109,11 @@ def make_mesh(spec: str | dict[str, int]) -> Mesh:
                 if devices[0].platform == "cpu" else "")
         raise ConfigError("mesh", f"{spec!r} needs {count} devices; "
                           f"{len(devices)} are visible{hint}")
-    grid = np.asarray(devices[:count]).reshape([sizes[a] for a in MESH_AXES])
-    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if count == len(devices):  # JAX orders the devices by the machine's topology
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+    return Mesh(np.asarray(devices[:count]).reshape(shape), MESH_AXES, axis_types=auto)
 
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:

@@ -30,7 +30,7 @@ TARGET = ModelConfig(vocab_size=64, num_layers=1, d_model=128, num_heads=8, num_
 DRAFT = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=4,
                     d_ff=64, max_seq_len=256)
 ENGINE = EngineConfig(cache=CacheConfig(page_size=8, num_pages=96, prefill_chunk=32,
-                                        attn_block=16), max_slots=8, decode_steps=8)
+                                        attn_block=16), max_slots=8, decode_steps=4)
 SYSTEM = [int(t) for t in np.random.default_rng(0).integers(1, 64, 27)]
 
 
@@ -94,6 +94,11 @@ def main() -> None:
             got, _ = serve(config, params, "data=2,model=4", attention="pallas_gpu",
                            attention_interpret=True)
             out["pallas_gpu 2x4"] = compare(ref, got)
+            # Page copies (partial-page reuse) and NaN-poisoned freed pages on the mesh.
+            kw = dict(partial_page_copy=True, poison_freed=True)
+            one, _ = serve(config, params, **kw)
+            out["partial copy, poison 2x4"] = compare(one, serve(config, params,
+                                                                 "data=2,model=4", **kw)[0])
     out["run prefix_page_size 2x4"] = experiment_on_mesh(Path(sys.argv[1]))
     json.dump(out, sys.stdout)
 

@@ -190,7 +190,8 @@ def paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, batch:
 def sharded_paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int,
                                    batch: BatchInfo, backend: str, *, mesh: Mesh,
                                    cache_spec: PartitionSpec, batch_axis: str | None = "data",
-                                   interpret: bool = False) -> jax.Array:
+                                   interpret: bool = False,
+                                   window: int | None = None) -> jax.Array:
     """`paged_decode_attention` under a device mesh: each device runs the kernel on its shard.
 
     A Pallas kernel is one opaque call that GSPMD cannot split (it would gather the whole
@@ -222,7 +223,7 @@ def sharded_paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int
                             num_new=batch.num_new)
 
     def local(q, cache, batch):
-        return paged_decode_attention(q, cache, layer, batch, backend, interpret)
+        return paged_decode_attention(q, cache, layer, batch, backend, interpret, window=window)
 
     cache_specs = PagedKVCache(k=PartitionSpec(*spec), v=PartitionSpec(*spec),
                                block_pages=cache.block_pages)

@@ -90,7 +90,7 @@ class Attention(nn.Module):
                                           kernel.interpret, window=window)
         return sharded_paged_decode_attention(
             q, cache, self.layer, batch, kernel.backend, mesh=self.sharding.mesh,
-            cache_spec=self.sharding.cache, interpret=kernel.interpret)
+            cache_spec=self.sharding.cache, interpret=kernel.interpret, window=window)
 
 
 class Block(nn.Module):

@@ -235,4 +235,6 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     result.update(state["stats"])
     host = {k: v for k, v in result.items() if k not in ("cache", "draft_cache")}
     result.update(maybe_replicated(sharding, host))
+    result["cache"] = maybe_constrain_cache(sharding, result["cache"])
+    result["draft_cache"] = maybe_constrain_cache(sharding, result["draft_cache"], draft=True)
     return result

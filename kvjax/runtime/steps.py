@@ -126,4 +126,5 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
              out_tokens, out_logits)
     _, cache, lengths, _, _, out_tokens, out_logits = jax.lax.while_loop(cond, body, state)
     out_tokens, out_logits, lengths = maybe_replicated(sharding, (out_tokens, out_logits, lengths))
+    cache = maybe_constrain_cache(sharding, cache)
     return out_tokens, (out_logits if return_logits else None), cache, lengths
