@@ -228,3 +228,18 @@ def test_describe_says_what_is_sharded_how():
     assert "mlp/down/kernel: ('model', None)" in lines
     assert lines[-1] == ("KV cache: kv_heads (2) is not divisible by model=4; replicated on "
                          "model")
+
+
+def test_a_cpu_only_machine_is_given_the_devices_a_mesh_needs():
+    """What `kvjax run` does first with a mesh, in a fresh process (before JAX starts)."""
+    code = ("from kvjax import sharding\n"
+            "assert sharding.request_cpu_devices(4)\n"
+            "mesh = sharding.make_mesh('data=2,model=2')\n"
+            "import jax\n"
+            "print(jax.device_count(), dict(mesh.shape))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "4 {'data': 2, 'model': 2}"
+    assert not sharding.request_cpu_devices(sharding.MAX_CPU_DEVICES + 1)
