@@ -44,9 +44,14 @@ def requests() -> list[list[Request]]:
 def serve(config: ModelConfig, params, mesh=None, **kw) -> tuple[dict, Engine]:
     spec = kw.pop("spec", None)
     draft = kw.pop("draft", None)
+    adapters = kw.pop("adapters", None)
     engine = Engine(params, config, dataclasses.replace(ENGINE, mesh=mesh, **kw), spec=spec,
-                    draft=draft)
-    results = [r for wave in requests() for r in engine.generate(wave)]
+                    draft=draft, adapters=adapters)
+    waves = requests()
+    if adapters:  # every other request through the (stacked, replicated) LoRA adapter
+        waves = [[dataclasses.replace(r, adapter="tuned" if i % 2 else None)
+                  for i, r in enumerate(wave)] for wave in waves]
+    results = [r for wave in waves for r in engine.generate(wave)]
     return {"tokens": [r.tokens for r in results],
             "reused": [r.stats["reused_tokens"] for r in results],
             "logits": [np.asarray(r.logits) for r in results]}, engine
@@ -99,6 +104,11 @@ def main() -> None:
             one, _ = serve(config, params, **kw)
             out["partial copy, poison 2x4"] = compare(one, serve(config, params,
                                                                  "data=2,model=4", **kw)[0])
+            adapters = {"tuned": kvjax.init_adapter(config, 4, seed=6)}
+            one, _ = serve(config, params, adapters=adapters)
+            got, _ = serve(config, params, "data=2,model=4", adapters=adapters)
+            out["lora 2x4"] = {**compare(one, got), "tokens_differ_from_base": sum(
+                a != b for a, b in zip(one["tokens"], ref["tokens"], strict=True))}
     out["run prefix_page_size 2x4"] = experiment_on_mesh(Path(sys.argv[1]))
     json.dump(out, sys.stdout)
 

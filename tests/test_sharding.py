@@ -86,15 +86,17 @@ def test_prefix_cache_on_vs_off_is_bitwise_on_the_mesh(mesh_runs):
 
 
 @pytest.mark.parametrize("case", ["spec model 2x4", "spec ngram 2x4", "pallas_gpu 2x4",
-                                  "partial copy, poison 2x4"])
-def test_spec_kernel_and_page_copies_on_the_mesh(mesh_runs, case):
-    """Speculative decoding (greedy), the GPU kernel under shard_map (interpret mode), and
-    partial-page copies with NaN-poisoned freed pages emit one device's greedy tokens, with
-    its reuse counts and logits within 1e-5."""
+                                  "partial copy, poison 2x4", "lora 2x4"])
+def test_spec_kernel_page_copies_and_adapters_on_the_mesh(mesh_runs, case):
+    """Speculative decoding (greedy), the GPU kernel under shard_map (interpret mode),
+    partial-page copies with NaN-poisoned freed pages, and LoRA adapters per request give
+    one device's greedy tokens, with its reuse counts and logits within 1e-5."""
     run = mesh_runs[case]
     assert run["tokens"] == run["ref_tokens"]
     assert run["reused"] == run["ref_reused"]
     assert run["max_logit_diff"] <= tol(np.float32)
+    if case == "lora 2x4":
+        assert run["tokens_differ_from_base"] > 0  # the adapter did change outputs
 
 
 def test_an_experiment_config_runs_on_a_mesh(mesh_runs):
