@@ -42,21 +42,18 @@ from kvjax.config import CacheConfig, EngineConfig, ModelConfig, load_config
 from kvjax.model.attention import paged_attention_reference
 from kvjax.model.kernels import (
     BACKENDS,
+    TOLERANCE,
     AttentionKernel,
     kernel_limits,
     paged_decode_attention,
     resolve_backend,
 )
-from kvjax.model.transformer import init_params
+from kvjax.model.transformer import param_shapes
 from kvjax.progress import Progress
-from kvjax.reporting import emit, environment, markdown_table
+from kvjax.reporting import emit, environment, markdown_table, refuse
 from kvjax.runtime.batching import page_table, pages_for
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.requests import Request
-
-# Tolerance of the kernels against the reference, keyed on the queries' dtype (the
-# docstring of kvjax.model.kernels; abs and rel).
-TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 # Peak HBM bandwidth in bytes/s from vendor spec sheets, matched in order against
 # `device_kind` (e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3"); unknown kinds report null.
@@ -92,7 +89,7 @@ def peak_hbm(device_kind: str) -> float | None:
 def random_params(config: ModelConfig, seed: int = 0) -> dict:
     """Random weights of `config` made on the device in its own dtype: normal * 0.02, norm
     scales 1, biases 0. Nothing float32 of full size exists on host or device."""
-    shapes = jax.eval_shape(lambda: init_params(config))  # nothing allocated
+    shapes = param_shapes(config)  # nothing allocated
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     dtype = jnp.dtype(config.dtype)
 
@@ -173,7 +170,7 @@ def check_kernel(config: ModelConfig, cache_cfg: CacheConfig, backend: str, inte
             wide = cache.replace(k=cache.k.astype(jnp.float32), v=cache.v.astype(jnp.float32))
             exact = reference(q.astype(jnp.float32), wide, batch)
         out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-        tol = TOL[q_name]
+        tol = TOLERANCE[q_name]
         passed = bool(np.isfinite(out32).all()
                       and np.allclose(out32, ref32, atol=tol, rtol=tol))
         cases.append({"q_dtype": q_name, "cache_dtype": cache_name,
@@ -379,8 +376,7 @@ def main(argv=None) -> int:
         hint = (f' An NVIDIA driver is present: install the CUDA build of JAX, e.g. '
                 f'`pip install -U "jax[cuda13]=={jax.__version__}"`.'
                 if shutil.which("nvidia-smi") else "")
-        print(NO_GPU + hint, file=sys.stderr)
-        return 2
+        return refuse(NO_GPU + hint)
     if args.tiny:
         model = TINY_MODEL
         cache_cfg = CacheConfig(page_size=16, num_pages=1, dtype="bfloat16",

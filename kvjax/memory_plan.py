@@ -7,7 +7,6 @@ Prices a mesh this machine need not have: it builds the parameter tree with
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -17,7 +16,7 @@ import numpy as np
 from kvjax import sharding
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.memory import human_bytes, kv_bytes
-from kvjax.model.transformer import init_params
+from kvjax.model.transformer import param_shapes
 
 GIB = 2**30
 PLAN_CONTEXTS = (2048, 8192, 32768, 131072)  # the "largest batch by context" rows
@@ -30,11 +29,6 @@ PLAN_ASSUMPTIONS = (
     "assumption, not measured)."
 )
 
-
-@functools.lru_cache(maxsize=8)
-def param_shapes(config: ModelConfig):
-    """The parameter tree of `config` as shapes only (`jax.eval_shape`: nothing allocated)."""
-    return jax.eval_shape(lambda: init_params(config))
 
 
 def _scalars(shape: tuple[int, ...], spec, sizes: dict[str, int]) -> int:

@@ -22,6 +22,12 @@ def emit(text: str = "") -> None:
     sys.stdout.flush()
 
 
+def refuse(text: str) -> int:
+    """Says why a command will not run (stderr); returns its exit status, 2."""
+    sys.stderr.write(text + "\n")
+    return 2
+
+
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     """A Markdown table; the first column is left-aligned when it holds text."""
     first_text = bool(rows) and isinstance(columns[0][1](rows[0]), str) and \

@@ -271,18 +271,14 @@ class ShardingPlan:
         lines = [f"mesh {sizes} ({math.prod(self.sizes.values())} devices)"]
         lines.append(f"KV cache [layers, kv_heads, pages, page_size, head_dim]: "
                      f"{tuple(self.cache_spec)}")
-        specs = param_specs(jax.eval_shape(lambda: _shapes(self.config)), self.sizes)
+        from kvjax.model.transformer import param_shapes
+        specs = param_specs(param_shapes(self.config), self.sizes)
         flat = jax.tree_util.tree_flatten_with_path(specs)[0]
         seen = {}
         for path, spec in flat:
             seen.setdefault(_kind(_path_names(path)), spec)
         lines += [f"{name}: {tuple(spec)}" for name, spec in seen.items()]
         return lines + self.notes
-
-
-def _shapes(config: ModelConfig):
-    from kvjax.model.transformer import init_params
-    return init_params(config)
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

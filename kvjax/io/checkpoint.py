@@ -17,7 +17,7 @@ import jax
 from kvjax.cache.identity import model_fingerprint
 from kvjax.config import ConfigError, ModelConfig, build
 from kvjax.io.hf import CheckpointError
-from kvjax.model.transformer import init_params
+from kvjax.model.transformer import param_shapes
 
 FORMAT = 1
 
@@ -60,7 +60,7 @@ def load(path) -> tuple[ModelConfig, dict]:
         config = build(ModelConfig, meta["config"], "config")
     except ConfigError as e:
         raise CheckpointError(f"{path}: the saved config is invalid: {e}") from None
-    target = jax.eval_shape(lambda: init_params(config))
+    target = param_shapes(config)
     try:
         params = ocp.StandardCheckpointer().restore(path / "params", target)
     except Exception as e:  # orbax raises many kinds; none may pass as a valid load

@@ -170,9 +170,9 @@ def _check_shapes(config: ModelConfig, params: dict) -> None:
     """Every tensor has exactly the shape the model expects; nothing is missing or extra."""
     import jax
 
-    from kvjax.model.transformer import init_params
+    from kvjax.model.transformer import param_shapes
 
-    expected = jax.eval_shape(lambda: init_params(config))
+    expected = param_shapes(config)
     flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
     flat_got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     for path, leaf in flat_expected.items():

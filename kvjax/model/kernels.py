@@ -57,6 +57,9 @@ _GPU_BLOCK_H = 16  # query rows per kernel instance; the kernel requires a multi
 _GPU_MIN_BLOCK = 16  # tokens per compute block: the least dimension of a Triton dot
 _GPU_MAX_SPLITS = 16  # sequence partitions reduced in parallel (the kernel's default)
 
+# The documented tolerance of a kernel against the reference, abs and rel, by query dtype.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
 _warned: set[str] = set()
 
 

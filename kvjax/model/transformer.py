@@ -9,6 +9,7 @@ cache by the new tokens and returns their logits and the new cache.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import flax.linen as nn
@@ -161,6 +162,12 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
     """Random parameters for `config` (float32)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     return Transformer(config).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+
+
+@functools.lru_cache(maxsize=8)
+def param_shapes(config: ModelConfig):
+    """The parameter tree of `config` as shapes only (`jax.eval_shape`: nothing allocated)."""
+    return jax.eval_shape(lambda: init_params(config))
 
 
 @partial(jax.jit, static_argnames=("config",))
