@@ -37,7 +37,11 @@ def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
     Args:
       logits: float32[B, V]; temperature, top_p: float32[B]; top_k: int32[B] (0 is off).
-    Ties at a cut-off are all kept.
+    Ties at a cut-off are all kept. top_p >= 1 keeps every token (top-k aside). Below 1,
+    a token is kept while the mass ranked before it is < top_p, decided as "the mass from
+    it to the end of the ranking exceeds (1 - top_p) of the total": that tail is a sum of
+    the smallest terms first, exact to float32 rounding of its own size, whereas a running
+    sum from the top reaches 1.0 before the tail does and cuts tokens that belong in.
     """
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
@@ -45,9 +49,10 @@ def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)  # [B, 1]
     ranked = jnp.where(ranked >= kth, ranked, -jnp.inf)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
-    keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # [B]
+    weights = jnp.exp(ranked - ranked[:, :1])  # [B, V] unnormalised, 0 past top-k
+    tail = jnp.flip(jnp.cumsum(jnp.flip(weights, -1), axis=-1), -1)  # [B, V] mass from i on
+    inside = tail > ((1.0 - top_p) * tail[:, 0])[:, None]
+    keep = jnp.where(top_p >= 1.0, vocab, jnp.maximum(jnp.sum(inside, axis=-1), 1))  # [B]
     cutoff = jnp.maximum(jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1), kth)
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
