@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -88,7 +90,8 @@ def test_tenant_salt_and_public_prefix(p):
     _, b = _twice(eng, Request(PROMPT, 4, tenant="alice"),
                   Request(PROMPT, 4, tenant="bob", return_logits=True))
     assert b.stats["reused_tokens"] == 0
-    assert b.stats["miss_fields"] == ["salt"]
+    assert (b.stats["miss_cause"], b.stats["miss_fields"]) == ("cold", [])  # alice's: unseen
+    assert eng.metrics()["namespace_misses_by_field"] == {"salt": 1}  # the operator's view
     assert_same([b], engine(p).generate([Request(PROMPT, 4, return_logits=True)]))
     # A declared public prefix (a shared system prompt) is shared across tenants; the rest
     # stays private.
@@ -96,12 +99,41 @@ def test_tenant_salt_and_public_prefix(p):
     _, carol = _twice(eng, Request(PROMPT, 4, tenant="alice", public_prefix=13),
                       Request(PROMPT, 4, tenant="carol", public_prefix=13))
     assert carol.stats["reused_tokens"] == 12
-    assert carol.stats["miss_cause"] == "namespace"
-    assert carol.stats["miss_fields"] == ["salt"]
+    assert carol.stats["miss_cause"] == "cold"
     same = eng.generate([Request(PROMPT, 4, tenant="carol", public_prefix=13)])[0]
     assert same.stats["reused_tokens"] == 28
 
 
+def _told(result) -> dict:
+    """What a request is told, timings aside."""
+    return {k: v for k, v in result.stats.items() if not k.endswith("_s")}
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (Request(PROMPT, 4, tenant="alice"), Request(PROMPT, 4, tenant="bob")),
+    (Request(PROMPT, 4, tenant="alice"), Request(PROMPT, 4)),
+    (Request(PROMPT, 4, tenant="alice", adapter="a"), Request(PROMPT, 4)),
+    (Request(PROMPT, 4, tenant="alice", public_prefix=13),
+     Request(PROMPT, 4, tenant="carol", public_prefix=13)),
+    (Request(PROMPT, 4, tenant="alice", public_prefix=13),
+     Request(PROMPT[:20] + [1, 2, 3], 4, tenant="carol", public_prefix=13)),
+    (Request(PROMPT, 4), Request(PROMPT, 4, tenant="bob")),  # public pages are public
+], ids=["salt", "public-asks", "adapter+salt", "public-prefix", "divergent", "public-seen"])
+def test_a_request_is_told_only_what_its_namespace_sees(p, adapters, first, second):
+    """The second request's stats are exactly what it is told on an engine where only the
+    public part of the first request ran (timings aside): another tenant's private pages do
+    not exist for it. The operator's aggregate still counts the namespace miss."""
+    eng = engine(p, adapters=adapters)
+    eng.generate([first])
+    got = eng.generate([second])[0]
+    public = len(first.tokens) if first.tenant is None else first.public_prefix
+    witness = engine(p, adapters=adapters)
+    if public:
+        eng_public = dataclasses.replace(first, tokens=first.tokens[:public], tenant=None,
+                                         public_prefix=0)
+        witness.generate([eng_public])
+    assert _told(got) == _told(witness.generate([second])[0])
+    assert "salt" in eng.metrics()["namespace_misses_by_field"]
 def test_cache_dtype_is_part_of_the_namespace():
     ns = CacheNamespace(model="m", adapter="none", position_base=0, attention="causal",
                         kv_dtype="float32")
@@ -159,3 +191,41 @@ def test_hash_collisions_never_return_another_history(p):
     # Every cached block still holds the tokens of its own history.
     for _, history, _page in colliding.trie.entries():
         assert any(list(r.tokens[:len(history)]) == history for r in requests)
+
+
+def test_records_of_one_history_under_two_paths_do_not_collide():
+    """One tenant's prompt cached twice, with public_prefix 0 (path salts t, t) and 4
+    (None, t): block 1 has the same namespace and token history on both paths. Evicting it
+    on the first path and caching the second must not erase the first's eviction record
+    (its miss is "capacity", not "cold"), and the operator still sees the second path's
+    block as the same history under another salt."""
+    ns = CacheNamespace(model="m", adapter="none", position_base=0, attention="causal",
+                        kv_dtype="float32")
+    trie = PrefixTrie(4, PageAllocator(8))
+    tokens, digests = PROMPT[:8], history_digests(PROMPT[:8], 4)
+    pages = trie.allocator.allocate(4)
+    trie.insert(ns, tokens, ["t", "t"], digests, pages[:2])
+    trie.allocator.free(pages[:2])
+    assert trie.evict(1) == 1  # the leaf: block 1 of the (t, t) path
+    assert trie.match(ns, tokens, ["t", "t"], digests).cause == "capacity"
+    trie.insert(ns, tokens, [None, "t"], digests, pages[2:])
+    trie.allocator.free(pages[2:])
+    again = trie.match(ns, tokens, ["t", "t"], digests)
+    assert (len(again.nodes), again.cause) == (1, "capacity")
+    assert trie.unbounded_blocks(ns, tokens, ["t", "t"]) == 2
+    assert trie.unbounded_blocks(ns, tokens, ["u", "u"]) == 0
+    # Tenant u with the same public first block: the (None, t) path's block 1 is t's.
+    other = trie.match(ns, tokens, [None, "u"], digests)
+    assert (len(other.nodes), other.cause, other.fields) == (1, "cold", [])
+    assert (other.operator_cause, other.operator_fields) == ("namespace", ["salt"])
+    # Both paths resident; evicting the (t, t) block 1 leaves the (None, t) one on record.
+    fresh = trie.allocator.allocate(1)
+    trie.insert(ns, tokens, ["t", "t"], digests, [trie.match(ns, tokens, ["t", "t"],
+                                                             digests).pages[0], *fresh])
+    trie.allocator.free(fresh)
+    assert trie.match(ns, tokens, ["t", "t"], digests).cause is None
+    victim = trie.match(ns, tokens, ["t", "t"], digests).nodes[1]
+    trie._remove(victim)
+    assert trie.match(ns, tokens, ["t", "t"], digests).cause == "capacity"
+    assert trie.match(ns, tokens, [None, "t"], digests).cause is None
+    assert trie.match(ns, tokens, [None, "u"], digests).operator_cause == "namespace"

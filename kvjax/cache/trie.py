@@ -7,13 +7,24 @@ holds one allocator reference on every page it caches; eviction removes least-re
 used (or by another policy) leaves that no live sequence references.
 
 Miss causes, for the first block that was not reused:
-  capacity   - the same block under the same namespace was cached and has been evicted
+  capacity   - this very block (same namespace, same salts and tokens before it) was cached
+               and has been evicted
   namespace  - the same token history is cached under another namespace (fields named)
   divergence - the request shares some history with the cache, which then continues
                differently; the tokens differ at `position`
   partial_page - the request's remaining tokens are fewer than a page and a cached page
                  continues them (only a partial-page copy could reuse them)
   cold       - never seen
+
+What a request is told depends only on what its own namespace can see: another tenant's
+private blocks do not exist for it (a namespace miss names only namespaces that are public,
+salt None, or the request's own tenant's). `Match.operator_cause` / `operator_fields` keep
+the unfiltered cause for operator-level aggregates, which never name requests.
+
+Records are keyed so that they cannot collide: a block's identity is its root namespace and
+its path key, a digest of every (salt, tokens) block from the root to it; the "same tokens
+elsewhere" index counts nodes per (token-history digest, namespace), so evicting one of two
+nodes that share both keeps the other's record.
 """
 
 from __future__ import annotations
@@ -33,6 +44,12 @@ def default_hash(salt: str | None, tokens: Block) -> int:
     return hash((salt, tokens))
 
 
+def child_key(parent_key: bytes, salt: str | None, tokens: Block) -> bytes:
+    """The path key of a block: its parent's key extended by (salt, tokens)."""
+    return hashlib.blake2b(parent_key + repr((salt, tokens)).encode(),
+                           digest_size=16).digest()
+
+
 def history_digests(tokens: Sequence[int], page_size: int) -> list[bytes]:
     """Digest of the whole history up to the end of each full block (for statistics only)."""
     out, h = [], hashlib.blake2b(digest_size=16)
@@ -43,8 +60,8 @@ def history_digests(tokens: Sequence[int], page_size: int) -> list[bytes]:
 
 
 class Node:
-    __slots__ = ("children", "created", "hits", "last_used", "namespace", "page", "parent",
-                 "salt", "tokens")
+    __slots__ = ("children", "created", "hits", "key", "last_used", "namespace", "page",
+                 "parent", "salt", "tokens")
 
     def __init__(self, tokens: Block, salt: str | None, page: int, parent: Node | None,
                  namespace: CacheNamespace, clock: int):
@@ -52,6 +69,7 @@ class Node:
         self.salt = salt
         self.page = page
         self.parent = parent
+        self.key = b"" if parent is None else child_key(parent.key, salt, tokens)
         self.namespace = namespace  # the full namespace (with this block's salt)
         self.children: dict[int, list[Node]] = {}
         self.created = self.last_used = clock
@@ -77,10 +95,24 @@ class Match:
     position: int | None = None  # divergence: first differing token position
     fields: list[str] = dataclasses.field(default_factory=list)  # namespace: differing fields
     partial: tuple[Node, int] | None = None  # a cached page sharing the next n tokens
+    hidden_fields: list[str] | None = None  # the operator's namespace miss, where only
+    # another tenant's private blocks explain it (the request is told `cause` instead)
+
+    @property
+    def operator_cause(self) -> str | None:
+        return self.cause if self.hidden_fields is None else "namespace"
+
+    @property
+    def operator_fields(self) -> list[str]:
+        return self.fields if self.hidden_fields is None else self.hidden_fields
 
     @property
     def pages(self) -> list[int]:
         return [n.page for n in self.nodes]
+
+
+def _fields(namespace: CacheNamespace, others: list[CacheNamespace]) -> list[str]:
+    return sorted({f for ns in others for f in namespace.differing_fields(ns)})
 
 
 def _common_prefix(a: Block, b: Sequence[int]) -> int:
@@ -108,11 +140,14 @@ class PrefixTrie:
         self.hash_fn = hash_fn
         self._roots: dict[CacheNamespace, Node] = {}
         self._clock = 0
+        # (root namespace, path key) of evicted blocks, oldest first; of every block ever cached
         self._evicted: collections.OrderedDict = collections.OrderedDict()
         self._evicted_cap = evicted_record
-        self._resident: dict[bytes, set[CacheNamespace]] = collections.defaultdict(set)
-        self._digest_of: dict[int, bytes] = {}  # id(node) -> history digest
         self._ever: set[tuple[CacheNamespace, bytes]] = set()
+        # token-history digest -> resident nodes per full namespace (with salt)
+        self._resident: dict[bytes, collections.Counter] = collections.defaultdict(
+            collections.Counter)
+        self._digest_of: dict[int, bytes] = {}  # id(node) -> history digest
         self.num_nodes = 0
         self.evictions = 0
 
@@ -174,28 +209,35 @@ class PrefixTrie:
             # Nothing continues this history: a hit if any page matched, else never seen.
             return Match(nodes, None if nodes else "cold")
         namespace = base.with_salt(salts[i])
-        digest = digests[i]
-        lcps = [(c, _common_prefix(c.tokens, tokens[start:start + ps])) for c in siblings]
+        block = tuple(tokens[start:start + ps])
+        lcps = [(c, _common_prefix(c.tokens, block)) for c in siblings]
         best = max(lcps, key=lambda x: x[1], default=None)
         partial = best if best is not None and best[1] > 0 else None
-        if (namespace, digest) in self._evicted:
+        parent_key = b"" if node is None else node.key
+        if (base.with_salt(None), child_key(parent_key, salts[i], block)) in self._evicted:
             return Match(nodes, "capacity", partial=partial)
-        elsewhere = [ns for ns in self._resident.get(digest, ()) if ns != namespace]
-        if elsewhere:
-            fields = sorted({f for ns in elsewhere for f in namespace.differing_fields(ns)})
-            return Match(nodes, "namespace", fields=fields, partial=partial)
+        elsewhere = [ns for ns in self._resident.get(digests[i], ()) if ns != namespace]
+        tenant = next((s for s in salts if s is not None), None)
+        visible = [ns for ns in elsewhere if ns.salt in (None, tenant)]
+        if visible:
+            return Match(nodes, "namespace", fields=_fields(namespace, visible),
+                         partial=partial)
+        hidden = _fields(namespace, elsewhere) if elsewhere else None
         if siblings and (nodes or partial):  # shared some history, then went elsewhere
-            return Match(nodes, "divergence", position=start + best[1], partial=partial)
-        return Match(nodes, "cold", partial=partial)
+            return Match(nodes, "divergence", position=start + best[1], partial=partial,
+                         hidden_fields=hidden)
+        return Match(nodes, "cold", partial=partial, hidden_fields=hidden)
 
-    def unbounded_blocks(self, base: CacheNamespace, salts, digests) -> int:
+    def unbounded_blocks(self, base: CacheNamespace, tokens: Sequence[int],
+                         salts: Sequence[str | None]) -> int:
         """Blocks an unbounded cache would have matched (everything ever inserted)."""
-        n = 0
-        for salt, digest in zip(salts, digests, strict=False):
-            if (base.with_salt(salt), digest) not in self._ever:
-                break
-            n += 1
-        return n
+        root, key = base.with_salt(None), b""
+        for i in range(len(tokens) // self.page_size):
+            key = child_key(key, salts[i], tuple(tokens[i * self.page_size:
+                                                        (i + 1) * self.page_size]))
+            if (root, key) not in self._ever:
+                return i
+        return len(tokens) // self.page_size
 
     # -- updates ----------------------------------------------------------------------------
     def insert(self, base: CacheNamespace, tokens: Sequence[int], salts: Sequence[str | None],
@@ -216,10 +258,10 @@ class PrefixTrie:
                 child = Node(block, salts[i], pages[i], node, namespace, self._clock)
                 node.children.setdefault(self.hash_fn(salts[i], block), []).append(child)
                 self.allocator.share(pages[i])
-                self._resident[digests[i]].add(namespace)
+                self._resident[digests[i]][namespace] += 1
                 self._digest_of[id(child)] = digests[i]
-                self._ever.add((namespace, digests[i]))
-                self._evicted.pop((namespace, digests[i]), None)
+                self._ever.add((base.with_salt(None), child.key))
+                self._evicted.pop((base.with_salt(None), child.key), None)
                 self.num_nodes += 1
                 added += 1
             child.last_used = self._clock
@@ -282,10 +324,13 @@ class PrefixTrie:
         if not bucket:
             del node.parent.children[self.hash_fn(node.salt, node.tokens)]
         digest = self._digest_of.pop(id(node))
-        self._resident[digest].discard(node.namespace)
-        if not self._resident[digest]:
+        resident = self._resident[digest]
+        resident[node.namespace] -= 1
+        if not resident[node.namespace]:
+            del resident[node.namespace]
+        if not resident:
             del self._resident[digest]
-        self._evicted[(node.namespace, digest)] = True
+        self._evicted[(node.namespace.with_salt(None), node.key)] = True
         while len(self._evicted) > self._evicted_cap:
             self._evicted.popitem(last=False)
         self.allocator.free([node.page])

@@ -89,8 +89,8 @@ def _groups(p: Params, vocab: int, seed: int) -> dict[str, list[Request]]:
 
 
 def _serve(p: Params, config, groups, ignore: str | None, kv_dtype: str = "float32"):
-    """Serves every group in order (the model group after a weight reload): results by
-    group and per-request stats."""
+    """Serves every group in order (the model group after a weight reload): (results by
+    group, the operator's namespace misses by field, from `engine.metrics()`)."""
     params, model = common.model(p.model, config.seed)
     tuned = init_adapter(model, p.adapter_rank, seed=config.seed + 1, scale=p.adapter_scale)
     ec = common.engine_config(p.page_size, 8192 // p.page_size, p.slots, mesh=config.mesh)
@@ -108,28 +108,30 @@ def _serve(p: Params, config, groups, ignore: str | None, kv_dtype: str = "float
         new_weights = jax.tree_util.tree_map(lambda x: x * 1.01, params)  # "fine-tuned"
         engine.load_params(new_weights)
         by_group["model"] = engine.generate(groups["model"])
-    return by_group
+    return by_group, engine.metrics()["namespace_misses_by_field"]
 
 
 def run(config) -> list[dict]:
     p = config.params
     model = common.MODELS[p.model]
     groups = _groups(p, model.vocab_size, config.seed)
-    strict = _serve(p, config, groups, ignore=None)
+    strict, misses = _serve(p, config, groups, ignore=None)
     rows = []
     for field in FIELDS:
         if field == "kv_dtype":
             plain = {"plain": groups["plain"]}
-            other = _serve(p, config, plain, ignore=None, kv_dtype="bfloat16")["plain"]
+            other = _serve(p, config, plain, ignore=None, kv_dtype="bfloat16")[0]["plain"]
             rows.append(_compare(field, strict["plain"], other, None, None))
             continue
-        lax = _serve(p, config, groups, ignore=field)[field]
-        rows.append(_compare(field, strict[field], lax, strict[field], lax))
+        lax = _serve(p, config, groups, ignore=field)[0][field]
+        rows.append(_compare(field, strict[field], lax, strict[field], lax,
+                             misses.get(field, 0)))
     return rows
 
 
-def _compare(field, strict, lax, strict_reuse, lax_reuse) -> dict:
-    """One field's row: reuse (strict vs ignoring the field) and the output comparison."""
+def _compare(field, strict, lax, strict_reuse, lax_reuse, misses: int = 0) -> dict:
+    """One field's row: reuse (strict vs ignoring the field), the operator's namespace
+    misses naming the field, and the output comparison."""
     changed = sum(a.tokens != b.tokens for a, b in zip(strict, lax, strict=True))
     diff = common.max_abs_diff([a.logits for a in strict], [b.logits for b in lax])
     row = {"field": field, "requests": len(strict), "changed_outputs": changed,
@@ -140,8 +142,6 @@ def _compare(field, strict, lax, strict_reuse, lax_reuse) -> dict:
         return row
     s = sum(r.stats["reused_tokens"] for r in strict_reuse)
     g = sum(r.stats["reused_tokens"] for r in lax_reuse)
-    misses = sum(r.stats["miss_cause"] == "namespace" and field in r.stats["miss_fields"]
-                 for r in strict_reuse)
     row.update(reused_strict=s, reused_ignoring=g, reuse_lost=g - s, namespace_misses=misses)
     return row
 

@@ -10,7 +10,12 @@ shape, page-block attention), so a page reused from the cache holds exactly the 
 prefill would write. Pages written by decode (one token per row) differ from prefill's in
 the last bits, so they are never shared. A preempted request is recomputed from its prompt;
 its sampling keys depend only on (seed, sample, position), so it regenerates the same
-tokens bit for bit.
+tokens bit for bit, which the engine checks against what it already streamed (a request
+that recomputes differently ends with status "error" instead of streaming a contradiction).
+
+What a request is told (its stats, stream events, errors) depends only on what its own
+namespace can see; `metrics()` adds the operator's view (misses another tenant's private
+pages explain), aggregated, never per request.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ class _Seq:
     last: int = -1  # the newest token, not yet cached
     generated: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
-    emitted: int = 0  # tokens already streamed (survives preemption)
+    streamed: list[int] = dataclasses.field(default_factory=list)  # survives preemption
+    checked: int = 0  # generated[:checked] is known to equal streamed[:checked]
     done: bool = False
     draft_pages: list[int] = dataclasses.field(default_factory=list)
     draft_length: int = 0  # tokens in the draft's cache: `length` or `length - 1`
@@ -94,6 +100,7 @@ class _Req:
     seqs: list[_Seq] = dataclasses.field(default_factory=list)
     stats: dict = dataclasses.field(default_factory=dict)
     admitted_order: int = -1
+    operator_miss: tuple[str | None, list[str]] = (None, [])  # metrics() only, never stats
 
 
 class Engine:
@@ -132,12 +139,13 @@ class Engine:
         self._waiting: collections.deque[_Req] = collections.deque()
         self._slots: list[_Seq | None] = [None] * ec.max_slots
         self._reqs: dict[int, _Req] = {}
-        self._results: dict[int, RequestResult] = {}
+        self._results: dict[int, RequestResult] = {}  # finished, not yet collected
         self._next_id = 0
         self._admissions = 0
         self._counters = collections.Counter()
         self._timers = collections.Counter()
         self._stats_log: list[dict] = []
+        self._operator_log: list[tuple[str | None, list[str]]] = []  # (cause, fields)
         self._backlog: list[StreamEvent] = []
         if ec.poison_freed:
             self.cache = poison_pages(self.cache, np.arange(ec.cache.num_pages, dtype=np.int32))
@@ -243,7 +251,8 @@ class Engine:
                     self._backlog.append(event)
 
     def run(self) -> dict[int, RequestResult]:
-        """Runs until every submitted request is finished; returns their results by id."""
+        """Runs until every submitted request is finished; returns (and collects) every
+        finished result not collected yet, by id."""
         for _ in self.stream():
             pass
         done = dict(self._results)
@@ -251,10 +260,24 @@ class Engine:
         return done
 
     def generate(self, requests: list[Request]) -> list[RequestResult]:
-        """Submits `requests`, runs them, returns the results in order."""
+        """Submits `requests`, runs until they are finished, returns their results in order.
+        Results of other requests that finish meanwhile are kept for `result()` / `run()`."""
         ids = [self.submit(r) for r in requests]
-        results = self.run()
-        return [results[i] for i in ids]
+        for _ in self.stream():
+            if all(i in self._results for i in ids):
+                break
+        return [self._results.pop(i) for i in ids]
+
+    def result(self, request_id: int) -> RequestResult:
+        """The finished result of `request_id`, collected (a second call is an error)."""
+        if request_id in self._results:
+            return self._results.pop(request_id)
+        if request_id in self._reqs:
+            state = "waiting" if self._reqs[request_id] in self._waiting else "running"
+            raise KeyError(f"request {request_id} is not finished ({state})")
+        if isinstance(request_id, int) and 0 <= request_id < self._next_id:
+            raise KeyError(f"the result of request {request_id} was already collected")
+        raise KeyError(f"no request {request_id}")
 
     @property
     def num_waiting(self) -> int:
@@ -400,7 +423,7 @@ class Engine:
         unbounded = 0
         if self.engine_config.prefix_cache:
             t_host = time.perf_counter()
-            unbounded = self.trie.unbounded_blocks(req.namespace, req.salts, req.digests)
+            unbounded = self.trie.unbounded_blocks(req.namespace, req.tokens, req.salts)
             self.trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
             self._timers["host_s"] += time.perf_counter() - t_host
 
@@ -435,8 +458,8 @@ class Engine:
         self._record_admission(req, match, reuse, start, copied, prefill_s, unbounded)
         if self._draft is not None:
             req.stats.setdefault("draft_reused_tokens", draft_reused)
-        self._emit(req, events)
-        self._retire_if_done(req)
+        if self._emit(req, events):
+            self._retire_if_done(req)
         return True
 
     def _plan_draft(self, req: _Req):
@@ -490,9 +513,9 @@ class Engine:
                           prefill_s: float, unbounded_blocks: int) -> None:
         ps = self.cache_config.page_size
         n_tok = len(req.tokens)
-        cause = match.cause
+        cause, operator_cause = match.cause, match.operator_cause
         if reuse < len(match.nodes):
-            cause = None  # all of it was cached; the last page is recomputed for its logits
+            cause = operator_cause = None  # all cached; the last page is recomputed for logits
         if req.stats:  # re-admitted after a preemption: the first admission's reuse stands
             req.stats["recomputed_tokens"] += n_tok - start
             req.stats["prefill_s"] += prefill_s
@@ -514,6 +537,8 @@ class Engine:
             "ttft_s": time.perf_counter() - req.submitted,
         }
         req.stats = stats
+        req.operator_miss = (operator_cause,
+                             match.operator_fields if operator_cause == "namespace" else [])
 
     # -- pages ---------------------------------------------------------------------------------
     def _reserve(self, num_pages: int, requester: _Req | None = None, pool=None) -> bool:
@@ -534,10 +559,13 @@ class Engine:
         return True
 
     def _preempt(self, req: _Req) -> None:
+        """Returns a running request's pages and queues it first: it is recomputed from its
+        prompt. What it streamed stays; the regenerated tokens are checked against it."""
         self._release(req)
         for seq in req.seqs:
             seq.generated, seq.logits, seq.done, seq.length = [], [], False, 0
-            seq.draft_length, seq.prev = 0, -1
+            seq.draft_length, seq.prev, seq.checked = 0, -1, 0
+        req.stats.pop("spec", None)  # counts the tokens it returns, not the discarded work
         req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
         self._counters["preemptions"] += 1
         self._waiting.appendleft(req)
@@ -675,30 +703,54 @@ class Engine:
                 if self._draft is not None:
                     free_past(self._draft.allocator, seq.draft_pages, seq.draft_length, ps)
         for req in {s.req.id: s.req for s in live}.values():
-            self._emit(req, events)
+            if not self._emit(req, events):
+                continue
             for seq in req.seqs:
                 if seq.done:
                     self._release_seq(seq)
             self._retire_if_done(req)
 
     # -- results -------------------------------------------------------------------------------
-    def _emit(self, req: _Req, events: list[StreamEvent]) -> None:
+    def _emit(self, req: _Req, events: list[StreamEvent]) -> bool:
+        """Streams each sample's new tokens. False (nothing emitted) when a recomputed
+        sample contradicts what it already streamed."""
         for seq in req.seqs:
-            new = seq.generated[seq.emitted:]
+            upto = min(len(seq.generated), len(seq.streamed))
+            for i in range(seq.checked, upto):
+                if seq.generated[i] != seq.streamed[i]:
+                    self._fail(req, events, f"sample {seq.index} recomputed after a "
+                                            f"preemption gave token {seq.generated[i]} at "
+                                            f"index {i}, where {seq.streamed[i]} was streamed")
+                    return False
+            seq.checked = upto
+        for seq in req.seqs:
+            new = seq.generated[len(seq.streamed):]
             if new:
                 events.append(StreamEvent(req.id, seq.index, tuple(new), seq.done))
-                seq.emitted = len(seq.generated)
+                seq.streamed += new
+                seq.checked = len(seq.streamed)
+        return True
+
+    def _fail(self, req: _Req, events: list[StreamEvent], error: str) -> None:
+        """Ends a request with status "error": its pages return, its samples' streams end."""
+        self._release(req)
+        for seq in req.seqs:
+            if not seq.done:
+                events.append(StreamEvent(req.id, seq.index, (), True, error))
+        for seq in req.seqs:  # the result holds what was streamed (no logits)
+            seq.generated, seq.logits, seq.done = list(seq.streamed), [], True
+        self._finish(req, status="error", error=error)
 
     def _retire_if_done(self, req: _Req) -> None:
-        if all(s.done for s in req.seqs):
+        if req.id in self._reqs and all(s.done for s in req.seqs):
             self._release(req)
             self._finish(req, status="finished")
 
-    def _finish(self, req: _Req, status: str) -> None:
+    def _finish(self, req: _Req, status: str, error: str | None = None) -> None:
         single = req.request.n == 1
         tokens = [list(s.generated) for s in req.seqs]
         logits = None
-        if req.request.return_logits:
+        if req.request.return_logits and status != "error":
             logits = [np.stack(s.logits) if s.logits else np.zeros((0, self.config.vocab_size))
                       for s in req.seqs]
         text = None
@@ -708,10 +760,13 @@ class Engine:
         self._results[req.id] = RequestResult(
             id=req.id, tokens=tokens[0] if single else tokens,
             logits=(logits[0] if single else logits) if logits is not None else None,
-            stats=dict(req.stats), status=status, prompt_ids=list(req.tokens), text=text)
-        self._counters["finished" if status == "finished" else "cancelled"] += 1
+            stats=dict(req.stats), status=status, prompt_ids=list(req.tokens), text=text,
+            error=error)
+        self._counters[status] += 1
         finish_request_stats(self._results[req.id].stats)
         self._stats_log.append(dict(self._results[req.id].stats, id=req.id, status=status))
+        if "prompt_tokens" in req.stats:
+            self._operator_log.append(req.operator_miss)
         del self._reqs[req.id]
 
     # -- metrics -------------------------------------------------------------------------------
@@ -722,7 +777,9 @@ class Engine:
         reused = sum(s["reused_tokens"] for s in log)
         ps = self.cache_config.page_size
         full_pages = sum((s["prompt_tokens"] - 1) // ps for s in log)
-        causes = collections.Counter(s["miss_cause"] for s in log if s["miss_cause"])
+        causes = collections.Counter(cause for cause, _ in self._operator_log if cause)
+        fields = collections.Counter(f for cause, fs in self._operator_log
+                                     if cause == "namespace" for f in fs)
         unbounded = sum(s["unbounded_reused_tokens"] for s in log)
         resident = self.trie.num_nodes
         page_bytes = cache_bytes(self.cache) // self.cache_config.num_pages
@@ -735,7 +792,9 @@ class Engine:
             "reused_tokens": reused,
             "computed_tokens": prompt - reused,
             "recomputed_tokens": sum(s["recomputed_tokens"] for s in log),
-            "misses_by_cause": dict(causes),
+            "misses_by_cause": dict(causes),  # the operator's view (see the module docstring)
+            "namespace_misses_by_field": dict(fields),
+            "errors": self._counters["error"],
             "evictions": self.trie.evictions,
             "cow_copies": self.allocator.copies,
             "partial_copies": self._counters["partial_copies"],

@@ -60,16 +60,19 @@ class RequestResult:
     tokens: list[int] | list[list[int]]  # a list of lists when n > 1
     logits: np.ndarray | list[np.ndarray] | None  # [num_generated, vocab] per sample
     stats: dict
-    status: str = "finished"  # "finished" | "cancelled"
+    status: str = "finished"  # "finished" | "cancelled" | "error" (see `error`)
     prompt_ids: list[int] | None = None  # the rendered prompt the cache identity is made of
     text: str | list[str] | None = None  # the generated tokens decoded, with a tokenizer
+    error: str | None = None  # why a request ended with status "error" (tokens: as streamed)
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamEvent:
-    """New tokens of one sample of one request; `finished` on its last event."""
+    """New tokens of one sample of one request; `finished` on its last event, which names
+    the `error` when the request failed."""
 
     request_id: int
     sample: int
     tokens: tuple[int, ...]
     finished: bool
+    error: str | None = None
