@@ -10,7 +10,13 @@ from engine_helpers import assert_same
 
 import kvjax
 from kvjax import CacheConfig, Engine, EngineConfig, ModelConfig, Request
-from kvjax.io.tokenizer import BYTE_CHAT_TEMPLATE, ByteTokenizer, ChatTemplate, load_tokenizer
+from kvjax.io.tokenizer import (
+    BYTE_CHAT_TEMPLATE,
+    ByteTokenizer,
+    ChatTemplate,
+    ChatTemplateError,
+    load_tokenizer,
+)
 
 CONFIG = ModelConfig(vocab_size=264, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                      d_ff=64, max_seq_len=256)
@@ -120,3 +126,71 @@ def test_byte_chat_template_and_request_errors(params):
         _engine(params, None).submit(Request(text="hi"))
     with pytest.raises(kvjax.InvalidRequestError, match="'role'"):
         _engine(params, tok, chat).submit(Request(messages=[{"content": "hi"}]))
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def serving(params):
+    """One engine shared by the failing-template cases, and the tokens a valid request gets
+    from it while it is fresh."""
+    eng = _engine(params, ByteTokenizer())
+    (fresh,) = eng.generate([Request(text="still serving", max_new_tokens=4)])
+    return eng, fresh.tokens
+
+
+@pytest.mark.parametrize(("source", "messages", "match"), [
+    pytest.param("{% for m in messages %}\n{{ m['name'].upper() }}{% endfor %}", HI,
+                 "UndefinedError at line 2: 'dict object' has no attribute 'name'",
+                 id="undefined-field"),
+    pytest.param("{% for m in messages %}\n\n{{ m['tool_calls'] | join(', ') }}{% endfor %}",
+                 [{"role": "user", "content": "hi", "tool_calls": 5}],
+                 "TypeError at line 3: 'int' object is not iterable", id="type-error-in-filter"),
+    pytest.param("{% set roles = [] %}\n{% for m in messages %}{{ roles.append(m['role']) }}"
+                 "{% endfor %}", HI,
+                 "SecurityError at line 2: access to attribute 'append' of 'list'",
+                 id="sandbox"),
+    pytest.param("{% for m in messages %}{{ '{0}: {1}'.format(m['content']) }}{% endfor %}", HI,
+                 "IndexError at line 1", id="index-error"),
+    pytest.param("{% if messages[0]['role'] != 'system' %}"
+                 "{{ raise_exception('the first message must be the system prompt') }}"
+                 "{% endif %}", HI, "^chat template: the first message must be the system prompt$",
+                 id="raise-exception"),
+    pytest.param(BYTE_CHAT_TEMPLATE, "hi", "messages must be a list of messages, got str",
+                 id="messages-a-string"),
+    pytest.param(BYTE_CHAT_TEMPLATE, [("user", "hi")], "message 0 must be a dict",
+                 id="message-a-tuple"),
+    pytest.param(BYTE_CHAT_TEMPLATE, [*HI, {"content": "hi"}],
+                 "message 1 has no 'role'", id="no-role"),
+    pytest.param(BYTE_CHAT_TEMPLATE, [{"role": "user", "content": ["hi"]}],
+                 "message 0 needs a string 'content', got list", id="content-a-list"),
+    pytest.param(BYTE_CHAT_TEMPLATE, [{"role": "user", "content": None}],
+                 "message 0 needs a string 'content', got NoneType", id="content-none"),
+])
+def test_chat_template_failures_are_invalid_requests(serving, source, messages, match):
+    """Every way a template or its messages can fail is an InvalidRequestError naming the
+    problem, and the engine serves the next request as if nothing happened."""
+    eng, expected = serving
+    tok = eng.tokenizer
+    eng.chat_template = ChatTemplate(source, tok)
+    with pytest.raises(kvjax.InvalidRequestError, match=match):
+        eng.submit(Request(messages=messages, max_new_tokens=4))
+    assert eng.num_waiting == 0 and eng.num_running == 0
+    (after,) = eng.generate([Request(text="still serving", max_new_tokens=4)])
+    assert after.tokens == expected
+    m = eng.metrics()
+    assert m["free_pages"] == CACHE.num_pages - m["resident_pages"]
+
+
+def test_chat_template_that_does_not_compile_fails_at_construction(tmp_path):
+    source = "{% for m in messages %}\n{{ m['content'] }"
+    with pytest.raises(ChatTemplateError, match="does not compile: line 2: unexpected '}'"):
+        ChatTemplate(source, ByteTokenizer())
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
+    with pytest.raises(ChatTemplateError, match="tokenizer_config.json: chat template does not "
+                                                "compile: line 2"):
+        load_tokenizer(tmp_path)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+import traceback
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -101,32 +102,87 @@ class HFTokenizer:
         return self._tok.token_to_id(token)
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that does not compile, messages it cannot take, or a render that
+    fails. A ValueError, so the engine reports it as an `InvalidRequestError`."""
+
+
+# What a template's own code raises on data it does not expect (a number where it iterates,
+# a format index past the arguments, a dict filter on a string, ...): Jinja passes these
+# through unwrapped, beside its own `TemplateError`s.
+_TEMPLATE_CODE_ERRORS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+                         RecursionError)
+
+
+def _template_line(error: BaseException) -> int | None:
+    """The template line an error was raised at (Jinja puts template frames, named
+    "<template>", into the traceback)."""
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__)
+             if f.filename == "<template>"]
+    return lines[-1] if lines else None
+
+
+def _check_messages(messages) -> None:
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError(f"messages must be a list of messages, got "
+                                f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"message {i} must be a dict with a 'role' and a 'content',"
+                                    f" got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ChatTemplateError(f"message {i} has no {key!r}")
+            if not isinstance(m[key], str):
+                raise ChatTemplateError(f"message {i} needs a string {key!r}, got "
+                                        f"{type(m[key]).__name__}")
+
+
 class ChatTemplate:
-    """Renders messages with a Jinja chat template (sandboxed, as Hugging Face does)."""
+    """Renders messages with a Jinja chat template (sandboxed, as Hugging Face does).
+
+    A source that does not compile raises `ChatTemplateError` here; messages that are not a
+    list of dicts with string 'role' and 'content', and any failure of the template on them
+    (an undefined field used, a sandbox violation, a type error in a filter, the template's
+    own `raise_exception`), raise it from `render_text` and `render`.
+    """
 
     def __init__(self, source: str, tokenizer: Tokenizer):
         try:
+            from jinja2 import TemplateSyntaxError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError as e:  # pragma: no cover
             raise ImportError("chat templates need jinja2: pip install 'kvjax[hf]'") from e
 
         def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
+            raise ChatTemplateError(f"chat template: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(source)
+        try:
+            self.template = env.from_string(source)
+        except TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template does not compile: line {e.lineno}: "
+                                    f"{e.message}") from None
         self.tokenizer = tokenizer
 
     def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     **kwargs) -> str:
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"message {i} needs a 'role' and a 'content'")
-        return self.template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",
-            **kwargs)
+        from jinja2 import TemplateError
+
+        _check_messages(messages)
+        try:
+            return self.template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=self.tokenizer.bos_token or "",
+                eos_token=self.tokenizer.eos_token or "", **kwargs)
+        except ChatTemplateError:
+            raise
+        except (TemplateError, *_TEMPLATE_CODE_ERRORS) as e:
+            line = _template_line(e)
+            where = f" at line {line}" if line is not None else ""
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}{where}: "
+                                    f"{e}") from e
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                **kwargs) -> list[int]:
@@ -152,4 +208,9 @@ def load_tokenizer(path) -> tuple[Tokenizer, ChatTemplate | None]:
 
     tok = HFTokenizer(path / "tokenizer.json", token("bos_token"), token("eos_token"))
     template = config.get("chat_template")
-    return tok, (ChatTemplate(template, tok) if isinstance(template, str) else None)
+    if not isinstance(template, str):
+        return tok, None
+    try:
+        return tok, ChatTemplate(template, tok)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{path / 'tokenizer_config.json'}: {e}") from None
