@@ -7,6 +7,7 @@ cache) and greedy generations are compared with transformers'.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -16,13 +17,14 @@ torch = pytest.importorskip("torch", reason="needs the hf extra (scripts/test in
 transformers = pytest.importorskip("transformers")
 
 import kvjax  # noqa: E402
-from kvjax import CacheConfig  # noqa: E402
-from kvjax.io import CheckpointError, load_hf  # noqa: E402
+from kvjax import CacheConfig, ModelConfig  # noqa: E402
+from kvjax.io import CheckpointError, config_from_hf, hf_config, load_hf  # noqa: E402
 
 TOL = 1e-4
 COMMON = dict(vocab_size=101, max_position_embeddings=128)
 LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, **COMMON)
+GPT2 = dict(vocab_size=101, n_positions=128, n_embd=64, n_layer=2, n_head=4)
 FAMILIES = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         tie_word_embeddings=False, **LLAMA)),
@@ -31,8 +33,9 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         sliding_window=6, **LLAMA)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**LLAMA)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=101, n_positions=128, n_embd=64, n_layer=2, n_head=4)),
+    "qwen2_window": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        use_sliding_window=True, sliding_window=6, max_window_layers=0, **LLAMA)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)),
 }
 
 
@@ -134,3 +137,115 @@ def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
         "rope_type": "llama3", "factor": 8.0}}))
     with pytest.raises(CheckpointError, match="rope scaling 'llama3'"):
         load_hf(tmp_path)
+
+
+DROP = object()  # a change that removes the key
+
+
+def _config_json(family: str, **changes) -> dict:
+    """A small `config.json` dict as transformers writes it, with `changes`."""
+    hf = {"llama": lambda: transformers.LlamaConfig(**LLAMA),
+          "mistral": lambda: transformers.MistralConfig(sliding_window=6, **LLAMA),
+          "qwen2": lambda: transformers.Qwen2Config(**LLAMA),
+          "gpt2": lambda: transformers.GPT2Config(**GPT2)}[family]().to_dict()
+    return {k: v for k, v in (hf | changes).items() if v is not DROP}
+
+
+# transformers writes the layer types it derived; a window from max_window_layers needs none
+QWEN2_WINDOW = dict(use_sliding_window=True, sliding_window=6, layer_types=DROP)
+# (family, config.json changes, the option the refusal must name)
+REFUSED = [
+    ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
+    ("gpt2", dict(add_cross_attention=True), "add_cross_attention"),
+    ("gpt2", dict(activation_function="gelu"), "activation_function"),
+    ("gpt2", dict(pruned_heads={"0": [1]}), "pruned_heads"),
+    ("gpt2", dict(num_attention_heads=2), "n_head"),  # an alias that disagrees
+    ("llama", dict(hidden_act="gelu"), "hidden_act"),
+    ("mistral", dict(hidden_act="relu"), "hidden_act"),
+    ("qwen2", dict(hidden_act="gelu_new"), "hidden_act"),
+    ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "rope_parameters"),
+    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    ("llama", dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
+     "rope_parameters"),
+    ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("llama", dict(head_dim=15), "head_dim"),  # RoPE rotates pairs
+    ("qwen2", dict(layer_types=["full_attention"] * 2,
+                   rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}),
+     "rope_parameters"),
+    ("mistral", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    ("qwen2", dict(max_window_layers=1, **QWEN2_WINDOW), "max_window_layers"),
+    ("qwen2", dict(QWEN2_WINDOW, layer_types=["sliding_attention", "full_attention"]),
+     "layer_types"),
+    ("qwen2", dict(layer_types=["sliding_attention"] * 2), "layer_types"),  # but no window
+]
+
+
+@pytest.mark.parametrize(("family", "changes", "option"), REFUSED,
+                         ids=[f"{f}-{o}-{i}" for i, (f, _, o) in enumerate(REFUSED)])
+def test_options_kvjax_does_not_implement_are_refused_by_name(family, changes, option):
+    hf = _config_json(family, **changes)
+    with pytest.raises(CheckpointError, match=rf"\b{option}\b"):
+        config_from_hf(hf)
+
+
+# (family, config.json changes, the ModelConfig fields that change from the family's base)
+SUPPORTED = [
+    ("gpt2", dict(scale_attn_weights=DROP, reorder_and_upcast_attn=DROP,
+                  add_cross_attention=DROP, activation_function=DROP), {}),  # HF defaults
+    ("gpt2", dict(activation_function="gelu_pytorch_tanh", summary_type="mean",
+                  attn_pdrop=0.5), {}),
+    ("gpt2", dict(n_head=DROP, num_attention_heads=2),
+     dict(num_heads=2, num_kv_heads=2, head_dim=32)),
+    ("gpt2", dict(n_inner=100), dict(d_ff=100)),
+    ("gpt2", dict(n_embd=32, n_inner=None), dict(d_model=32, d_ff=128, head_dim=8)),  # 4 * n_embd
+    ("gpt2", dict(tie_word_embeddings=False), dict(tie_embeddings=False)),
+    ("llama", dict(pretraining_tp=4, attention_dropout=0.3, hidden_act="swish"), {}),
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+     dict(rope_theta=5e5)),
+    ("llama", dict(rope_parameters=DROP, rope_theta=DROP), {}),  # 10000
+    ("llama", dict(partial_rotary_factor=1.0), {}),
+    ("llama", dict(attention_bias=True, mlp_bias=True),
+     dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
+    ("llama", dict(head_dim=8), dict(head_dim=8)),
+    ("mistral", dict(sliding_window=DROP), dict(sliding_window=4096)),
+    ("mistral", dict(sliding_window=None), dict(sliding_window=None)),
+    ("mistral", dict(num_key_value_heads=DROP, num_attention_heads=16, head_dim=4),
+     dict(num_heads=16, num_kv_heads=8, head_dim=4)),
+    ("mistral", dict(attention_bias=True, mlp_bias=True), {}),  # unread: no biases
+    ("mistral", dict(layer_types=["sliding_attention"] * 2), {}),
+    ("qwen2", dict(mlp_bias=True, attention_bias=False), {}),  # unread: q/k/v biases only
+    ("qwen2", dict(sliding_window=6), {}),  # unread without use_sliding_window
+    ("qwen2", dict(max_window_layers=0, **QWEN2_WINDOW), dict(sliding_window=6)),
+    ("qwen2", dict(max_window_layers=2, **QWEN2_WINDOW), {}),  # no layer reaches the window
+    ("qwen2", dict(QWEN2_WINDOW, layer_types=["sliding_attention"] * 2),
+     dict(sliding_window=6)),
+]
+
+
+@pytest.mark.parametrize(("family", "changes", "fields"), SUPPORTED,
+                         ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(SUPPORTED)])
+def test_implemented_option_values_load_as_transformers_reads_them(family, changes, fields):
+    base = config_from_hf(_config_json(family))
+    assert config_from_hf(_config_json(family, **changes)) == dataclasses.replace(base, **fields)
+
+
+@pytest.mark.parametrize("config", [
+    ModelConfig(),
+    ModelConfig(num_kv_heads=2, head_dim=32, tie_embeddings=False, rope_theta=5e5),
+    ModelConfig(qkv_bias=True, o_bias=True, mlp_bias=True),  # llama attention_bias, mlp_bias
+    ModelConfig(sliding_window=8),  # mistral
+    ModelConfig(qkv_bias=True),  # qwen2
+    ModelConfig(qkv_bias=True, sliding_window=8),  # qwen2, every layer sliding
+    ModelConfig(norm="layer", position="learned", mlp="gelu", qkv_bias=True, o_bias=True,
+                mlp_bias=True, norm_eps=1e-5),  # gpt2
+])
+def test_exported_config_passes_the_import_checks(config):
+    assert config_from_hf(json.loads(json.dumps(hf_config(config)))) == config
+
+
+def test_export_refuses_what_no_family_computes():
+    for config in (ModelConfig(causal=False), ModelConfig(mlp_bias=True, sliding_window=8)):
+        with pytest.raises(CheckpointError):
+            hf_config(config)
