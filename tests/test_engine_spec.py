@@ -239,13 +239,59 @@ def test_adaptive_gamma_follows_the_running_alpha(target, draft):
         assert history[0] == 6 and history[-1] == expect
 
 
-def test_measured_cost_ratio_and_verify_slope(target, draft):
+def test_measured_cost_ratio_and_verify_slope(target, draft, monkeypatch):
+    """Adaptive γ measures c and s with `spec_cost`, whose timers are faked here with known
+    step durations, and reports the speedup model at the run's α and γ.
+
+    Durations in ticks of 1/1024 s: a one-token target step 8, a target verify of
+    γ + 1 = 3 tokens 11, a draft step 2 right after a target step (whose step evicted the
+    draft's weights) and 1 alone. The lone one-token target step pauses (24) on its 5th call.
+      c = (median(t(target + 4 drafts) / t(target)) − 1) / 4 = ((8 + 4·2) / 8 − 1) / 4 = 0.25
+          (the isolated draft step would give 1 / 8 = 0.125; a mean over the 9 repeats,
+          one of them 16 / 24, would give 0.213)
+      s = (median(t(verify of 3) / t(target)) − 1) / (3 − 1) = (11 / 8 − 1) / 2 = 0.1875
+    """
+    from kvjax.runtime import spec_cost
+
+    timed = []
+
+    def fake_step_timer(models, batch, context):
+        ticks, after_target = 0, False
+        for _, config, width, repeats in models:
+            if config == DRAFT:
+                ticks += repeats * {(True, 1): 2, (False, 1): 1}[after_target, width]
+            else:
+                ticks += repeats * {1: 8, 3: 11}[width]  # only these widths may be timed
+                after_target = True
+        lone_target = len(models) == 1 and models[0][1] != DRAFT and models[0][2] == 1
+        timed.append((batch, context))
+        calls = []
+
+        def timer() -> float:
+            calls.append(None)
+            return (24 if lone_target and len(calls) == 5 else ticks) / 1024
+
+        return timer
+
+    monkeypatch.setattr(spec_cost, "step_timer", fake_step_timer)
     engine = spec_engine(target, SpecConfig(gamma=2, adaptive=True), (draft, DRAFT),
                          cache=ONE_BUCKET)
-    engine.generate([Request(tokens=[1, 2, 3], max_new_tokens=9)])
+    engine.generate([Request(tokens=[1, 2, 3], max_new_tokens=13)])
     m = engine.metrics()["spec"]
-    assert 0 < m["cost_ratio"] < 5 and 0 <= m["verify_slope"] < 5
-    assert m["predicted_speedup"] >= m["predicted_speedup_verify"] > 0
+    assert set(timed) == {(SLOTS, 128)}  # at the engine's batch, over a 128-token context
+    assert (m["cost_ratio"], m["verify_slope"]) == (0.25, 0.1875)
+    # 12 tokens after the prefill's first, 4 per call: 3 calls. The first has no evidence
+    # and drafts SpecConfig.gamma = 2. This random draft is mostly rejected (α < 0.3), and
+    # γ = 2 pays only if T(2) / (1 + 2·0.25 + 2·0.1875) > T(1) / (1 + 0.25 + 0.1875), i.e.
+    # T(2) − T(1) = P(both drafts accepted) > (1.875 / 1.4375 − 1)·T(1) > 0.30: the later
+    # calls draft 1. The run's γ is its mean, 4 / 3, rounded: 1.
+    alpha = m["alpha_sum"] / m["alpha_count"]
+    assert 0 < alpha < 0.3
+    assert m["gamma_history"] == [2, 1, 1]
+    # At γ = 1 the model's tokens per round (1 − α²) / (1 − α) = 1 + α, over
+    # γc + 1 = 1.25 target steps, or 1.25 + γs = 1.4375 with the verify slope.
+    assert m["predicted_speedup"] == pytest.approx((1 + alpha) / 1.25, rel=1e-12)
+    assert m["predicted_speedup_verify"] == pytest.approx((1 + alpha) / 1.4375, rel=1e-12)
 
 
 def test_device_ngram_lookup_equals_the_host_drafter():

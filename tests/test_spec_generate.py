@@ -256,13 +256,22 @@ def test_spec_config_and_public_facade(model):
 
 
 def test_adaptive_gamma_follows_alpha(model):
-    """α = 1 drives γ to its maximum, α = 0 to 1; outputs stay the target's."""
+    """α = 1 drives γ to its maximum, α = 0 to 1, and α between them to the best γ worked
+    out by hand (the smaller on a tie); outputs stay the target's."""
     from kvjax.runtime.speculative import choose_gamma
 
     assert choose_gamma(1.0, 0.1, 8) == 8
     assert choose_gamma(0.0, 0.1, 8) == 1
-    assert choose_gamma(0.7, 0.05, 8) == max(range(1, 9), key=lambda g: (
-        kvjax.speculative.predicted_speedup(0.7, g, 0.05), -g))
+    # speedup(γ) = T(γ) / (γc + 1 + sγ), T(γ) = (1 − α^(γ+1)) / (1 − α), by hand:
+    # α 0.8, c 0.1: T(5..8) = (1 − 0.8^6..9) / 0.2 = 3.68928, 3.951424, 4.1611392, 4.3289114
+    # over 1.5, 1.6, 1.7, 1.8: 2.45952, 2.46964, 2.44773, 2.40495 (γ ≤ 4: ≤ 2.4012): 6.
+    assert choose_gamma(0.8, 0.1, 8) == 6
+    # With s 0.1 the same T(3..5) = 2.952, 3.3616, 3.68928 over 1.6, 1.8, 2.0:
+    # 1.845, 1.86756, 1.84464 (and falling on both sides): 4.
+    assert choose_gamma(0.8, 0.1, 8, 0.1) == 4
+    # A tie: α 0.5, c 1/12, T(1..4) = 1.5, 1.75, 1.875, 1.9375 over 13/12, 14/12, 15/12,
+    # 16/12: 1.3846, 1.5, 1.5, 1.4531 (exactly 1.5 twice in floats too): the smaller, 2.
+    assert choose_gamma(0.5, 1 / 12, 8) == 2
     # A costlier verify shortens the best draft.
     assert choose_gamma(0.87, 0.05, 8, 0.125) < choose_gamma(0.87, 0.05, 8)
     config, params = model
