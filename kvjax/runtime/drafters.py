@@ -13,13 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import jax
 import numpy as np
 
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table, pages_for
 from kvjax.runtime.generate import KVPool
 from kvjax.runtime.prefill import prefill
-from kvjax.runtime.sampling import probabilities, sequence_keys
+from kvjax.runtime.sampling import DRAFT_TAG, probabilities
+
+
+def draft_key(seed: int, seq_id: int) -> jax.Array:
+    """uint32[2]: the draft's sampling key of sequence `seq_id`."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), seq_id), DRAFT_TAG)
 
 
 class Drafter(Protocol):
@@ -59,7 +65,9 @@ class ModelDrafter:
     cache. Per sequence the cache holds the history minus its newest token; after a
     verification it keeps the longest prefix still on the history (its own rollback) and
     feeds the rest before drafting again. With temperature 0 it drafts greedily
-    (deterministic proposals); otherwise it samples and returns its distributions q.
+    (deterministic proposals); otherwise it samples and returns its distributions q, with a
+    key of its own per sequence, `fold_in(fold_in(PRNGKey(seed), seq_id), DRAFT_TAG)` (the
+    engine's draft key for sequence `seq_id`): identical prompts get independent drafts.
     """
 
     def __init__(self, params, config, cache_config, sampling=None):
@@ -97,7 +105,8 @@ class ModelDrafter:
         knobs = (np.full(1, temp, np.float32),
                  np.full(1, 0 if sampling is None else sampling.top_k, np.int32),
                  np.full(1, 1.0 if sampling is None else sampling.top_p, np.float32))
-        keys = np.asarray(sequence_keys(0 if sampling is None else sampling.seed + 7919, 1))
+        seed = 0 if sampling is None else sampling.seed
+        keys = np.asarray(draft_key(seed, seq_id))[None]
         out, logits, self.pool.cache, _ = steps.decode_loop(
             self.params, self.config, self.pool.cache, table, np.array([length], np.int32),
             np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,

@@ -15,6 +15,8 @@ import numpy as np
 
 from kvjax.config import SamplingConfig
 
+DRAFT_TAG = 0xD4AF  # a draft model's sampling keys: fold_in(sequence key, DRAFT_TAG)
+
 
 def sequence_keys(seed: int, num_sequences: int) -> jax.Array:
     """uint32[B, 2]: one raw PRNG key per sequence, `fold_in(PRNGKey(seed), index)`."""

@@ -33,11 +33,9 @@ from kvjax.config import ModelConfig
 from kvjax.model.transformer import Transformer
 from kvjax.runtime import steps
 from kvjax.runtime.ngram_device import ngram_propose
-from kvjax.runtime.sampling import probabilities, sample
+from kvjax.runtime.sampling import DRAFT_TAG, probabilities, sample
 from kvjax.runtime.speculative import greedy_accept, sampling_accept
 from kvjax.sharding import maybe_constrain_cache, maybe_replicated
-
-DRAFT_TAG = 0xD4AF  # the draft's sampling keys: fold_in(sequence key, DRAFT_TAG)
 
 STAT_KEYS = ("verifications", "drafted", "accepted", "emitted", "alpha_sum", "alpha_count")
 
