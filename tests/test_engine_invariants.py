@@ -1,9 +1,13 @@
-"""Hypothesis state machine over the engine: random submit / step / cancel / evict.
+"""Hypothesis state machines over the engine: random submit / step / cancel / evict, on a
+plain engine and on one with a draft model (whose page pool, trie and copy-on-write run
+beside the target's).
 
-Invariants after every rule: each page's reference count equals the references the live
-sequences and the trie hold; a page a sequence has decoded into is referenced by it alone;
-free + referenced pages account for the whole cache. At the end: nothing leaked, and every
-page the trie holds contains exactly the K/V a fresh prefill of its history computes.
+Invariants after every rule, in every page pool: each page's reference count equals the
+references the live sequences and the trie hold; a page a sequence has decoded into is
+referenced by it alone; free + referenced pages account for the whole cache. At the end:
+nothing leaked, and every page a trie holds contains exactly the K/V a fresh prefill of its
+history computes (the draft's pages with the draft model). Derandomized: CI runs the same
+examples every time.
 """
 
 from __future__ import annotations
@@ -12,25 +16,36 @@ import collections
 
 import numpy as np
 from engine_helpers import CACHE, CONFIG, engine, params, with_cache
-from helpers import prefill
+from helpers import prefill, small_model
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax import Request, SamplingConfig, init_cache
+import kvjax
+from kvjax import Engine, EngineConfig, Request, SamplingConfig, SpecConfig, init_cache
 
 P = params(seed=4)
 NUM_PAGES = 36
 PS = CACHE.page_size
 SYSTEM = list(range(3, 30))
+DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
+                    max_seq_len=256, tie_embeddings=False)
+DRAFT_P = kvjax.init_params(DRAFT, seed=5)
 
 
 class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.eng = engine(P, cache=with_cache(num_pages=NUM_PAGES), max_slots=3,
-                          decode_steps=3, partial_page_copy=True, poison_freed=True)
+        self.eng = self.make_engine()
         self.ids: list[int] = []
+
+    def make_engine(self) -> Engine:
+        return engine(P, cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
+                      partial_page_copy=True, poison_freed=True)
+
+    def pools(self):
+        """(allocator, trie, each sequence's pages, model config, params) per page pool."""
+        return [(self.eng.allocator, self.eng.trie, lambda seq: seq.pages, CONFIG, P)]
 
     @rule(prefix=st.integers(0, len(SYSTEM)), suffix=st.lists(st.integers(0, 5), max_size=9),
           max_new=st.integers(1, 12), n=st.integers(1, 2), tenant=st.sampled_from([None, "t"]),
@@ -59,14 +74,14 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def refcounts_match_the_holders(self):
-        holders = collections.Counter(self.eng.trie.pages())
-        for req in self.eng._reqs.values():
-            for seq in req.seqs:
-                holders.update(seq.pages)
-        alloc = self.eng.allocator
-        for page in range(NUM_PAGES):
-            assert alloc.refcount(page) == holders[page], page
-        assert alloc.num_free == NUM_PAGES - len(holders)
+        for alloc, trie, pages_of, _, _ in self.pools():
+            holders = collections.Counter(trie.pages())
+            for req in self.eng._reqs.values():
+                for seq in req.seqs:
+                    holders.update(pages_of(seq))
+            for page in range(NUM_PAGES):
+                assert alloc.refcount(page) == holders[page], page
+            assert alloc.num_free == NUM_PAGES - len(holders)
 
     @invariant()
     def decoded_pages_have_one_writer(self):
@@ -81,19 +96,38 @@ class EngineMachine(RuleBasedStateMachine):
     def teardown(self):
         for _ in self.eng.stream():
             pass
-        trie_pages = self.eng.trie.pages()
-        assert self.eng.allocator.num_free + len(trie_pages) == NUM_PAGES
-        assert all(self.eng.allocator.refcount(page) == 1 for page in trie_pages)
-        k = np.asarray(self.eng.cache.k)
-        v = np.asarray(self.eng.cache.v)
-        for _, history, page in self.eng.trie.entries()[:12]:
-            pages = list(range(len(history) // PS))
-            _, fresh = prefill(P, CONFIG, CACHE, init_cache(CONFIG, CACHE), history, pages)
-            np.testing.assert_array_equal(k[:, :, page], np.asarray(fresh.k)[:, :, pages[-1]])
-            np.testing.assert_array_equal(v[:, :, page], np.asarray(fresh.v)[:, :, pages[-1]])
+        caches = [self.eng.cache] + ([] if self.eng._draft is None else [self.eng._draft.cache])
+        for (alloc, trie, _, config, p), cache in zip(self.pools(), caches, strict=True):
+            trie_pages = trie.pages()
+            assert alloc.num_free + len(trie_pages) == NUM_PAGES
+            assert all(alloc.refcount(page) == 1 for page in trie_pages)
+            k, v = np.asarray(cache.k), np.asarray(cache.v)
+            for _, history, page in trie.entries()[:12]:
+                pages = list(range(len(history) // PS))
+                _, fresh = prefill(p, config, CACHE, init_cache(config, CACHE), history, pages)
+                np.testing.assert_array_equal(k[:, :, page],
+                                              np.asarray(fresh.k)[:, :, pages[-1]])
+                np.testing.assert_array_equal(v[:, :, page],
+                                              np.asarray(fresh.v)[:, :, pages[-1]])
 
 
-EngineMachine.TestCase.settings = settings(
-    max_examples=30, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+class SpecEngineMachine(EngineMachine):
+    """The same rules on an engine drafting with a model (γ 2): both pools checked."""
+
+    def make_engine(self) -> Engine:
+        ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
+                          partial_page_copy=True, poison_freed=True)
+        return Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
+
+    def pools(self):
+        draft = self.eng._draft
+        return super().pools() + [(draft.allocator, draft.trie, lambda seq: seq.draft_pages,
+                                   DRAFT, DRAFT_P)]
+
+
+SETTINGS = dict(stateful_step_count=30, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+EngineMachine.TestCase.settings = settings(max_examples=30, **SETTINGS)
+SpecEngineMachine.TestCase.settings = settings(max_examples=15, **SETTINGS)
 TestEngineInvariants = EngineMachine.TestCase
+TestSpecEngineInvariants = SpecEngineMachine.TestCase
