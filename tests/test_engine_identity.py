@@ -229,3 +229,19 @@ def test_records_of_one_history_under_two_paths_do_not_collide():
     assert trie.match(ns, tokens, ["t", "t"], digests).cause == "capacity"
     assert trie.match(ns, tokens, [None, "t"], digests).cause is None
     assert trie.match(ns, tokens, [None, "u"], digests).operator_cause == "namespace"
+
+
+def test_the_operator_sees_the_fields_a_request_cannot():
+    """The same tokens are cached publicly under adapter a and privately by alice under
+    adapter b. Bob (adapter a) is told of the public copy only (salt); the operator's
+    fields add alice's (adapter)."""
+    base = CacheNamespace(model="m", adapter="a", position_base=0, attention="causal",
+                          kv_dtype="float32")
+    trie = PrefixTrie(4, PageAllocator(8))
+    tokens, digests = PROMPT[:4], history_digests(PROMPT[:4], 4)
+    pages = trie.allocator.allocate(2)
+    trie.insert(base, tokens, [None], digests, pages[:1])
+    trie.insert(dataclasses.replace(base, adapter="b"), tokens, ["alice"], digests, pages[1:])
+    bob = trie.match(base, tokens, ["bob"], digests)
+    assert (bob.cause, bob.fields) == ("namespace", ["salt"])
+    assert (bob.operator_cause, bob.operator_fields) == ("namespace", ["adapter", "salt"])

@@ -44,8 +44,10 @@ class EngineMachine(RuleBasedStateMachine):
                       partial_page_copy=True, poison_freed=True)
 
     def pools(self):
-        """(allocator, trie, each sequence's pages, model config, params) per page pool."""
-        return [(self.eng.allocator, self.eng.trie, lambda seq: seq.pages, CONFIG, P)]
+        """(allocator, trie, a sequence's (pages, cached length), model config, params) per
+        page pool."""
+        return [(self.eng.allocator, self.eng.trie, lambda seq: (seq.pages, seq.length),
+                 CONFIG, P)]
 
     @rule(prefix=st.integers(0, len(SYSTEM)), suffix=st.lists(st.integers(0, 5), max_size=9),
           max_new=st.integers(1, 12), n=st.integers(1, 2), tenant=st.sampled_from([None, "t"]),
@@ -68,9 +70,10 @@ class EngineMachine(RuleBasedStateMachine):
     def cancel(self, data):
         self.eng.cancel(data.draw(st.sampled_from(sorted(self.eng._reqs))))
 
-    @rule(pages=st.integers(1, 8))
-    def evict(self, pages):
-        self.eng.trie.evict(pages)
+    @rule(pages=st.integers(1, 8), pool=st.integers(0, 1))
+    def evict(self, pages, pool):
+        pools = self.pools()
+        pools[pool % len(pools)][1].evict(pages)
 
     @invariant()
     def refcounts_match_the_holders(self):
@@ -78,20 +81,22 @@ class EngineMachine(RuleBasedStateMachine):
             holders = collections.Counter(trie.pages())
             for req in self.eng._reqs.values():
                 for seq in req.seqs:
-                    holders.update(pages_of(seq))
+                    holders.update(pages_of(seq)[0])
             for page in range(NUM_PAGES):
                 assert alloc.refcount(page) == holders[page], page
             assert alloc.num_free == NUM_PAGES - len(holders)
 
     @invariant()
     def decoded_pages_have_one_writer(self):
-        for req in self.eng._reqs.values():
-            for seq in req.seqs:
-                if seq.slot is None or seq.length <= len(req.tokens):
-                    continue
-                first_written = len(req.tokens) // PS
-                for page in seq.pages[first_written:(seq.length - 1) // PS + 1]:
-                    assert self.eng.allocator.refcount(page) == 1
+        for alloc, _, pages_of, _, _ in self.pools():
+            for req in self.eng._reqs.values():
+                for seq in req.seqs:
+                    pages, length = pages_of(seq)
+                    if seq.slot is None or length <= len(req.tokens):
+                        continue
+                    first_written = len(req.tokens) // PS
+                    for page in pages[first_written:(length - 1) // PS + 1]:
+                        assert alloc.refcount(page) == 1
 
     def teardown(self):
         for _ in self.eng.stream():
@@ -121,7 +126,8 @@ class SpecEngineMachine(EngineMachine):
 
     def pools(self):
         draft = self.eng._draft
-        return super().pools() + [(draft.allocator, draft.trie, lambda seq: seq.draft_pages,
+        return super().pools() + [(draft.allocator, draft.trie,
+                                   lambda seq: (seq.draft_pages, seq.draft_length),
                                    DRAFT, DRAFT_P)]
 
 

@@ -3,15 +3,15 @@ preempted and recomputed tells exactly what it returns (checked against what it 
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from engine_helpers import CONFIG, SLOTS, assert_same, engine, params, with_cache
 from helpers import small_model
 
 import kvjax
-from kvjax import Engine, EngineConfig, Request, SamplingConfig, workloads
+from kvjax import Engine, EngineConfig, InvalidRequestError, Request, SamplingConfig, workloads
 from kvjax.config import SpecConfig
-from kvjax.runtime.engine import Engine as EngineClass
 
 V = CONFIG.vocab_size
 A, B = list(range(2, 21)), list(range(30, 41))
@@ -54,6 +54,45 @@ def test_generate_keeps_the_results_of_other_requests(p):
     assert eng.run() == {}
 
 
+def _tokens(events, request_id, sample=0) -> list[int]:
+    return [t for e in events if (e.request_id, e.sample) == (request_id, sample)
+            for t in e.tokens]
+
+
+def test_streams_lose_nothing_to_generate_or_an_early_stop(p):
+    """Events of other requests are kept through generate(), and a caller that stops a
+    stream early (here mid-step, where one step yields an event per sample) finds the
+    rest in the next stream()."""
+    eng = engine(p)
+    a, b = eng.submit(Request(A, 9)), eng.submit(Request(B, 30, n=2, sampling=HOT))
+    events = list(eng.stream(a))
+    eng.generate([Request(A, 3)])
+    it = eng.stream(b)
+    events += [next(it)]
+    it.close()
+    events += list(eng.stream(b))
+    result_a, result_b = eng.result(a), eng.result(b)
+    assert _tokens(events, a) == result_a.tokens
+    assert [_tokens(events, b, j) for j in range(2)] == result_b.tokens
+    assert all(len(t) == 30 for t in result_b.tokens)
+
+
+def test_generate_validates_every_request_before_queueing_any(p):
+    eng = engine(p)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens must be an int"):
+        eng.generate([Request(A, 4), Request(B, "8")])
+    assert eng.num_waiting == 0 and eng.run() == {}
+    for bad, message in ((Request(A, 4, n=2.0), "n must be an int"),
+                         (Request(text=5), "text must be a str"),
+                         (Request(A, 4, stop_token="x"), "stop_token must be an int or None"),
+                         (Request(A, 4, tenant=7), "tenant must be a str or None"),
+                         (Request(A, 4, sampling={"temperature": 1.0}),
+                          "sampling must be a SamplingConfig")):
+        with pytest.raises(InvalidRequestError, match=message):
+            eng.submit(bad)
+    assert eng.generate([Request(A, 4)])[0].tokens == engine(p).generate([Request(A, 4)])[0].tokens
+
+
 def _tight(p, **kw) -> Engine:
     return engine(p, cache=with_cache(num_pages=30), **kw)
 
@@ -83,14 +122,14 @@ def test_a_recomputation_that_contradicts_the_stream_is_an_error(p, monkeypatch)
     recomputed tokens differ from what it streamed. The engine ends that request with
     status "error" (its result holds the streamed tokens), keeps serving the others
     exactly, and leaks no page."""
-    preempt = EngineClass._preempt
+    preempt = Engine._preempt
 
     def preempt_and_rekey(self, req):
         preempt(self, req)
         for seq in req.seqs:
             seq.key = seq.key ^ np.uint32(1)
 
-    monkeypatch.setattr(EngineClass, "_preempt", preempt_and_rekey)
+    monkeypatch.setattr(Engine, "_preempt", preempt_and_rekey)
     requests = _sampled_workload()
     tight = _tight(p)
     ids = [tight.submit(r) for r in requests]
@@ -98,6 +137,7 @@ def test_a_recomputation_that_contradicts_the_stream_is_an_error(p, monkeypatch)
     for event in tight.stream():
         streamed[event.request_id] += event.tokens
         if event.finished:
+            assert event.request_id not in ends  # one last event per sample
             ends[event.request_id] = event.error
     results = tight.run()
     failed = [i for i in ids if results[i].status == "error"]
@@ -136,3 +176,94 @@ def test_preemption_resets_the_speculative_stats_of_a_request(p):
     for r in results:
         assert r.stats["spec"]["emitted"] == len(r.tokens) - 1
         assert r.stats["spec"]["accepted"] <= r.stats["spec"]["drafted"]
+
+
+def test_a_contradiction_found_while_decoding_ends_every_open_stream_once(p, monkeypatch):
+    """n = 2 samples; after a preemption the second sample's recomputation is made to
+    differ at index 3, with the stop token (so that sample is done in the very call that
+    finds the contradiction). Every sample of every request gets exactly one finished
+    event; the failed request's open samples get one naming the error; no page leaks."""
+    emit = Engine._emit
+    stop = V - 1
+
+    def emit_diverging(self, req, events):
+        seq = req.seqs[-1]
+        if req.stats.get("preemptions") and seq.checked <= 3 < min(len(seq.generated),
+                                                                    len(seq.streamed)):
+            seq.generated[3:] = [stop]
+            seq.done = True
+        return emit(self, req, events)
+
+    monkeypatch.setattr(Engine, "_emit", emit_diverging)
+    requests = workloads.shared_system_prompt(3, prefix_len=9, suffix_len=6, vocab=V,
+                                              max_new_tokens=30, seed=7, n=2, sampling=HOT,
+                                              stop_token=stop)
+    tight = _tight(p)
+    ids = [tight.submit(r) for r in requests]
+    events = list(tight.stream())
+    results = tight.run()
+    failed = [i for i in ids if results[i].status == "error"]
+    assert failed and all("at index 3" in results[i].error for i in failed)
+    for i in ids:
+        for j in range(2):
+            ends = [e for e in events if (e.request_id, e.sample) == (i, j) and e.finished]
+            assert len(ends) == 1
+            assert results[i].tokens[j] == _tokens(events, i, j)
+            if i in failed and not ends[0].tokens:
+                assert ends[0].error == results[i].error
+    assert any(e.error for e in events if e.request_id in failed)
+    m = tight.metrics()
+    assert m["free_pages"] == 30 - m["resident_pages"]
+
+
+def test_cancelling_a_preempted_request_returns_what_it_streamed(p):
+    tight = _tight(p)
+    ids = [tight.submit(r) for r in _sampled_workload()]
+    streamed = {i: [] for i in ids}
+    victim = None
+    while victim is None:
+        for event in tight.step():
+            streamed[event.request_id] += event.tokens
+        waiting = [r for r in tight._reqs.values()
+                   if r.stats.get("preemptions") and r in tight._waiting]
+        victim = waiting[0].id if waiting else None
+    tight.cancel(victim)
+    result = tight.result(victim)
+    assert result.status == "cancelled" and result.tokens == streamed[victim]
+    assert len(result.tokens) > 1 and result.logits is None  # its logits were recomputed away
+    tight.run()
+    m = tight.metrics()
+    assert m["free_pages"] == 30 - m["resident_pages"]
+
+
+def _sharp(params) -> dict:
+    """The embedding (tied: also the output head) x 15: logits far from flat, so a draft
+    that differs is often rejected and adaptive γ moves."""
+    out = jax.tree_util.tree_map(lambda x: x, params)
+    out["embed"]["embedding"] = out["embed"]["embedding"] * 15.0
+    return out
+
+
+def test_adaptive_gamma_recomputes_what_it_streamed(p):
+    """Sampled speculative tokens depend on where rounds start, so a preempted request is
+    recomputed under the γ each of its calls had (adaptive γ moves 4 -> 3 -> 2 here, with a
+    draft half-way between the target and another model, α 0.41): no recomputation
+    contradicts its stream (without the replayed γ, one of the 4 preempted requests here
+    failed)."""
+    target = _sharp(p)
+    other = _sharp(kvjax.init_params(CONFIG, seed=9))
+    draft = jax.tree_util.tree_map(lambda a, b: 0.5 * a + 0.5 * b, target, other)
+    ec = EngineConfig(cache=with_cache(num_pages=40), max_slots=SLOTS, decode_steps=4)
+    spec = Engine(target, CONFIG, ec, draft=(draft, CONFIG),
+                  spec=SpecConfig(gamma=4, adaptive=True, cost_ratio=0.05, verify_slope=0.0))
+    requests = _sampled_workload()
+    ids = [spec.submit(r) for r in requests]
+    events = list(spec.stream())
+    results = spec.run()
+    m = spec.metrics()
+    assert m["preemptions"] > 0 and m["errors"] == 0
+    assert len(set(m["spec"]["gamma_history"])) > 1
+    for i in ids:
+        assert results[i].status == "finished"
+        assert results[i].tokens == _tokens(events, i)
+        assert results[i].stats["spec"]["emitted"] == len(results[i].tokens) - 1

@@ -156,6 +156,8 @@ QWEN2_WINDOW = dict(use_sliding_window=True, sliding_window=6, layer_types=DROP)
 # (family, config.json changes, the option the refusal must name)
 REFUSED = [
     ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights"),
+    ("gpt2", dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    ("llama", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
     ("gpt2", dict(add_cross_attention=True), "add_cross_attention"),
@@ -226,7 +228,10 @@ SUPPORTED = [
 
 @pytest.mark.parametrize(("family", "changes", "fields"), SUPPORTED,
                          ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(SUPPORTED)])
-def test_implemented_option_values_load_as_transformers_reads_them(family, changes, fields):
+def test_implemented_option_values_map_to_the_expected_config(family, changes, fields):
+    """The expected fields are what transformers' (5.x) config and modeling classes make of
+    these options, read from their source; the qwen2_window family below also compares
+    logits with transformers itself."""
     base = config_from_hf(_config_json(family))
     assert config_from_hf(_config_json(family, **changes)) == dataclasses.replace(base, **fields)
 

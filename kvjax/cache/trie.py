@@ -95,8 +95,9 @@ class Match:
     position: int | None = None  # divergence: first differing token position
     fields: list[str] = dataclasses.field(default_factory=list)  # namespace: differing fields
     partial: tuple[Node, int] | None = None  # a cached page sharing the next n tokens
-    hidden_fields: list[str] | None = None  # the operator's namespace miss, where only
-    # another tenant's private blocks explain it (the request is told `cause` instead)
+    # Fields in which other tenants' private namespaces holding the same tokens differ:
+    # the operator's view only (None: there are none).
+    hidden_fields: list[str] | None = None
 
     @property
     def operator_cause(self) -> str | None:
@@ -104,7 +105,7 @@ class Match:
 
     @property
     def operator_fields(self) -> list[str]:
-        return self.fields if self.hidden_fields is None else self.hidden_fields
+        return sorted({*self.fields, *(self.hidden_fields or ())})
 
     @property
     def pages(self) -> list[int]:
@@ -219,10 +220,11 @@ class PrefixTrie:
         elsewhere = [ns for ns in self._resident.get(digests[i], ()) if ns != namespace]
         tenant = next((s for s in salts if s is not None), None)
         visible = [ns for ns in elsewhere if ns.salt in (None, tenant)]
+        private = [ns for ns in elsewhere if ns.salt not in (None, tenant)]
+        hidden = _fields(namespace, private) if private else None
         if visible:
             return Match(nodes, "namespace", fields=_fields(namespace, visible),
-                         partial=partial)
-        hidden = _fields(namespace, elsewhere) if elsewhere else None
+                         partial=partial, hidden_fields=hidden)
         if siblings and (nodes or partial):  # shared some history, then went elsewhere
             return Match(nodes, "divergence", position=start + best[1], partial=partial,
                          hidden_fields=hidden)

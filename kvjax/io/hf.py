@@ -70,6 +70,7 @@ _LLAMA_LIKE = {
     "rope_scaling": (None, _plain_rope),  # the 4.x name; replaces rope_parameters when set
     "partial_rotary_factor": (None, (None, 1.0)),
     "hidden_act": ("silu", ("silu", "swish")),  # SwiGLU: both names are SiLU
+    "quantization_config": (None, (None,)),  # quantized weights (GPTQ, AWQ, ...): not read
     **_ignored("attention_dropout", "initializer_range", "use_cache", "pad_token_id",
                "bos_token_id", "eos_token_id", "dtype", "torch_dtype"),
 }
@@ -117,6 +118,7 @@ OPTIONS: dict[str, dict[str, tuple[Any, Any]]] = {
         "reorder_and_upcast_attn": (False, (False,)),  # mixed-precision score order
         "add_cross_attention": (False, (False,)),  # encoder-decoder use; kvjax has no encoder
         "pruned_heads": ({}, ({}, None)),  # 4.x: heads cut out of c_attn
+        "quantization_config": (None, (None,)),
         **_ignored("resid_pdrop", "embd_pdrop", "attn_pdrop", "initializer_range",
                    "summary_type", "summary_use_proj", "summary_activation",
                    "summary_proj_to_labels", "summary_first_dropout", "n_ctx", "use_cache",

@@ -75,6 +75,7 @@ class ModelDrafter:
         self.pool = KVPool(config, cache_config)
         self.sampling = sampling
         self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (cached, pages)
+        self._keys: dict[int, np.ndarray] = {}  # id -> uint32[1, 2]
 
     def release(self, seq_id: int) -> None:
         _, pages = self._state.pop(seq_id, ([], []))
@@ -105,8 +106,10 @@ class ModelDrafter:
         knobs = (np.full(1, temp, np.float32),
                  np.full(1, 0 if sampling is None else sampling.top_k, np.int32),
                  np.full(1, 1.0 if sampling is None else sampling.top_p, np.float32))
-        seed = 0 if sampling is None else sampling.seed
-        keys = np.asarray(draft_key(seed, seq_id))[None]
+        if seq_id not in self._keys:
+            seed = 0 if sampling is None else sampling.seed
+            self._keys[seq_id] = np.asarray(draft_key(seed, seq_id))[None]
+        keys = self._keys[seq_id]
         out, logits, self.pool.cache, _ = steps.decode_loop(
             self.params, self.config, self.pool.cache, table, np.array([length], np.int32),
             np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,

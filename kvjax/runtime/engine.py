@@ -59,6 +59,7 @@ from kvjax.runtime.requests import (
     Request,
     RequestResult,
     StreamEvent,
+    check_field_types,
     check_token_ids,
 )
 from kvjax.runtime.sampling import sample, sequence_keys
@@ -81,6 +82,7 @@ class _Seq:
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     streamed: list[int] = dataclasses.field(default_factory=list)  # survives preemption
     checked: int = 0  # generated[:checked] is known to equal streamed[:checked]
+    closed: bool = False  # its finished event was streamed
     done: bool = False
     draft_pages: list[int] = dataclasses.field(default_factory=list)
     draft_length: int = 0  # tokens in the draft's cache: `length` or `length - 1`
@@ -100,7 +102,9 @@ class _Req:
     seqs: list[_Seq] = dataclasses.field(default_factory=list)
     stats: dict = dataclasses.field(default_factory=dict)
     admitted_order: int = -1
-    operator_miss: tuple[str | None, list[str]] = (None, [])  # metrics() only, never stats
+    operator_miss: tuple[str | None, tuple[str, ...]] = (None, ())  # metrics() only
+    gammas: list[int] = dataclasses.field(default_factory=list)  # γ of each decode call
+    calls: int = 0  # decode calls since its (latest) admission
 
 
 class Engine:
@@ -145,7 +149,7 @@ class Engine:
         self._counters = collections.Counter()
         self._timers = collections.Counter()
         self._stats_log: list[dict] = []
-        self._operator_log: list[tuple[str | None, list[str]]] = []  # (cause, fields)
+        self._operator_log: list[tuple[str | None, tuple[str, ...]]] = []  # (cause, fields)
         self._backlog: list[StreamEvent] = []
         if ec.poison_freed:
             self.cache = poison_pages(self.cache, np.arange(ec.cache.num_pages, dtype=np.int32))
@@ -196,22 +200,30 @@ class Engine:
 
     def submit(self, request: Request) -> int:
         """Queues a request; returns its id. Bad input raises before anything changes."""
+        return self._enqueue(self._prepare(request))
+
+    def _prepare(self, request: Request) -> _Req:
+        """A validated request, not queued yet (its id is given when it is)."""
         tokens = self._validate(request, self._render(request))
         ps = self.cache_config.page_size
         num_blocks = pages_for(len(tokens), ps)
         salts = [None if request.tenant is None or (i + 1) * ps <= request.public_prefix
                  else request.tenant for i in range(num_blocks)]
-        rid = self._next_id
-        self._next_id += 1
-        req = _Req(id=rid, request=request, tokens=tokens, namespace=self.namespace(request),
+        req = _Req(id=-1, request=request, tokens=tokens, namespace=self.namespace(request),
                    salts=salts, digests=history_digests(tokens, ps),
                    adapter_index=self._adapter_index.get(request.adapter, 0),
                    submitted=time.perf_counter())
         keys = np.asarray(sequence_keys(request.sampling.seed, request.n))
         req.seqs = [_Seq(req=req, index=j, key=keys[j]) for j in range(request.n)]
-        self._reqs[rid] = req
+        return req
+
+    def _enqueue(self, req: _Req) -> int:
+        req.id = self._next_id
+        self._next_id += 1
+        req.submitted = time.perf_counter()
+        self._reqs[req.id] = req
         self._waiting.append(req)
-        return rid
+        return req.id
 
     def cancel(self, request_id: int) -> None:
         """Stops a request; its pages return to the allocator."""
@@ -236,19 +248,27 @@ class Engine:
     def stream(self, request_id: int | None = None) -> Iterator[StreamEvent]:
         """Runs the engine, yielding tokens as they are produced: every request's until all
         are finished, or only `request_id`'s until it is finished (the other requests'
-        events are kept for a later `stream()`)."""
+        events are kept for a later `stream()`, and so are this request's when the caller
+        stops early)."""
         def wanted(event: StreamEvent) -> bool:
             return request_id is None or event.request_id == request_id
 
-        yield from [e for e in self._backlog if wanted(e)]
+        pending = collections.deque(e for e in self._backlog if wanted(e))
         self._backlog = [e for e in self._backlog if not wanted(e)]
-        while request_id in self._reqs if request_id is not None else \
-                (self._waiting or any(s is not None for s in self._slots)):
-            for event in self.step():
-                if wanted(event):
-                    yield event
-                else:
-                    self._backlog.append(event)
+        try:
+            while True:
+                while pending:
+                    event = pending.popleft()
+                    if wanted(event):
+                        yield event
+                    else:
+                        self._backlog.append(event)
+                if not (request_id in self._reqs if request_id is not None else
+                        (self._waiting or any(s is not None for s in self._slots))):
+                    return
+                pending.extend(self.step())
+        finally:
+            self._backlog.extend(pending)  # not yielded: kept for a later stream()
 
     def run(self) -> dict[int, RequestResult]:
         """Runs until every submitted request is finished; returns (and collects) every
@@ -260,12 +280,13 @@ class Engine:
         return done
 
     def generate(self, requests: list[Request]) -> list[RequestResult]:
-        """Submits `requests`, runs until they are finished, returns their results in order.
-        Results of other requests that finish meanwhile are kept for `result()` / `run()`."""
-        ids = [self.submit(r) for r in requests]
-        for _ in self.stream():
-            if all(i in self._results for i in ids):
-                break
+        """Submits `requests` (all validated before any is queued), runs until they are
+        finished, returns their results in order. Results and stream events of other
+        requests are kept for `result()` / `run()` / `stream()`."""
+        ids = [self._enqueue(req) for req in [self._prepare(r) for r in requests]]
+        mine = set(ids)
+        while not all(i in self._results for i in ids):
+            self._backlog += [e for e in self.step() if e.request_id not in mine]
         return [self._results.pop(i) for i in ids]
 
     def result(self, request_id: int) -> RequestResult:
@@ -290,6 +311,7 @@ class Engine:
     # -- validation ---------------------------------------------------------------------------
     def _render(self, request: Request):
         """The prompt's token ids: given, or rendered from text or chat messages."""
+        check_field_types(request)
         given = [x is not None for x in (request.tokens, request.text, request.messages)]
         if sum(given) != 1:
             raise InvalidRequestError("give exactly one of tokens, text or messages")
@@ -538,7 +560,7 @@ class Engine:
         }
         req.stats = stats
         req.operator_miss = (operator_cause,
-                             match.operator_fields if operator_cause == "namespace" else [])
+                             tuple(match.operator_fields) if operator_cause == "namespace" else ())
 
     # -- pages ---------------------------------------------------------------------------------
     def _reserve(self, num_pages: int, requester: _Req | None = None, pool=None) -> bool:
@@ -565,6 +587,7 @@ class Engine:
         for seq in req.seqs:
             seq.generated, seq.logits, seq.done, seq.length = [], [], False, 0
             seq.draft_length, seq.prev, seq.checked = 0, -1, 0
+        req.calls = 0
         req.stats.pop("spec", None)  # counts the tokens it returns, not the discarded work
         req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
         self._counters["preemptions"] += 1
@@ -632,12 +655,16 @@ class Engine:
         if self.spec is not None:
             if self.spec.spec.adaptive and not self.spec.calibrated:
                 self.spec.calibrate(self)
-            gamma = self.spec.next_gamma()
+            replay = self._replay_gamma()
+            gamma = self.spec.next_gamma() if replay is None else replay
         budgets = {}
         for seq in sorted((s for s in self._slots if s is not None),
                           key=lambda s: s.req.admitted_order):
             if seq.slot is None or seq.done:
                 continue  # preempted while growing another sequence
+            if self.spec is not None and _replaying(seq.req) and \
+                    seq.req.gammas[seq.req.calls] != gamma:
+                continue  # recomputing under another γ: it waits for a call with its own
             budget = min(ec.decode_steps, seq.req.request.max_new_tokens - len(seq.generated))
             if self._grow(seq, budget + gamma):  # a verify writes up to γ slots ahead
                 budgets[seq.slot] = budget
@@ -683,6 +710,10 @@ class Engine:
                 knobs=knobs, stops=stops, offsets=offsets, adapters=adapter_ids,
                 want_logits=want_logits))
             out, logits, new_lengths = res["tokens"], res["logits"], res["lengths"]
+            for req in {s.req.id: s.req for s in live}.values():
+                if req.calls == len(req.gammas):
+                    req.gammas.append(gamma)
+                req.calls += 1
         out, new_lengths = np.asarray(out), np.asarray(new_lengths)
         logits = np.asarray(logits) if want_logits else None
         self._timers["decode_s"] += time.perf_counter() - t0
@@ -710,10 +741,21 @@ class Engine:
                     self._release_seq(seq)
             self._retire_if_done(req)
 
+    def _replay_gamma(self) -> int | None:
+        """The γ the oldest running request that is recomputing streamed tokens had at this
+        call of its first run, or None. Sampled speculative tokens depend on where rounds
+        start, so a request regenerates what it streamed only under the same γ per call
+        (adaptive γ may have moved since)."""
+        replaying = [s.req for s in self._slots if s is not None and _replaying(s.req)]
+        if not replaying:
+            return None
+        oldest = min(replaying, key=lambda r: r.admitted_order)
+        return oldest.gammas[oldest.calls]
+
     # -- results -------------------------------------------------------------------------------
     def _emit(self, req: _Req, events: list[StreamEvent]) -> bool:
-        """Streams each sample's new tokens. False (nothing emitted) when a recomputed
-        sample contradicts what it already streamed."""
+        """Streams each sample's new tokens. False when a recomputed sample contradicts what
+        it already streamed: the request has failed (`_fail`) and no token is streamed."""
         for seq in req.seqs:
             upto = min(len(seq.generated), len(seq.streamed))
             for i in range(seq.checked, upto):
@@ -729,28 +771,33 @@ class Engine:
                 events.append(StreamEvent(req.id, seq.index, tuple(new), seq.done))
                 seq.streamed += new
                 seq.checked = len(seq.streamed)
+                seq.closed = seq.done
         return True
 
     def _fail(self, req: _Req, events: list[StreamEvent], error: str) -> None:
-        """Ends a request with status "error": its pages return, its samples' streams end."""
+        """Ends a request with status "error": its pages return, and every sample whose
+        stream is still open gets a last event naming the error."""
         self._release(req)
         for seq in req.seqs:
-            if not seq.done:
+            if not seq.closed:
                 events.append(StreamEvent(req.id, seq.index, (), True, error))
-        for seq in req.seqs:  # the result holds what was streamed (no logits)
-            seq.generated, seq.logits, seq.done = list(seq.streamed), [], True
+                seq.closed = True
         self._finish(req, status="error", error=error)
 
     def _retire_if_done(self, req: _Req) -> None:
-        if req.id in self._reqs and all(s.done for s in req.seqs):
+        if all(s.done for s in req.seqs):
             self._release(req)
             self._finish(req, status="finished")
 
     def _finish(self, req: _Req, status: str, error: str | None = None) -> None:
+        """Records the result: each sample's tokens are the ones it streamed (a cancelled
+        request may have streamed more than it has recomputed since a preemption); logits
+        only where every token has its logits (so none after an error)."""
         single = req.request.n == 1
-        tokens = [list(s.generated) for s in req.seqs]
+        tokens = [list(s.streamed) for s in req.seqs]
         logits = None
-        if req.request.return_logits and status != "error":
+        if req.request.return_logits and status != "error" and all(
+                len(s.logits) == len(s.streamed) for s in req.seqs):
             logits = [np.stack(s.logits) if s.logits else np.zeros((0, self.config.vocab_size))
                       for s in req.seqs]
         text = None
@@ -821,6 +868,12 @@ class Engine:
             for s in self._stats_log:
                 f.write(json.dumps(s) + "\n")
             f.write(json.dumps({"aggregate": self.metrics()}) + "\n")
+
+
+def _replaying(req: _Req) -> bool:
+    """Whether a request recomputed after a preemption has not caught up with its stream."""
+    return req.calls < len(req.gammas) and any(
+        len(s.generated) < len(s.streamed) for s in req.seqs)
 
 
 def _ratio(a: float, b: float) -> float:

@@ -29,6 +29,27 @@ def check_token_ids(tokens, vocab_size: int, label: str = "the prompt") -> list[
     return [int(t) for t in ids]
 
 
+def check_field_types(request: Request) -> None:
+    """InvalidRequestError naming the first field of the wrong type (before any arithmetic
+    on it could raise a bare TypeError)."""
+    def integer(x) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    checks = [("max_new_tokens", integer, "an int"), ("n", integer, "an int"),
+              ("position_base", integer, "an int"), ("public_prefix", integer, "an int"),
+              ("stop_token", lambda x: x is None or integer(x), "an int or None"),
+              ("text", lambda x: x is None or isinstance(x, str), "a str or None"),
+              ("tenant", lambda x: x is None or isinstance(x, str), "a str or None"),
+              ("adapter", lambda x: x is None or isinstance(x, str), "a str or None"),
+              ("return_logits", lambda x: isinstance(x, bool), "a bool"),
+              ("sampling", lambda x: isinstance(x, SamplingConfig), "a SamplingConfig")]
+    for name, ok, what in checks:
+        value = getattr(request, name)
+        if not ok(value):
+            raise InvalidRequestError(f"{name} must be {what}, got {type(value).__name__} "
+                                      f"{value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One prompt to continue: token ids, or `text` / chat `messages` that the engine's
