@@ -28,9 +28,17 @@ HERE = Path(__file__).parent
 MESHES = ("mha 1x8", "mha 2x4", "mha 8x1", "mqa 1x8")
 
 
-def _python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+def _child_env() -> dict:
+    """A child process's environment: no XLA_FLAGS (it sets its own device count), and the
+    tests folder on the path before the caller's own (so it imports the kvjax we import)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = _child_env()
     return subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True,
                           text=True, env=env, timeout=timeout, check=False)
 
@@ -128,8 +136,7 @@ def test_two_processes_run_one_sharded_generate(tmp_path):
     from multiprocess_check import CONFIG, ENGINE, requests
 
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    env.pop("XLA_FLAGS", None)
+    env = _child_env()
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_check.py"), str(port),
                                str(i), str(tmp_path / f"{i}.json")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
