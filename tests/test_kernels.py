@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_model, tol
+from helpers import sharp_params, small_model, tol
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec
 
@@ -249,12 +249,11 @@ def test_engine_decodes_with_the_gpu_kernel_as_with_the_reference():
     decode loop with the kernel inside, same greedy tokens, logits within float32 tolerance."""
     import dataclasses
 
-    import kvjax
     from kvjax import Engine, EngineConfig, Request
 
     config = small_model(vocab_size=64, d_model=64, num_heads=4, num_kv_heads=2,
                          max_seq_len=256)  # head_dim 16: the GPU kernel's least
-    params = kvjax.init_params(config, seed=2)
+    params = sharp_params(config, seed=2)
     ec = EngineConfig(cache=CacheConfig(page_size=8, num_pages=64, prefill_chunk=32,
                                         attn_block=16), max_slots=4, decode_steps=8)
     requests = [Request(list(range(1, 10 + 9 * i)), max_new_tokens=10, return_logits=True)
@@ -266,4 +265,5 @@ def test_engine_decodes_with_the_gpu_kernel_as_with_the_reference():
     got = engine.generate(requests)
     for a, b in zip(want, got, strict=True):
         assert a.tokens == b.tokens
-        assert np.abs(np.asarray(a.logits) - np.asarray(b.logits)).max() <= tol(np.float32)
+        err = np.abs(np.asarray(a.logits) - np.asarray(b.logits)).max()
+        assert err <= tol(np.float32)  # measured 9.3e-6

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import gather_sequence, prefill, small_model
+from helpers import gather_sequence, prefill, sharp_params, small_model
 
 import kvjax
 from kvjax import CacheConfig, SamplingConfig, init_cache
@@ -18,7 +18,7 @@ CACHE = CacheConfig(page_size=4, num_pages=128, prefill_chunk=16, attn_block=8)
 @pytest.fixture(scope="module")
 def model():
     config = small_model(vocab_size=16, max_seq_len=256)
-    return config, kvjax.init_params(config, seed=11)
+    return config, sharp_params(config, seed=11)
 
 
 def _prompts():
