@@ -162,7 +162,7 @@ def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
                 for x, y in zip(gather_sequence(cache, pages, n),
                                 gather_sequence(fresh, list(range(len(pages))), n),
                                 strict=True):
-                    np.testing.assert_allclose(x, y, atol=1e-5)
+                    np.testing.assert_allclose(x, y, atol=1e-5)  # measured 8.3e-7
             checked += 1
     assert checked > 4
     results = engine.run()

@@ -1,12 +1,12 @@
 """The Pallas paged-attention kernels (interpret mode on CPU) against the reference, and the
 backend switch.
 
-Tolerance: `tol(dtype)` of the queries' dtype, abs and rel (float32 1e-5; bfloat16 2e-2,
-where the reference itself accumulates in bfloat16). Measured max abs errors over three seeds:
-float32 <= 1e-6 for both kernels, bfloat16 1.6e-2 (8e-3 against a float32 reference). The TPU
-kernel rounds K/V to bfloat16, so it is checked on bfloat16 caches, the one case
-`resolve_backend` lets it run. Interpret mode checks the algorithm, not the hardware's
-arithmetic; lowering for CUDA and TPU (no device needed) checks the hardware's shape rules.
+Tolerance: `KERNEL_TOL` of the queries' dtype, absolute, about 10x the max abs error measured
+over three seeds on outputs up to ~3: float32 9.5e-7 for both kernels, bfloat16 1.6e-2 (one
+bfloat16 step at 2; the reference itself accumulates in bfloat16). The TPU kernel rounds K/V
+to bfloat16, so it is checked on bfloat16 caches, the one case `resolve_backend` lets it run.
+Interpret mode checks the algorithm, not the hardware's arithmetic; lowering for CUDA and TPU
+(no device needed) checks the hardware's shape rules.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kvjax.runtime.batching import page_table, pages_for
 # slot (num_new 0: it attends to its 20 cached keys) and an empty one (no keys: output 0).
 LENGTHS = [0, 6, 32, 59, 20, 0]
 NUM_NEW = [1, 1, 1, 1, 0, 0]
+KERNEL_TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 0.16}
 
 
 def decode_case(num_heads, num_kv_heads, head_dim, page_size, block_pages, q_dtype,
@@ -61,7 +62,7 @@ def check(backend, q, cache, batch):
     ref = paged_attention_reference(q, cache, 1, batch, None)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    np.testing.assert_allclose(out, ref, atol=tol(q.dtype), rtol=tol(q.dtype))
+    np.testing.assert_allclose(out, ref, atol=KERNEL_TOL[q.dtype], rtol=0)
     np.testing.assert_array_equal(out[-1], 0)  # the row with no keys
 
 
@@ -99,9 +100,9 @@ def test_tpu_kernel_rounds_a_float32_cache_to_bfloat16():
     rounded = cache.replace(k=cache.k.astype(jnp.bfloat16).astype(jnp.float32),
                             v=cache.v.astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_allclose(out, paged_attention_reference(q, rounded, 1, batch, None),
-                               atol=tol(jnp.float32), rtol=tol(jnp.float32))
+                               atol=KERNEL_TOL[jnp.dtype(jnp.float32)], rtol=0)  # 3.6e-7
     exact = paged_attention_reference(q, cache, 1, batch, None)
-    assert np.abs(np.asarray(out) - np.asarray(exact)).max() > 1e-3
+    assert np.abs(np.asarray(out) - np.asarray(exact)).max() > 1e-3  # measured 7.8e-3
 
 
 def test_gpu_kernel_leaks_a_poisoned_unwritten_slot():
