@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from helpers import small_model, tol
+from helpers import sharp_params, small_model, tol
 
 import kvjax
 from kvjax import CacheConfig, Engine, EngineConfig
@@ -17,7 +17,7 @@ SLOTS = 4
 
 
 def params(seed: int = 1):
-    return kvjax.init_params(CONFIG, seed=seed)
+    return sharp_params(CONFIG, seed=seed)
 
 
 def engine(p, cache: CacheConfig = CACHE, adapters=None, hash_fn=None, **kw) -> Engine:
@@ -52,4 +52,4 @@ def assert_matches_forward(p, requests, results, adapter=None) -> None:
             full = np.asarray(kvjax.forward(p, CONFIG, np.array([seq]), adapter=adapter,
                                             position_base=request.position_base)[0])
             ref = full[len(request.tokens) - 1: len(seq) - 1]
-            assert np.abs(ref - lg).max() <= tol(np.float32)
+            assert np.abs(ref - lg).max() <= tol(np.float32)  # measured <= 1.4e-5

@@ -1,20 +1,59 @@
-"""Shared test helpers: small configs, one tolerance helper, and a teacher-forced cached run."""
+"""Shared test helpers: small configs, sharp test weights, one tolerance helper, and a
+teacher-forced cached run."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.allocator import PageAllocator
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig
+from kvjax.model.transformer import init_params
 from kvjax.runtime import steps
 from kvjax.runtime.batching import page_table, pages_for
 
 
 def tol(dtype) -> float:
-    """Max abs logit error allowed against the float32 full-sequence reference."""
-    return {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}[jnp.dtype(dtype)]
+    """Max abs logit error allowed against the float32 full-sequence reference (or one
+    device's logits), on `sharp_params` models: about 10x the worst measured case.
+
+    float32: measured <= 2.2e-5 (cached vs full, MHA; the other cases 5e-6 to 2e-5).
+    bfloat16 cache: measured 0.24 (K/V rounded to 8 mantissa bits, under sharp attention;
+    random-init weights, whose logits are 27x smaller, gave 1.7e-3).
+    """
+    return {jnp.dtype(jnp.float32): 2e-4, jnp.dtype(jnp.bfloat16): 2.5}[jnp.dtype(dtype)]
+
+
+LOGIT_STD = 3.0  # a position's logits spread over a few units (random init: 0.11)
+QK_SCALE = 2.0  # attention scores x4: far from uniform attention (random init: nearly uniform)
+
+
+def sharp_params(config: ModelConfig, seed: int = 0) -> dict:
+    """`init_params` with sharp attention and spread logits, for tests that compare outputs.
+
+    Random init gives flat logits (small_model: std 0.11, mean top-2 gap 0.04) and nearly
+    uniform attention (mean top weight 0.22), unlike a trained model. Here the query and key
+    projections are scaled by QK_SCALE (mean top weight 0.64) and the final norm so that the
+    logits' std is about LOGIT_STD (small_model: std 2.9, mean top-2 gap 1.3). The head's
+    scale is taken from the weights (a tied embedding and an untied head start ~9x apart).
+    Rounding errors grow with the logits: `tol` is measured on these models.
+    """
+    params = init_params(config, seed=seed)
+    head = params["embed"]["embedding"] if config.tie_embeddings else params["lm_head"]["kernel"]
+    # A logit is a head row dotted with the unit-RMS final hidden state: std ~ std(row) sqrt(D).
+    head_scale = LOGIT_STD / (float(jnp.std(head)) * config.d_model**0.5)
+
+    def scale(path, x):
+        names = [p.key for p in path]
+        if names[-2] in ("q", "k"):  # kernel and bias
+            return x * QK_SCALE
+        if names[-2] == "final_norm" and names[-1] == "scale":
+            return x * head_scale
+        return x
+
+    return jax.tree_util.tree_map_with_path(scale, params)
 
 
 def small_model(**kw) -> ModelConfig:

@@ -20,6 +20,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
+from helpers import sharp_params  # noqa: E402
 
 import kvjax  # noqa: E402
 from kvjax import CacheConfig, Engine, EngineConfig, Request, SpecConfig  # noqa: E402
@@ -78,7 +79,7 @@ def shards(engine: Engine) -> dict:
 def main() -> None:
     out = {"devices": jax.device_count()}
     for name, config in (("mha", TARGET), ("mqa", dataclasses.replace(TARGET, num_kv_heads=1))):
-        params = kvjax.init_params(config, seed=3)
+        params = sharp_params(config, seed=3)
         ref, _ = serve(config, params)
         meshes = (("1x8", "model=8"), ("2x4", "data=2,model=4"), ("8x1", "data=8"))
         for label, mesh in meshes if name == "mha" else meshes[:1]:

@@ -12,6 +12,7 @@ import json
 import sys
 
 import numpy as np
+from helpers import sharp_params
 
 from kvjax import CacheConfig, EngineConfig, Request, sharding
 from kvjax.config import ModelConfig
@@ -35,7 +36,7 @@ def main(port: int, process_id: int, out: str) -> None:
 
     import kvjax
 
-    engine = kvjax.Engine(kvjax.init_params(CONFIG, seed=5), CONFIG,
+    engine = kvjax.Engine(sharp_params(CONFIG, seed=5), CONFIG,
                           dataclasses.replace(ENGINE, mesh="data=2,model=4"))
     results = engine.generate(requests())
     with open(out, "w") as f:

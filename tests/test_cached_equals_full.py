@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import cached_logits, random_tokens, small_model, tol
+from helpers import cached_logits, random_tokens, sharp_params, small_model, tol
 
 import kvjax
 from kvjax import CacheConfig, SamplingConfig
@@ -25,7 +25,7 @@ PROMPT_LENS = [3, 17, 33]
 
 
 def _check(config, cache_cfg, dtype_tol):
-    params = kvjax.init_params(config, seed=1)
+    params = sharp_params(config, seed=1)
     seqs = random_tokens(2, SEQ_LENS, config.vocab_size)
     got, _, _ = cached_logits(params, config, cache_cfg, seqs, PROMPT_LENS)
     for seq, logits in zip(seqs, got, strict=True):
@@ -37,6 +37,7 @@ def _check(config, cache_cfg, dtype_tol):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_page_size_4(variant):
+    # measured 6.2e-6 (layernorm_gelu) to 2.2e-5 (mha): the worst case behind tol(float32)
     _check(small_model(**VARIANTS[variant]),
            CacheConfig(page_size=4, num_pages=64, prefill_chunk=16, attn_block=8),
            tol(np.float32))
@@ -46,10 +47,11 @@ def test_variants_page_size_4(variant):
 def test_page_sizes(page_size):
     cache_cfg = CacheConfig(page_size=page_size, num_pages=256 // page_size,
                             prefill_chunk=max(16, page_size), attn_block=16)
-    _check(small_model(sliding_window=11), cache_cfg, tol(np.float32))
+    _check(small_model(sliding_window=11), cache_cfg, tol(np.float32))  # measured 9.5e-6
 
 
 def test_bfloat16_cache_within_documented_bound():
+    # measured 0.24 (mean 0.013, on logits of std 3); a wrong mask, position or page: >= 9
     _check(small_model(), CacheConfig(page_size=4, num_pages=64, dtype="bfloat16",
                                       prefill_chunk=16, attn_block=8), tol("bfloat16"))
 
@@ -58,7 +60,7 @@ def test_bfloat16_cache_within_documented_bound():
 def test_generate_matches_forward(variant):
     """generate()'s returned logits and greedy tokens match the full-sequence reference."""
     config = small_model(**VARIANTS[variant])
-    params = kvjax.init_params(config, seed=3)
+    params = sharp_params(config, seed=3)
     prompts = random_tokens(4, [5, 14, 30], config.vocab_size)
     res = kvjax.generate(params, config, prompts, 12, return_logits=True,
                          cache=CacheConfig(page_size=4, num_pages=64, prefill_chunk=16,
@@ -67,14 +69,14 @@ def test_generate_matches_forward(variant):
         assert len(tokens) == 12
         full = np.asarray(kvjax.forward(params, config, np.array([prompt + tokens]))[0])
         ref = full[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
-        assert np.abs(logits - ref).max() <= tol(np.float32)
+        assert np.abs(logits - ref).max() <= tol(np.float32)  # measured 1.0e-5
         assert tokens == [int(t) for t in np.argmax(ref, axis=-1)]
 
 
 def test_sampled_generate_is_reproducible_and_exact():
     """Sampling with a seed: same tokens twice; logits still match the reference."""
     config = small_model()
-    params = kvjax.init_params(config, seed=5)
+    params = sharp_params(config, seed=5)
     prompts = random_tokens(6, [7, 12], config.vocab_size)
     sampling = SamplingConfig(temperature=1.0, top_k=20, top_p=0.9, seed=11)
     a = kvjax.generate(params, config, prompts, 10, sampling=sampling, return_logits=True)
@@ -86,7 +88,7 @@ def test_sampled_generate_is_reproducible_and_exact():
     for prompt, tokens, logits in zip(prompts, a.tokens, a.logits, strict=True):
         full = np.asarray(kvjax.forward(params, config, np.array([prompt + tokens]))[0])
         ref = full[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
-        assert np.abs(logits - ref).max() <= tol(np.float32)
+        assert np.abs(logits - ref).max() <= tol(np.float32)  # measured 1.4e-5
 
 
 def test_stop_token_ends_a_sequence():

@@ -27,6 +27,14 @@ DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=
 
 @pytest.fixture(scope="module")
 def target():
+    # Random-init weights, not the sharp `params(1)`: test_measured_cost_ratio_and_verify_slope
+    # needs the random draft to be accepted now and then (0 < α < 0.3); against the sharp
+    # target it never is (α = 0).
+    return kvjax.init_params(CONFIG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def sharp_target():
     return params(1)
 
 
@@ -108,17 +116,17 @@ def test_cache_on_equals_off_bitwise(target, draft):
     assert_same(*results)
 
 
-def test_logits_match_the_full_sequence_reference(target, draft):
+def test_logits_match_the_full_sequence_reference(sharp_target, draft):
     _, requests = waves()
     requests = [Request(tokens=r.tokens, max_new_tokens=10, return_logits=True)
                 for r in requests]
-    results = spec_engine(target, SpecConfig(gamma=4), (draft, DRAFT),
+    results = spec_engine(sharp_target, SpecConfig(gamma=4), (draft, DRAFT),
                           cache=ONE_BUCKET).generate(requests)
     for request, result in zip(requests, results, strict=True):
         seq = list(request.tokens) + result.tokens
-        full = np.asarray(kvjax.forward(target, CONFIG, np.array([seq]))[0])
+        full = np.asarray(kvjax.forward(sharp_target, CONFIG, np.array([seq]))[0])
         ref = full[len(request.tokens) - 1: len(seq) - 1]
-        assert np.abs(ref - result.logits).max() <= tol(np.float32)
+        assert np.abs(ref - result.logits).max() <= tol(np.float32)  # measured 6.0e-6
 
 
 def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
@@ -152,7 +160,7 @@ def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
                 for x, y in zip(gather_sequence(cache, pages, n),
                                 gather_sequence(fresh, list(range(len(pages))), n),
                                 strict=True):
-                    np.testing.assert_allclose(x, y, atol=1e-5)
+                    np.testing.assert_allclose(x, y, atol=1e-5)  # measured 8.3e-7
             checked += 1
     assert checked > 4
     results = engine.run()

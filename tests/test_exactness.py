@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import cached_logits, gather_sequence, prefill, random_tokens, small_model, tol
+from helpers import (
+    cached_logits,
+    gather_sequence,
+    prefill,
+    random_tokens,
+    sharp_params,
+    small_model,
+    tol,
+)
 
 import kvjax
 from kvjax import BatchInfo, CacheConfig, init_cache
@@ -17,7 +25,7 @@ CACHE = CacheConfig(page_size=4, num_pages=64, prefill_chunk=16, attn_block=8)
 @pytest.fixture(scope="module")
 def model():
     config = small_model(sliding_window=13)
-    return config, kvjax.init_params(config, seed=7)
+    return config, sharp_params(config, seed=7)
 
 
 def test_perturbing_the_future_leaves_the_past_bitwise_unchanged(model):
@@ -86,7 +94,9 @@ def test_page_table_width_changes_no_bit(model):
 
 
 def test_verify_over_k_plus_1_tokens_equals_single_decode_steps(model):
-    """One extend over k+1 tokens (ragged per sequence) == k+1 one-token decode steps."""
+    """One extend over k+1 tokens (ragged per sequence) == k+1 one-token decode steps, bitwise
+    (measured: 0. On XLA CPU the verify's 10 rows and the decode's 2 are one matmul bit
+    class, see DESIGN.md; a change of class fails here first)."""
     config, params = model
     k_plus_1 = [5, 3]
     seqs = random_tokens(3, [14 + 5, 21 + 3], config.vocab_size)
@@ -115,23 +125,23 @@ def test_verify_over_k_plus_1_tokens_equals_single_decode_steps(model):
         batch = BatchInfo(page_table=table, lengths=lengths, num_new=active.astype(np.int32))
         logits, cache = steps.extend(params, config, cache, tokens[:, step:step + 1], batch)
         for i in np.flatnonzero(active):
-            err = np.abs(np.asarray(logits[i, 0]) - verify_logits[i, step]).max()
-            assert err <= tol(np.float32)
+            np.testing.assert_array_equal(np.asarray(logits[i, 0]), verify_logits[i, step])
         lengths = lengths + active
     for seq, n, k, row in zip(seqs, prompt_lens, k_plus_1, rows, strict=True):
         for x, y in zip(gather_sequence(verify_cache, row, n + k),
                         gather_sequence(cache, row, n + k), strict=True):
-            np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+            np.testing.assert_array_equal(x, y)
         full = np.asarray(kvjax.forward(params, config, np.array([seq]))[0])
         i = seqs.index(seq)
-        assert np.abs(full[n:n + k] - verify_logits[i, :k]).max() <= tol(np.float32)
+        err = np.abs(full[n:n + k] - verify_logits[i, :k]).max()
+        assert err <= tol(np.float32)  # measured 7.0e-6
 
 
 def test_recompile_guard_200_decode_steps_across_page_boundaries():
     """200 one-token steps from length 5 (page size 4: 50 page boundaries) compile <= 5
     times: the page table width is bucketed to powers of two of the attention block."""
     config = small_model(num_layers=1, vocab_size=37)  # a config no other test compiles
-    params = kvjax.init_params(config, seed=0)
+    params = sharp_params(config, seed=0)
     cache_cfg = CacheConfig(page_size=4, num_pages=64, prefill_chunk=16, attn_block=16)
     cache = init_cache(config, cache_cfg)
     (seq,) = random_tokens(4, [205], config.vocab_size)
@@ -150,7 +160,7 @@ def test_recompile_guard_200_decode_steps_across_page_boundaries():
     compiles = steps.trace_counts()["extend"] - before
     assert 1 <= compiles <= 4, compiles  # widths 8, 16, 32, 64 pages
     full = np.asarray(kvjax.forward(params, config, np.array([seq]))[0])
-    assert np.abs(np.asarray(logits[0, 0]) - full[204]).max() <= tol(np.float32)
+    assert np.abs(np.asarray(logits[0, 0]) - full[204]).max() <= tol(np.float32)  # 6.7e-6
 
 
 def test_generate_compiles_decode_loop_once_per_bucket():

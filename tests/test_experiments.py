@@ -151,7 +151,7 @@ def _eviction(rows):
     for r in rows:
         assert r["token_reuse_rate"] <= r["ceiling_token_reuse_rate"] + 1e-12
         if r["capacity"] >= 1.0:
-            assert r["fraction_of_ceiling"] == pytest.approx(1.0)
+            assert r["fraction_of_ceiling"] == pytest.approx(1.0, rel=1e-12)  # measured 0
             assert r["misses_capacity"] == 0
     tight = [r for r in rows if r["capacity"] < 0.5]
     assert tight and all(r["misses_capacity"] > 0 and r["evictions"] > 0 for r in tight)

@@ -1,12 +1,12 @@
 """The Pallas paged-attention kernels (interpret mode on CPU) against the reference, and the
 backend switch.
 
-Tolerance: `tol(dtype)` of the queries' dtype, abs and rel (float32 1e-5; bfloat16 2e-2,
-where the reference itself accumulates in bfloat16). Measured max abs errors over three seeds:
-float32 <= 1e-6 for both kernels, bfloat16 1.6e-2 (8e-3 against a float32 reference). The TPU
-kernel rounds K/V to bfloat16, so it is checked on bfloat16 caches, the one case
-`resolve_backend` lets it run. Interpret mode checks the algorithm, not the hardware's
-arithmetic; lowering for CUDA and TPU (no device needed) checks the hardware's shape rules.
+Tolerance: `KERNEL_TOL` of the queries' dtype, absolute, about 10x the max abs error measured
+over three seeds on outputs up to ~3: float32 9.5e-7 for both kernels, bfloat16 1.6e-2 (one
+bfloat16 step at 2; the reference itself accumulates in bfloat16). The TPU kernel rounds K/V
+to bfloat16, so it is checked on bfloat16 caches, the one case `resolve_backend` lets it run.
+Interpret mode checks the algorithm, not the hardware's arithmetic; lowering for CUDA and TPU
+(no device needed) checks the hardware's shape rules.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_model, tol
+from helpers import sharp_params, small_model, tol
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec
 
@@ -32,6 +32,7 @@ from kvjax.runtime.batching import page_table, pages_for
 # slot (num_new 0: it attends to its 20 cached keys) and an empty one (no keys: output 0).
 LENGTHS = [0, 6, 32, 59, 20, 0]
 NUM_NEW = [1, 1, 1, 1, 0, 0]
+KERNEL_TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 0.16}
 
 
 def decode_case(num_heads, num_kv_heads, head_dim, page_size, block_pages, q_dtype,
@@ -61,7 +62,7 @@ def check(backend, q, cache, batch):
     ref = paged_attention_reference(q, cache, 1, batch, None)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    np.testing.assert_allclose(out, ref, atol=tol(q.dtype), rtol=tol(q.dtype))
+    np.testing.assert_allclose(out, ref, atol=KERNEL_TOL[q.dtype], rtol=0)
     np.testing.assert_array_equal(out[-1], 0)  # the row with no keys
 
 
@@ -99,9 +100,9 @@ def test_tpu_kernel_rounds_a_float32_cache_to_bfloat16():
     rounded = cache.replace(k=cache.k.astype(jnp.bfloat16).astype(jnp.float32),
                             v=cache.v.astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_allclose(out, paged_attention_reference(q, rounded, 1, batch, None),
-                               atol=tol(jnp.float32), rtol=tol(jnp.float32))
+                               atol=KERNEL_TOL[jnp.dtype(jnp.float32)], rtol=0)  # 3.6e-7
     exact = paged_attention_reference(q, cache, 1, batch, None)
-    assert np.abs(np.asarray(out) - np.asarray(exact)).max() > 1e-3
+    assert np.abs(np.asarray(out) - np.asarray(exact)).max() > 1e-3  # measured 7.8e-3
 
 
 def test_gpu_kernel_leaks_a_poisoned_unwritten_slot():
@@ -249,12 +250,11 @@ def test_engine_decodes_with_the_gpu_kernel_as_with_the_reference():
     decode loop with the kernel inside, same greedy tokens, logits within float32 tolerance."""
     import dataclasses
 
-    import kvjax
     from kvjax import Engine, EngineConfig, Request
 
     config = small_model(vocab_size=64, d_model=64, num_heads=4, num_kv_heads=2,
                          max_seq_len=256)  # head_dim 16: the GPU kernel's least
-    params = kvjax.init_params(config, seed=2)
+    params = sharp_params(config, seed=2)
     ec = EngineConfig(cache=CacheConfig(page_size=8, num_pages=64, prefill_chunk=32,
                                         attn_block=16), max_slots=4, decode_steps=8)
     requests = [Request(list(range(1, 10 + 9 * i)), max_new_tokens=10, return_logits=True)
@@ -266,4 +266,5 @@ def test_engine_decodes_with_the_gpu_kernel_as_with_the_reference():
     got = engine.generate(requests)
     for a, b in zip(want, got, strict=True):
         assert a.tokens == b.tokens
-        assert np.abs(np.asarray(a.logits) - np.asarray(b.logits)).max() <= tol(np.float32)
+        err = np.abs(np.asarray(a.logits) - np.asarray(b.logits)).max()
+        assert err <= tol(np.float32)  # measured 9.3e-6

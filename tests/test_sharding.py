@@ -17,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_model, tol
+from helpers import sharp_params, small_model, tol
 from jax.sharding import PartitionSpec as P
 
 import kvjax
@@ -28,9 +28,17 @@ HERE = Path(__file__).parent
 MESHES = ("mha 1x8", "mha 2x4", "mha 8x1", "mqa 1x8")
 
 
-def _python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+def _child_env() -> dict:
+    """A child process's environment: no XLA_FLAGS (it sets its own device count), and the
+    tests folder on the path before the caller's own (so it imports the kvjax we import)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = _child_env()
     return subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True,
                           text=True, env=env, timeout=timeout, check=False)
 
@@ -46,12 +54,12 @@ def mesh_runs(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", MESHES)
 def test_mesh_matches_one_device(mesh_runs, case):
-    """Greedy tokens identical to one device, float32 logits within 1e-5, same reuse; no
+    """Greedy tokens identical to one device, float32 logits within tol, same reuse; no
     warning but the replication notes (a donated cache whose sharding changed would warn)."""
     run = mesh_runs[case]
     assert mesh_runs["devices"] == 8
     assert run["tokens"] == run["ref_tokens"]
-    assert run["max_logit_diff"] <= tol(np.float32)
+    assert run["max_logit_diff"] <= tol(np.float32)  # measured <= 1.3e-5
     assert run["reused"] == run["ref_reused"]
     assert sum(run["reused"]) > 0  # the second wave did reuse the system prompt's pages
     assert all(w.startswith("kvjax mesh: ") and "replicated" in w for w in run["warnings"])
@@ -90,11 +98,11 @@ def test_prefix_cache_on_vs_off_is_bitwise_on_the_mesh(mesh_runs):
 def test_spec_kernel_page_copies_and_adapters_on_the_mesh(mesh_runs, case):
     """Speculative decoding (greedy), the GPU kernel under shard_map (interpret mode),
     partial-page copies with NaN-poisoned freed pages, and LoRA adapters per request give
-    one device's greedy tokens, with its reuse counts and logits within 1e-5."""
+    one device's greedy tokens, with its reuse counts and logits within tol."""
     run = mesh_runs[case]
     assert run["tokens"] == run["ref_tokens"]
     assert run["reused"] == run["ref_reused"]
-    assert run["max_logit_diff"] <= tol(np.float32)
+    assert run["max_logit_diff"] <= tol(np.float32)  # measured <= 6.7e-6
     if case == "lora 2x4":
         assert run["tokens_differ_from_base"] > 0  # the adapter did change outputs
 
@@ -128,8 +136,7 @@ def test_two_processes_run_one_sharded_generate(tmp_path):
     from multiprocess_check import CONFIG, ENGINE, requests
 
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    env.pop("XLA_FLAGS", None)
+    env = _child_env()
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_check.py"), str(port),
                                str(i), str(tmp_path / f"{i}.json")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -143,12 +150,13 @@ def test_two_processes_run_one_sharded_generate(tmp_path):
     outs = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
     assert outs[0]["process_count"] == 2 and outs[0]["devices"] == 8
     assert outs[0]["local_devices"] == 4
-    params = kvjax.init_params(CONFIG, seed=5)
+    params = sharp_params(CONFIG, seed=5)
     ref = kvjax.Engine(params, CONFIG, ENGINE).generate(requests())
     for out in outs:
         assert out["tokens"] == [r.tokens for r in ref]
         for got, want in zip(out["logits"], ref, strict=True):
-            assert np.abs(np.asarray(got) - np.asarray(want.logits)).max() <= tol(np.float32)
+            err = np.abs(np.asarray(got) - np.asarray(want.logits)).max()
+            assert err <= tol(np.float32)  # measured 9.5e-6
 
 
 # -- the rules, without devices ---------------------------------------------------------------
