@@ -20,7 +20,7 @@ import kvjax  # noqa: E402
 from kvjax import CacheConfig, ModelConfig  # noqa: E402
 from kvjax.io import CheckpointError, config_from_hf, hf_config, load_hf  # noqa: E402
 
-TOL = 1e-4
+TOL = 2.5e-5  # kvjax vs transformers logits (std ~0.8-1.2): measured <= 2.5e-6 (llama, paged)
 COMMON = dict(vocab_size=101, max_position_embeddings=128)
 LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, **COMMON)
@@ -103,7 +103,7 @@ def test_export_back_to_safetensors(family, tmp_path):
     save_hf(tmp_path, config, params)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens = torch.tensor(_tokens(12, 3))
-    with torch.no_grad():
+    with torch.no_grad():  # measured 1.1e-6
         np.testing.assert_allclose(exported(tokens).logits.numpy(),
                                    model(tokens).logits.numpy(), atol=1e-5, rtol=0)
     assert load_hf(tmp_path)[0] == config
