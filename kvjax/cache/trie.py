@@ -250,6 +250,7 @@ class PrefixTrie:
         """
         ps = self.page_size
         node = self._root(base, create=True)
+        root = base.with_salt(None)
         added = 0
         self._clock += 1
         for i in range(min(len(tokens) // ps, len(pages))):
@@ -262,8 +263,8 @@ class PrefixTrie:
                 self.allocator.share(pages[i])
                 self._resident[digests[i]][namespace] += 1
                 self._digest_of[id(child)] = digests[i]
-                self._ever.add((base.with_salt(None), child.key))
-                self._evicted.pop((base.with_salt(None), child.key), None)
+                self._ever.add((root, child.key))
+                self._evicted.pop((root, child.key), None)
                 self.num_nodes += 1
                 added += 1
             child.last_used = self._clock

@@ -212,7 +212,7 @@ class Engine:
         req = _Req(id=-1, request=request, tokens=tokens, namespace=self.namespace(request),
                    salts=salts, digests=history_digests(tokens, ps),
                    adapter_index=self._adapter_index.get(request.adapter, 0),
-                   submitted=time.perf_counter())
+                   submitted=0.0)  # set when queued
         keys = np.asarray(sequence_keys(request.sampling.seed, request.n))
         req.seqs = [_Seq(req=req, index=j, key=keys[j]) for j in range(request.n)]
         return req
@@ -673,6 +673,7 @@ class Engine:
         live = [s for s in self._slots if s is not None and s.slot in budgets]
         if not live:
             return
+        live_reqs = list({s.req.id: s.req for s in live}.values())
         self._flush_poison()
         slots = ec.max_slots
         rows = [self._slots[i].pages if self._slots[i] is not None else [] for i in range(slots)]
@@ -710,7 +711,7 @@ class Engine:
                 knobs=knobs, stops=stops, offsets=offsets, adapters=adapter_ids,
                 want_logits=want_logits))
             out, logits, new_lengths = res["tokens"], res["logits"], res["lengths"]
-            for req in {s.req.id: s.req for s in live}.values():
+            for req in live_reqs:
                 if req.calls == len(req.gammas):
                     req.gammas.append(gamma)
                 req.calls += 1
@@ -733,7 +734,7 @@ class Engine:
                 free_past(self.allocator, seq.pages, seq.length, ps)
                 if self._draft is not None:
                     free_past(self._draft.allocator, seq.draft_pages, seq.draft_length, ps)
-        for req in {s.req.id: s.req for s in live}.values():
+        for req in live_reqs:
             if not self._emit(req, events):
                 continue
             for seq in req.seqs:
