@@ -15,11 +15,11 @@ from kvjax.config import (
     SpecConfig,
     load_config,
 )
+from kvjax.decode.generate import GenerateResult, KVPool, generate
+from kvjax.engine.engine import Engine
+from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent
 from kvjax.model.lora import init_adapter
 from kvjax.model.transformer import NonCausalCacheError, Transformer, forward, init_params
-from kvjax.runtime.engine import Engine
-from kvjax.runtime.generate import GenerateResult, KVPool, generate
-from kvjax.runtime.requests import InvalidRequestError, Request, RequestResult, StreamEvent
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,8 @@ from kvjax.config import ConfigError, ModelConfig, load_config
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from kvjax.decode.generate import generate
     from kvjax.model.transformer import init_params
-    from kvjax.runtime.generate import generate
 
     config = load_config(args.config, args.set)
     model, gen = config.model, config.generate
@@ -40,7 +40,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from kvjax import memory, memory_plan
+    from kvjax import memory
+    from kvjax.memory import planner as memory_plan
 
     device_memory = round((args.device_memory_gib or 80.0) * memory_plan.GIB)
     if args.table is not None:
@@ -78,7 +79,7 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from kvjax.train import train
+    from kvjax.train.loop import train
 
     config = load_config(args.config, args.set)
     result = train(config, out_dir=args.out, resume=not args.no_resume)
@@ -89,8 +90,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvjax import experiments, runner
-    from kvjax.results import publish
+    from kvjax.lab import registry as experiments
+    from kvjax.lab import runner
+    from kvjax.lab.results import publish
 
     if args.list:
         configs = runner.shipped_configs(Path("configs"))
@@ -121,18 +123,18 @@ def _run(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.which == "prefix":
-        from kvjax import bench_prefix
+        from kvjax.bench import prefix as bench_prefix
 
         return bench_prefix.main(args)
     if args.which == "peer":
-        from kvjax import bench_peer
+        from kvjax.bench import peer as bench_peer
 
         return bench_peer.main(args)
     if args.which == "spec":
-        from kvjax import bench_spec
+        from kvjax.bench import spec as bench_spec
 
         return bench_spec.main(args)
-    from kvjax import bench
+    from kvjax.bench import decode as bench
 
     return bench.main(args)
 

@@ -10,9 +10,9 @@ import numpy as np
 from kvjax.cache.allocator import PageAllocator
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig
+from kvjax.decode import steps
+from kvjax.decode.batching import page_table, pages_for
 from kvjax.model.transformer import init_params
-from kvjax.runtime import steps
-from kvjax.runtime.batching import page_table, pages_for
 
 
 def tol(dtype) -> float:

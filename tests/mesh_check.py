@@ -116,7 +116,7 @@ def main() -> None:
 
 def experiment_on_mesh(folder: Path) -> dict:
     """`kvjax run configs/prefix_page_size.toml` (one small point) with and without a mesh."""
-    from kvjax import runner
+    from kvjax.lab import runner
 
     config = Path(__file__).parent.parent / "configs" / "prefix_page_size.toml"
     rows = {}

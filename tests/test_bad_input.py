@@ -10,7 +10,7 @@ from helpers import random_tokens, small_model
 
 import kvjax
 from kvjax import CacheConfig, InvalidRequestError, KVPool, NonCausalCacheError
-from kvjax.runtime import steps
+from kvjax.decode import steps
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from helpers import random_tokens, sharp_params, small_model, tol
 import kvjax
 from kvjax import BatchInfo
 from kvjax.cache.dense import init_dense_cache
-from kvjax.runtime import steps
+from kvjax.decode import steps
 
 
 def test_dense_cache_prefill_and_decode_match_forward():

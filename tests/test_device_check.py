@@ -1,4 +1,4 @@
-"""`kvjax.device_check --tiny` on CPU: every section present, and its figures agree with
+"""`kvjax.bench.device_check --tiny` on CPU: every section present, and its figures agree with
 hand arithmetic. The run measures as usual, but the times it reports are replaced by known
 ones (and the CPU given a peak bandwidth), so every figure derived from a time is checked
 against a value worked out here; the GPU figures themselves need a GPU."""
@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import bench, device_check, memory
+from kvjax.bench import decode as bench
+from kvjax.bench import device_check, memory
+from kvjax.bench.device_check import TINY_MODEL
 from kvjax.config import CacheConfig, load_config
-from kvjax.device_check import TINY_MODEL
+from kvjax.engine.engine import Engine
 from kvjax.model.transformer import init_params
-from kvjax.runtime.engine import Engine
 
 # The times the `--tiny` run reports, in place of those it measures:
 KERNEL_S = [0.006, 0.0025]  # check_kernel times the reference alone, then the kernel

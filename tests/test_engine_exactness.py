@@ -15,7 +15,8 @@ from engine_helpers import (
     with_cache,
 )
 
-from kvjax import Request, SamplingConfig, workloads
+from kvjax import Request, SamplingConfig
+from kvjax.lab import workloads
 
 V = CONFIG.vocab_size
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from engine_helpers import CACHE, CONFIG, assert_same, engine, params, with_cache
 
-from kvjax import ConfigError, InvalidRequestError, Request, workloads
+from kvjax import ConfigError, InvalidRequestError, Request
+from kvjax.lab import workloads
 
 A = list(range(1, 13))  # 12 tokens: 3 full pages of 4
 

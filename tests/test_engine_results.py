@@ -10,8 +10,9 @@ from engine_helpers import CONFIG, SLOTS, assert_same, engine, params, with_cach
 from helpers import small_model
 
 import kvjax
-from kvjax import Engine, EngineConfig, InvalidRequestError, Request, SamplingConfig, workloads
+from kvjax import Engine, EngineConfig, InvalidRequestError, Request, SamplingConfig
 from kvjax.config import SpecConfig
+from kvjax.lab import workloads
 
 V = CONFIG.vocab_size
 A, B = list(range(2, 21)), list(range(30, 41))

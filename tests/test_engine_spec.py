@@ -15,11 +15,11 @@ import kvjax
 from kvjax import CacheConfig, Engine, EngineConfig, SamplingConfig
 from kvjax.cache.paged import init_cache
 from kvjax.config import ConfigError, SpecConfig
-from kvjax.runtime import steps
-from kvjax.runtime.batching import pages_for
-from kvjax.runtime.drafters import NGramDrafter
-from kvjax.runtime.ngram_device import ngram_propose
-from kvjax.runtime.requests import InvalidRequestError, Request
+from kvjax.decode import steps
+from kvjax.decode.batching import pages_for
+from kvjax.engine.requests import InvalidRequestError, Request
+from kvjax.speculative.drafters import NGramDrafter
+from kvjax.speculative.ngram_device import ngram_propose
 
 DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
                     max_seq_len=256, tie_embeddings=False)

@@ -16,8 +16,8 @@ from helpers import (
 
 import kvjax
 from kvjax import BatchInfo, CacheConfig, init_cache
-from kvjax.runtime import steps
-from kvjax.runtime.batching import page_table
+from kvjax.decode import steps
+from kvjax.decode.batching import page_table
 
 CACHE = CacheConfig(page_size=4, num_pages=64, prefill_chunk=16, attn_block=8)
 

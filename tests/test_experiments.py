@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import experiments, results, runner
 from kvjax.cli import main
 from kvjax.config import ConfigError, load_config
-from kvjax.results import deterministic
+from kvjax.lab import registry as experiments
+from kvjax.lab import results, runner
+from kvjax.lab.results import deterministic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -351,7 +352,7 @@ def test_a_researchers_own_experiment_module_runs_from_the_working_directory(tmp
 import dataclasses
 
 from kvjax.config import ConfigError
-from kvjax.experiments import common
+from experiments import common
 
 
 @dataclasses.dataclass(frozen=True)

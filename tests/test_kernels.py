@@ -23,10 +23,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from kvjax.cache.paged import BatchInfo, PagedKVCache
 from kvjax.config import CacheConfig
+from kvjax.decode.batching import page_table, pages_for
 from kvjax.model import kernels
 from kvjax.model.attention import paged_attention_reference
 from kvjax.model.kernels import gpu_tiling, paged_decode_attention, resolve_backend
-from kvjax.runtime.batching import page_table, pages_for
 
 # Keys cached before the step and new tokens per row: ends 1, 7, 33, 60; an inactive decode
 # slot (num_new 0: it attends to its 20 cached keys) and an empty one (no keys: output 0).

@@ -10,8 +10,9 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 
-from kvjax import CacheConfig, init_cache, load_config, memory, memory_plan, sharding
+from kvjax import CacheConfig, init_cache, load_config, memory, sharding
 from kvjax.cli import main
+from kvjax.memory import planner as memory_plan
 
 ROOT = Path(__file__).parent.parent
 GIB = 2**30

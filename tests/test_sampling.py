@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax.runtime.sampling import adjusted_logits, sample, sequence_keys
+from kvjax.decode.sampling import adjusted_logits, sample, sequence_keys
 
 LOGITS = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0, 3.0, 0.25]], np.float32)
 

@@ -9,8 +9,8 @@ from helpers import gather_sequence, prefill, sharp_params, small_model
 
 import kvjax
 from kvjax import CacheConfig, SamplingConfig, init_cache
-from kvjax.runtime.drafters import NGramDrafter
-from kvjax.runtime.spec_generate import speculative_generate
+from kvjax.speculative.drafters import NGramDrafter
+from kvjax.speculative.host import speculative_generate
 
 CACHE = CacheConfig(page_size=4, num_pages=128, prefill_chunk=16, attn_block=8)
 
@@ -93,9 +93,9 @@ def test_rollback_with_a_shared_prefix_page_is_bitwise(model):
     (mostly rejected) cross page boundaries; afterwards the sequence's cache is bitwise a
     fresh prefill of its accepted history, the shared page's bits and refcount are
     unchanged, and every page past the end went back to the allocator."""
-    from kvjax.runtime.batching import free_past
-    from kvjax.runtime.generate import KVPool
-    from kvjax.runtime.spec_generate import SpecStats, _verify
+    from kvjax.decode.batching import free_past
+    from kvjax.decode.generate import KVPool
+    from kvjax.speculative.host import SpecStats, _verify
 
     config, params = model
     pool = KVPool(config, CACHE)
@@ -168,7 +168,7 @@ def test_sampled_speculation_is_reproducible(model):
 
 
 def test_model_drafter_greedy_equals_target_greedy(model):
-    from kvjax.runtime.drafters import ModelDrafter
+    from kvjax.speculative.drafters import ModelDrafter
 
     config, params = model
     prompts = _prompts()
@@ -189,7 +189,7 @@ def test_model_drafter_greedy_equals_target_greedy(model):
 
 
 def test_model_drafter_sampling_is_reproducible(model):
-    from kvjax.runtime.drafters import ModelDrafter
+    from kvjax.speculative.drafters import ModelDrafter
 
     config, params = model
     sampling = SamplingConfig(temperature=0.8, seed=2)
@@ -261,7 +261,7 @@ def test_spec_config_and_public_facade(model):
 def test_adaptive_gamma_follows_alpha(model):
     """α = 1 drives γ to its maximum, α = 0 to 1, and α between them to the best γ worked
     out by hand (the smaller on a tie); outputs stay the target's."""
-    from kvjax.runtime.speculative import choose_gamma
+    from kvjax.speculative.rules import choose_gamma
 
     assert choose_gamma(1.0, 0.1, 8) == 8
     assert choose_gamma(0.0, 0.1, 8) == 1

@@ -31,12 +31,12 @@ from helpers import prefill, small_model
 
 import kvjax
 from kvjax import CacheConfig, SamplingConfig, init_cache
+from kvjax.decode.sampling import probabilities, sequence_keys
 from kvjax.runtime import spec_generate as host_spec
 from kvjax.runtime import spec_loop as device_spec
-from kvjax.runtime.drafters import ModelDrafter
-from kvjax.runtime.sampling import probabilities, sequence_keys
-from kvjax.runtime.spec_generate import speculative_generate
-from kvjax.runtime.speculative import sampling_accept
+from kvjax.speculative.drafters import ModelDrafter
+from kvjax.speculative.host import speculative_generate
+from kvjax.speculative.rules import sampling_accept
 
 V, PROMPT, NEW, GAMMA, ROWS = 8, [1, 2, 3, 4, 5], 5, 2, 4096
 TEMP, TOP_K, TOP_P = 0.8, 6, 0.9

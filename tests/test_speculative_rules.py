@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.runtime.sampling import sequence_keys
-from kvjax.runtime.speculative import greedy_accept, predicted_speedup, sampling_accept
+from kvjax.decode.sampling import sequence_keys
+from kvjax.speculative.rules import greedy_accept, predicted_speedup, sampling_accept
 
 V, G = 8, 2
 P = np.array([[0.30, 0.20, 0.15, 0.10, 0.10, 0.05, 0.05, 0.05],

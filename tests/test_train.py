@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import data
 from kvjax.config import config_from_dict
 from kvjax.io import load
-from kvjax.train import train
+from kvjax.train import data
+from kvjax.train.loop import train
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 

@@ -1,0 +1,122 @@
+"""Peer benchmark: kvjax vs Hugging Face `transformers` generate, same weights, one run.
+
+A random Llama of the bench shape is built with transformers, saved as safetensors and
+loaded by kvjax (`load_hf`), so both run the very same float32 weights on the same CPU.
+For batch 1 and 8: prefill time of a 512-token prompt, decode tokens/s for 128 new tokens,
+end-to-end time, and whether the greedy tokens agree. Medians after a warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from kvjax.config import CacheConfig, load_config
+from kvjax.decode.batching import pages_for
+from kvjax.decode.generate import KVPool, generate
+from kvjax.io.hf import hf_config, load_hf
+from kvjax.lab.report import emit, markdown_table, write_results
+
+
+def _hf_model(model_cfg, folder: Path, seed: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    # The bench shape as an untied Llama, through the same mapping `save_hf` writes.
+    fields = hf_config(dataclasses.replace(model_cfg, tie_embeddings=False))
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def _median(fn, reps: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def main(args) -> int:
+    # PyTorch's OpenMP workers spin after each op by default and would steal the cores from
+    # the kvjax runs that follow in this process; passive waiting keeps the comparison fair.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model_cfg = load_config(args.config, args.set).model
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = _hf_model(model_cfg, Path(tmp), seed=0)
+        config, params = load_hf(tmp)
+    emit(f"bench peer: {config.num_layers} layers, d_model {config.d_model}, "
+          f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32; "
+          f"torch {torch.__version__} ({args.threads} threads), jax {jax.__version__}")
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = rng.integers(0, config.vocab_size, size=(batch, args.prompt_len))
+        pages = batch * pages_for(args.prompt_len + args.gen_tokens, 16)
+        pool = KVPool(config, CacheConfig(page_size=16, num_pages=pages, prefill_chunk=256,
+                                          attn_block=256))
+        lists = [list(map(int, p)) for p in prompts]
+
+        def kv_run(n, lists=lists, pool=pool):
+            return generate(params, config, lists, n, cache=pool)
+
+        def hf_run(n, prompts=prompts):
+            with torch.no_grad():
+                return hf.generate(torch.tensor(prompts), max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False, pad_token_id=0)
+
+        for fn in (kv_run, hf_run):  # warm-up (compilation for kvjax)
+            fn(2)
+            fn(args.gen_tokens)
+        kv_prefill, _ = _median(lambda: kv_run(1), args.reps)
+        kv_total, kv_out = _median(lambda: kv_run(args.gen_tokens), args.reps)
+        hf_prefill, _ = _median(lambda: hf_run(1), args.reps)
+        hf_total, hf_out = _median(lambda: hf_run(args.gen_tokens), args.reps)
+        hf_tokens = hf_out[:, args.prompt_len:].numpy()
+        kv_tokens = np.array(kv_out.tokens)
+        same = (kv_tokens == hf_tokens).all(axis=1)
+        first_diff = [int(np.argmax(a != b)) if not s else None
+                      for a, b, s in zip(kv_tokens, hf_tokens, same, strict=True)]
+        decode_n = batch * (args.gen_tokens - 1)
+        row = {
+            "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.gen_tokens,
+            "kvjax_prefill_s": kv_prefill, "hf_prefill_s": hf_prefill,
+            "kvjax_decode_tok_s": decode_n / max(kv_total - kv_prefill, 1e-9),
+            "hf_decode_tok_s": decode_n / max(hf_total - hf_prefill, 1e-9),
+            "kvjax_total_s": kv_total, "hf_total_s": hf_total,
+            "speedup_end_to_end": hf_total / kv_total,
+            "identical_sequences": int(same.sum()), "first_divergence": first_diff,
+        }
+        rows.append(row)
+        emit(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "
+              f"({row['speedup_end_to_end']:.2f}x); identical greedy sequences "
+              f"{row['identical_sequences']}/{batch}")
+    write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
+                  torch=torch.__version__, threads=args.threads)
+    return 0
+
+
+COLUMNS = [
+    ("batch", lambda r: str(r["batch"])),
+    ("prefill s kvjax / transformers",
+     lambda r: f"{r['kvjax_prefill_s']:.2f} / {r['hf_prefill_s']:.2f}"),
+    ("decode tok/s kvjax / transformers",
+     lambda r: f"{r['kvjax_decode_tok_s']:.1f} / {r['hf_decode_tok_s']:.1f}"),
+    ("end-to-end s kvjax / transformers",
+     lambda r: f"{r['kvjax_total_s']:.2f} / {r['hf_total_s']:.2f}"),
+    ("kvjax speedup", lambda r: f"{r['speedup_end_to_end']:.2f}x"),
+    ("identical greedy", lambda r: f"{r['identical_sequences']}/{r['batch']}"),
+]

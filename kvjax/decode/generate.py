@@ -1,0 +1,171 @@
+"""`generate()`: validate, allocate pages, prefill in fixed chunks, decode on device, free.
+
+Host code: builds numpy batch descriptions and calls the jitted steps in `steps.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache.allocator import PageAllocator
+from kvjax.cache.paged import PagedKVCache, cache_bytes, init_cache
+from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
+from kvjax.decode import steps
+from kvjax.decode.batching import bucket, page_table, pages_for
+from kvjax.decode.prefill import prefill
+from kvjax.decode.sampling import sample, sampling_arrays, sequence_keys
+from kvjax.engine.requests import InvalidRequestError, check_token_ids
+from kvjax.model.transformer import NonCausalCacheError
+
+
+class KVPool:
+    """A device page pool and its host allocator, reusable across `generate` calls."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig):
+        if not model.causal:
+            raise NonCausalCacheError()
+        self.model_config = model
+        self.cache_config = cache
+        self.cache: PagedKVCache = init_cache(model, cache)
+        self.allocator = PageAllocator(cache.num_pages)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # per prompt, the generated ids only
+    logits: list[np.ndarray] | None  # per prompt, float32[num_generated, vocab]
+    stats: dict
+
+
+def validate_prompts(config: ModelConfig, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Checks every prompt; returns them as lists of ints. Raises InvalidRequestError."""
+    if not config.causal:
+        raise NonCausalCacheError()
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got "
+                                  f"{max_new_tokens!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = check_token_ids(prompt, config.vocab_size, f"prompt {i}")
+        if len(ids) + max_new_tokens > config.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt {i}: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed "
+                f"the model's context max_seq_len={config.max_seq_len}")
+        out.append(ids)
+    return out
+
+
+def _prefill(params, config: ModelConfig, pool: KVPool, prompt: list[int],
+             pages: list[int]) -> jax.Array:
+    """Prefills one sequence into the pool; returns its last token's logits [V]."""
+    logits, pool.cache = prefill(params, config, pool.cache, pool.cache_config, prompt, pages)
+    return logits
+
+
+_sample_jit = jax.jit(sample)
+
+
+def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
+             sampling: SamplingConfig | None = None,
+             cache: CacheConfig | KVPool | None = None, return_logits: bool = False,
+             stop_token: int | None = None) -> GenerateResult:
+    """Generates up to `max_new_tokens` tokens for each token-id prompt.
+
+    `cache` is a CacheConfig (a pool is built for this call), a KVPool (reused; its pages
+    are returned when the call ends), or None (a pool sized to fit). Bad input raises
+    InvalidRequestError (or NonCausalCacheError) before any page is allocated.
+    """
+    prompts = validate_prompts(config, prompts, max_new_tokens)
+    sampling = sampling or SamplingConfig()
+    if cache is None:
+        page_size = CacheConfig().page_size
+        need = sum(pages_for(len(p) + max_new_tokens, page_size) for p in prompts)
+        cache = CacheConfig(page_size=page_size, num_pages=need)
+    pool = cache if isinstance(cache, KVPool) else KVPool(config, cache)
+    if pool.model_config != config:
+        raise InvalidRequestError("the KVPool was built for another model config")
+    cache_cfg = pool.cache_config
+    needs = [pages_for(len(p) + max_new_tokens, cache_cfg.page_size) for p in prompts]
+    if sum(needs) > pool.allocator.num_free:
+        raise InvalidRequestError(
+            f"the prompts need {sum(needs)} pages of {cache_cfg.page_size} tokens for prompt + "
+            f"max_new_tokens, but only {pool.allocator.num_free} of {cache_cfg.num_pages} "
+            f"pages are free")
+    if stop_token is not None and not 0 <= stop_token < config.vocab_size:
+        raise InvalidRequestError(f"stop_token {stop_token} is outside the vocabulary")
+
+    rows = [pool.allocator.allocate(n) for n in needs]
+    try:
+        return _run(params, config, pool, prompts, rows, max_new_tokens, sampling,
+                    return_logits, stop_token)
+    finally:
+        for row in rows:
+            pool.allocator.free(row)
+
+
+def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_logits,
+         stop_token) -> GenerateResult:
+    n = len(prompts)
+    slots = bucket(n)
+    keys = np.zeros((slots, 2), np.uint32)
+    keys[:n] = np.asarray(sequence_keys(sampling.seed, n))
+    knobs = sampling_arrays(sampling, slots)
+    lengths = np.zeros(slots, np.int32)
+    lengths[:n] = [len(p) for p in prompts]
+
+    t0 = time.perf_counter()
+    first_logits = jnp.stack([_prefill(params, config, pool, p, r)
+                              for p, r in zip(prompts, rows, strict=True)])
+    first_logits = jnp.pad(first_logits, ((0, slots - n), (0, 0)))
+    first = _sample_jit(first_logits, keys, lengths, **knobs)
+    first = np.asarray(first)
+    t1 = time.perf_counter()
+
+    budget = np.zeros(slots, np.int32)
+    budget[:n] = max_new_tokens - 1
+    if stop_token is not None:
+        budget[:n] = np.where(first[:n] == stop_token, 0, budget[:n])
+    out = np.full((slots, 0), -1, np.int32)
+    logits = np.zeros((slots, 0, config.vocab_size), np.float32) if return_logits else None
+    if budget.any():
+        table = page_table(rows, slots, pool.cache_config.block_pages)
+        out, logits, pool.cache, _ = steps.decode_loop(
+            params, config, pool.cache, table, lengths, first, budget, keys,
+            knobs["temperature"], knobs["top_k"], knobs["top_p"],
+            np.full(slots, -1 if stop_token is None else stop_token, np.int32),
+            max_steps=bucket(max_new_tokens - 1, 16), return_logits=return_logits)
+        out = np.asarray(out)
+    t2 = time.perf_counter()
+
+    tokens, all_logits = [], [] if return_logits else None
+    first_logits = np.asarray(first_logits)
+    logits = None if logits is None else np.asarray(logits)
+    for i in range(n):
+        produced = int(np.sum(out[i] >= 0))
+        tokens.append([int(first[i]), *(int(t) for t in out[i, :produced])])
+        if return_logits:
+            all_logits.append(np.concatenate([first_logits[i:i + 1], logits[i, :produced]]))
+    generated = sum(len(t) for t in tokens)
+    used_pages = sum(len(r) for r in rows)
+    page_bytes = cache_bytes(pool.cache) // pool.cache_config.num_pages
+    stats = {
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "prompt_tokens": int(sum(len(p) for p in prompts)),
+        "generated_tokens": generated,
+        "decode_tokens_per_s": (generated - n) / max(t2 - t1, 1e-9),
+        "pages_used": used_pages,
+        "pages_total": pool.cache_config.num_pages,
+        "kv_bytes_used": used_pages * page_bytes,
+        "kv_bytes_total": cache_bytes(pool.cache),
+    }
+    return GenerateResult(tokens=tokens, logits=all_logits, stats=stats)

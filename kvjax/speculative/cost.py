@@ -1,0 +1,113 @@
+"""Step costs for the speculative speedup model, measured on device.
+
+c = a draft decode step's time over a target decode step's (same batch and context), and
+v(w) = a target step over w new tokens (a verify of γ + 1 = w) over a one-token step. The
+textbook prediction assumes v = 1; on hardware where a step is not purely bandwidth-bound
+v(w) > 1, and fits v(w) = 1 + s·(w − 1) well (this CPU, 9.5M target: 1.25 at w = 3, 1.52
+at w = 5, 2.0 at w = 9); `verify_slope` measures s.
+
+Each figure is the median of several timed calls of a jitted loop of `STEPS` steps after a
+warm-up call (so no Python dispatch is timed); the cache holds zeros, as a step's cost does
+not depend on the values.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache.paged import BatchInfo, init_cache, model_positions
+from kvjax.config import CacheConfig
+from kvjax.decode.batching import page_table, pages_for
+from kvjax.model.transformer import Transformer
+
+STEPS = 16
+
+
+@partial(jax.jit, static_argnames=("configs", "repeats", "steps"), donate_argnames=("caches",))
+def _steps(params: tuple, configs: tuple, caches: tuple, tokens: tuple, batches: tuple,
+           repeats: tuple, steps: int):
+    """`steps` times: model i runs `repeats[i]` extend calls at fixed lengths (each rewrites
+    the same slots), the models one after the other as in a speculative round."""
+    models = [Transformer(c) for c in configs]
+    positions = [model_positions(b, t.shape[1]) for b, t in zip(batches, tokens, strict=True)]
+
+    def body(_, carry):
+        caches, acc = carry
+        caches = list(caches)
+        for i, model in enumerate(models):
+            for _ in range(repeats[i]):
+                logits, caches[i] = model.apply({"params": params[i]}, tokens[i], positions[i],
+                                                caches[i], batches[i])
+                acc = acc + logits.sum()  # every logit is used: none is skipped
+        return tuple(caches), acc
+
+    return jax.lax.fori_loop(0, steps, body, (caches, jnp.float32(0)))
+
+
+def step_timer(models: list[tuple], batch: int, context: int):
+    """A compiled, warmed-up callable returning the seconds of one composite step: for each
+    (params, config, width, repeats) in `models`, `repeats` steps of `width` new tokens per
+    sequence (`batch` sequences with `context` cached tokens each)."""
+    ps = 16
+    state, args = {}, {"params": [], "configs": [], "tokens": [], "batches": [],
+                       "repeats": []}
+    caches = []
+    for params, config, width, repeats in models:
+        per_seq = pages_for(context + width, ps)
+        cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
+        caches.append(init_cache(config, cc))
+        rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+        args["batches"].append(BatchInfo(page_table=page_table(rows, batch, cc.block_pages),
+                                         lengths=np.full(batch, context, np.int32),
+                                         num_new=np.full(batch, width, np.int32)))
+        args["params"].append(jax.device_put(params))
+        args["configs"].append(config)
+        args["tokens"].append(np.zeros((batch, width), np.int32))
+        args["repeats"].append(repeats)
+    state["caches"] = tuple(caches)
+    args = {k: tuple(v) for k, v in args.items()}
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        state["caches"], acc = _steps(caches=state["caches"], steps=STEPS, **args)
+        jax.block_until_ready(acc)
+        return (time.perf_counter() - t0) / STEPS
+
+    timed()  # compiles
+    return timed
+
+
+def timed_ratio(numerator, denominator, repeats: int = 9) -> float:
+    """Median over `repeats` of numerator() / denominator(), the two timed back to back (so
+    drift in the machine's speed cancels)."""
+    return float(np.median([numerator() / denominator() for _ in range(repeats)]))
+
+
+def cost_ratio(target: tuple, draft: tuple, batch: int, context: int,
+               interleaved: bool = True, draft_steps: int = 4) -> float:
+    """c = seconds of a draft step / of a target step; target and draft are (params, config).
+
+    `interleaved` (the default) times the draft steps where a speculative round runs them,
+    right after a target step: (t(target + k drafts) − t(target)) / (k · t(target)). On this
+    CPU that is about 2× the isolated figure (`interleaved=False`): the target's step evicts
+    the draft's weights and cache from the CPU caches, and the draft's small steps are
+    dominated by reloading them.
+    """
+    one = step_timer([(*target, 1, 1)], batch, context)
+    if not interleaved:
+        return timed_ratio(step_timer([(*draft, 1, 1)], batch, context), one)
+    both = step_timer([(*target, 1, 1), (*draft, 1, draft_steps)], batch, context)
+    return max(timed_ratio(both, one) - 1.0, 0.0) / draft_steps
+
+
+def verify_slope(target: tuple, batch: int, context: int, width: int) -> float:
+    """s in v(w) = 1 + s·(w − 1): the extra cost of each verified token beyond the first,
+    in one-token target steps, from a step over `width` tokens."""
+    ratio = timed_ratio(step_timer([(*target, width, 1)], batch, context),
+                        step_timer([(*target, 1, 1)], batch, context))
+    return max(ratio - 1.0, 0.0) / (width - 1)

@@ -1,0 +1,121 @@
+"""Drafters propose the next γ tokens of each sequence; the target verifies them.
+
+A drafter is anything with `propose(histories, gamma) -> list of (tokens, q)` (the
+`Drafter` protocol): `tokens` are up to γ proposed ids, `q` is float32[len(tokens), V] —
+the distributions they were drawn from — or None for a deterministic proposal (treated as
+one-hot by the exact sampling rule). `seq_ids` name the sequences across calls, for
+drafters that keep per-sequence state. The n-gram drafter is plain Python + numpy; the
+model drafter drives its own paged cache through the jitted steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from kvjax.decode import steps
+from kvjax.decode.batching import page_table, pages_for
+from kvjax.decode.generate import KVPool
+from kvjax.decode.prefill import prefill
+from kvjax.decode.sampling import DRAFT_TAG, probabilities
+
+
+def draft_key(seed: int, seq_id: int) -> jax.Array:
+    """uint32[2]: the draft's sampling key of sequence `seq_id`."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), seq_id), DRAFT_TAG)
+
+
+class Drafter(Protocol):
+    def propose(self, histories: Sequence[Sequence[int]], gamma: int,
+                seq_ids: Sequence[int] | None = None
+                ) -> list[tuple[list[int], np.ndarray | None]]: ...
+
+
+class NGramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the history's last n-gram
+    (n from `max_ngram` down to `min_ngram`) and propose the tokens that followed it."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose_one(self, history: Sequence[int], gamma: int) -> list[int]:
+        h = np.asarray(history)
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            tail = h[-n:]
+            # Candidate starts of an earlier occurrence, most recent first.
+            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            for start in hits[::-1]:
+                follow = h[start + n: start + n + gamma]
+                if len(follow):
+                    return follow.tolist()
+        return []
+
+    def propose(self, histories, gamma, seq_ids=None):
+        return [(self.propose_one(h, gamma), None) for h in histories]
+
+
+class ModelDrafter:
+    """A small kvjax Transformer (same vocabulary as the target) drafting with its own paged
+    cache. Per sequence the cache holds the history minus its newest token; after a
+    verification it keeps the longest prefix still on the history (its own rollback) and
+    feeds the rest before drafting again. With temperature 0 it drafts greedily
+    (deterministic proposals); otherwise it samples and returns its distributions q, with a
+    key of its own per sequence, `fold_in(fold_in(PRNGKey(seed), seq_id), DRAFT_TAG)` (the
+    engine's draft key for sequence `seq_id`): identical prompts get independent drafts.
+    """
+
+    def __init__(self, params, config, cache_config, sampling=None):
+        self.params, self.config = params, config
+        self.pool = KVPool(config, cache_config)
+        self.sampling = sampling
+        self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (cached, pages)
+        self._keys: dict[int, np.ndarray] = {}  # id -> uint32[1, 2]
+
+    def release(self, seq_id: int) -> None:
+        _, pages = self._state.pop(seq_id, ([], []))
+        if pages:
+            self.pool.allocator.free(pages)
+
+    def propose(self, histories, gamma, seq_ids=None):
+        seq_ids = range(len(histories)) if seq_ids is None else seq_ids
+        return [self._propose_one(list(h), gamma, i)
+                for h, i in zip(histories, seq_ids, strict=True)]
+
+    def _propose_one(self, history: list[int], gamma: int, seq_id: int):
+        cc = self.pool.cache_config
+        cached, pages = self._state.get(seq_id, ([], []))
+        keep = 0
+        while keep < min(len(cached), len(history) - 1) and cached[keep] == history[keep]:
+            keep += 1
+        need = pages_for(len(history) + gamma, cc.page_size) - len(pages)
+        if need > 0:
+            pages += self.pool.allocator.allocate(need)
+        table = page_table([pages], 1, cc.block_pages)
+        # Catch up on the accepted history (all but its newest token).
+        _, self.pool.cache = prefill(self.params, self.config, self.pool.cache, cc,
+                                     history[:-1], pages, start=keep)
+        length = len(history) - 1
+        sampling = self.sampling
+        temp = 0.0 if sampling is None else sampling.temperature
+        knobs = (np.full(1, temp, np.float32),
+                 np.full(1, 0 if sampling is None else sampling.top_k, np.int32),
+                 np.full(1, 1.0 if sampling is None else sampling.top_p, np.float32))
+        if seq_id not in self._keys:
+            seed = 0 if sampling is None else sampling.seed
+            self._keys[seq_id] = np.asarray(draft_key(seed, seq_id))[None]
+        keys = self._keys[seq_id]
+        out, logits, self.pool.cache, _ = steps.decode_loop(
+            self.params, self.config, self.pool.cache, table, np.array([length], np.int32),
+            np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,
+            np.full(1, -1, np.int32), max_steps=gamma, return_logits=temp > 0)
+        draft = np.asarray(out)[0, :gamma].tolist()
+        self._state[seq_id] = (history + draft[:-1], pages)
+        if temp == 0:
+            return draft, None
+        return draft, np.asarray(probabilities(logits, *knobs)[0])

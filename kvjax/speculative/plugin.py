@@ -1,0 +1,251 @@
+"""The engine's speculative-decoding side: the draft's page pool and trie, γ per call, stats.
+
+The draft model keeps its own paged cache (its K/V have the draft's shapes), its own
+allocator and its own prefix trie, keyed by the draft's namespace (the draft's weights and
+attention structure; no adapter: the draft runs without one). A reused prompt therefore
+skips prefill for both models. The engine does the page work for both pools with the same
+code (admission, growth, copy on write, eviction, preemption); this module holds what is
+only the draft's, runs `spec_loop` and keeps the statistics.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kvjax.cache.allocator import PageAllocator
+from kvjax.cache.identity import CacheNamespace, attention_signature, model_fingerprint
+from kvjax.cache.paged import init_cache, poison_pages
+from kvjax.cache.trie import PrefixTrie
+from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from kvjax.decode.batching import bucket, page_table
+from kvjax.model.transformer import NonCausalCacheError
+from kvjax.sharding import ShardingPlan
+from kvjax.speculative.loop import STAT_KEYS, spec_loop
+from kvjax.speculative.rules import predicted_speedup
+
+DECAY = 0.8  # weight of the older calls in the running estimates that drive adaptive γ
+MIN_EVIDENCE = 4.0  # decayed drafts at a position before its own acceptance rate is trusted
+
+
+class DraftPool:
+    """The draft model's weights, paged cache, allocator and prefix trie."""
+
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig,
+                 hash_fn=None, mesh=None):
+        self.sharding = None if mesh is None else ShardingPlan(mesh, config)
+        self.params = (jax.device_put(params) if self.sharding is None
+                       else self.sharding.place_params(params))
+        self.config = config
+        self.cache_config = cc = engine_config.cache
+        self.fingerprint = model_fingerprint(config, params)
+        self.cache = init_cache(config, cc) if mesh is None else self.sharding.init_cache(cc)
+        self.allocator = PageAllocator(cc.num_pages, track_freed=engine_config.poison_freed)
+        self.trie = PrefixTrie(cc.page_size, self.allocator, engine_config.eviction,
+                               evicted_record=engine_config.evicted_record,
+                               **({} if hash_fn is None else {"hash_fn": hash_fn}))
+        if engine_config.poison_freed:
+            self.cache = poison_pages(self.cache, np.arange(cc.num_pages, dtype=np.int32))
+
+    @property
+    def step_shardings(self):
+        """The draft's own step shardings (its prefill runs `steps.extend` on its cache)."""
+        return None if self.sharding is None else self.sharding.steps()
+
+    def namespace(self, position_base: int) -> CacheNamespace:
+        return CacheNamespace(model=self.fingerprint, adapter="none",
+                              position_base=position_base,
+                              attention=attention_signature(self.config),
+                              kv_dtype=self.cache_config.dtype)
+
+
+def spec_summary(totals: dict) -> dict:
+    """Derived statistics from summed counters (a request's or the engine's)."""
+    drafted, accepted = totals["drafted"], totals["accepted"]
+    calls = totals["verifications"]
+    return {
+        **totals,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "alpha": totals["alpha_sum"] / totals["alpha_count"] if totals["alpha_count"] else 0.0,
+        "mean_accepted_length": totals["emitted"] / calls if calls else 0.0,
+        "wasted": drafted - accepted,
+    }
+
+
+def empty_totals(gamma: int) -> dict:
+    totals = {key: 0.0 if key == "alpha_sum" else 0 for key in STAT_KEYS}
+    totals["drafted_by_position"] = [0] * gamma
+    totals["accepted_by_position"] = [0] * gamma
+    return totals
+
+
+class Speculator:
+    """Runs speculative decode calls for the engine and keeps their statistics."""
+
+    def __init__(self, spec: SpecConfig, draft, config: ModelConfig,
+                 engine_config: EngineConfig, hash_fn=None, mesh=None):
+        self.spec = spec
+        self.pool: DraftPool | None = None
+        if spec.drafter == "model":
+            if draft is None:
+                raise ConfigError("spec.drafter", "the model drafter needs "
+                                  "draft=(draft_params, draft_config)")
+            params, draft_config = draft
+            if not draft_config.causal:
+                raise NonCausalCacheError()
+            if draft_config.vocab_size != config.vocab_size:
+                raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
+                                  f"the target's {config.vocab_size}")
+            self.pool = DraftPool(params, draft_config, engine_config, hash_fn, mesh)
+        self.totals = empty_totals(spec.gamma)
+        self.target_calls = 0
+        self.gamma_history: list[int] = []
+        self._alpha = [0.0, 0.0]  # decayed (sum, count) of E[min(p, q)] for adaptive γ
+        self._drafted = np.zeros(spec.gamma)  # decayed drafts at each position
+        self._accepted = np.zeros(spec.gamma)  # decayed accepted prefixes reaching it
+        self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
+        self.verify_slope = spec.verify_slope
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return None if self.pool is None else self.pool.config.max_seq_len
+
+    def next_gamma(self) -> int:
+        """This call's γ: fixed, or (adaptive) the γ ≤ SpecConfig.gamma with the best
+        expected tokens per unit of target time, `expected_tokens(γ) / (γc + 1 + sγ)`."""
+        spec = self.spec
+        if not spec.adaptive or self._alpha[1] == 0:
+            return spec.gamma
+        c, s = self.cost_ratio or 0.0, self.verify_slope or 0.0
+        tokens = self.expected_tokens()
+        return max(range(1, spec.gamma + 1),
+                   key=lambda g: (tokens[g - 1] / (g * c + 1 + s * g), -g))
+
+    def expected_tokens(self) -> list[float]:
+        """Expected tokens per round for γ = 1 .. SpecConfig.gamma: 1 + Σ_i P(the first i
+        drafts are all accepted). P comes from the running acceptance by position where
+        there is evidence (drafters are not i.i.d.: an n-gram continuation's later tokens
+        fail more often); past the last such position it is extended with the last
+        observed conditional acceptance P(i | i − 1), or with the running α when there is
+        no evidence at all."""
+        alpha = self._alpha[0] / self._alpha[1] if self._alpha[1] else 0.5
+        prefix, step, total, out = 1.0, alpha, 1.0, []
+        for i in range(self.spec.gamma):
+            if self._drafted[i] >= MIN_EVIDENCE:
+                observed = self._accepted[i] / self._drafted[i]
+                step = min(observed / prefix, 1.0) if prefix > 0 else 0.0
+                prefix = observed
+            else:
+                prefix *= step
+            total += prefix
+            out.append(total)
+        return out
+
+    def decode(self, engine, live, budgets: dict[int, int], gamma: int, arrays: dict) -> dict:
+        """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
+
+        `arrays` holds the engine's per-slot arrays (table, lengths, last, budget, keys,
+        knobs, stops, offsets, adapters) and want_logits. Returns the loop's outputs as
+        numpy.
+        """
+        slots = len(arrays["lengths"])
+        kwargs = {}
+        if self.pool is not None:
+            pool = self.pool
+            rows = [[] for _ in range(slots)]
+            draft_lengths = np.zeros(slots, np.int32)
+            prev = np.zeros(slots, np.int32)
+            for seq in live:
+                rows[seq.slot] = seq.draft_pages
+                draft_lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
+            kwargs = dict(draft_params=pool.params, draft_config=pool.config,
+                          draft_cache=pool.cache,
+                          draft_page_table=page_table(rows, slots, pool.cache_config.block_pages),
+                          draft_lengths=draft_lengths, prev=prev)
+        else:
+            width = bucket(max(s.length + 1 + budgets[s.slot] for s in live), 64)
+            history = np.zeros((slots, width), np.int32)
+            for seq in live:
+                row = seq.req.tokens + seq.generated
+                history[seq.slot, : len(row)] = row
+            kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
+        out = spec_loop(engine.params, engine.config, engine.cache, arrays["table"],
+                        arrays["lengths"], arrays["last"], arrays["budget"], arrays["keys"],
+                        *arrays["knobs"], arrays["stops"], drafter=self.spec.drafter,
+                        gamma=gamma, max_out=engine.engine_config.decode_steps,
+                        return_logits=arrays["want_logits"], position_offset=arrays["offsets"],
+                        lora=engine._lora, adapter_ids=arrays["adapters"],
+                        sharding=engine._shardings, **kwargs)
+        engine.cache = out.pop("cache")
+        draft_cache = out.pop("draft_cache")
+        if self.pool is not None:
+            self.pool.cache = draft_cache
+        out = {k: (None if v is None else np.asarray(v)) for k, v in out.items()}
+        if self.pool is not None:
+            for seq in live:
+                seq.draft_length = int(out["draft_lengths"][seq.slot])
+                seq.prev = int(out["prev"][seq.slot])
+        self._record(live, out, gamma)
+        return out
+
+    def _record(self, live, out: dict, gamma: int) -> None:
+        self.target_calls += int(out["rounds"])
+        self.gamma_history.append(gamma)
+        new_sum = float(sum(out["alpha_sum"][s.slot] for s in live))
+        new_count = float(sum(out["alpha_count"][s.slot] for s in live))
+        self._alpha = [DECAY * self._alpha[0] + new_sum, DECAY * self._alpha[1] + new_count]
+        drafted = np.zeros(self.spec.gamma)
+        accepted = np.zeros(self.spec.gamma)
+        for seq in live:
+            drafted[:gamma] += out["drafted_by_position"][seq.slot]
+            accepted[:gamma] += out["accepted_by_position"][seq.slot]
+        # Only positions drafted in this call age: a short γ must not erase what longer
+        # drafts taught about the positions it no longer reaches.
+        self._drafted[:gamma] = DECAY * self._drafted[:gamma] + drafted[:gamma]
+        self._accepted[:gamma] = DECAY * self._accepted[:gamma] + accepted[:gamma]
+        for seq in live:
+            req_totals = seq.req.stats.setdefault("spec", empty_totals(self.spec.gamma))
+            for totals in (req_totals, self.totals):
+                for key in STAT_KEYS:
+                    totals[key] += out[key][seq.slot].item()
+                for key in ("drafted_by_position", "accepted_by_position"):
+                    for i, x in enumerate(out[key][seq.slot].tolist()):
+                        totals[key][i] += x
+
+    @property
+    def calibrated(self) -> bool:
+        return self.cost_ratio is not None and self.verify_slope is not None
+
+    def calibrate(self, engine, context: int = 128) -> None:
+        """Measures what is not pinned in the SpecConfig: c (the draft's step time over the
+        target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch."""
+        from kvjax.speculative.cost import cost_ratio, verify_slope
+
+        batch = engine.engine_config.max_slots
+        target = (engine.params, engine.config)
+        if self.cost_ratio is None:
+            self.cost_ratio = cost_ratio(target, (self.pool.params, self.pool.config), batch,
+                                         context)
+        if self.verify_slope is None:
+            self.verify_slope = verify_slope(target, batch, context, self.spec.gamma + 1)
+
+    def metrics(self) -> dict:
+        summary = spec_summary(self.totals)
+        gammas = self.gamma_history
+        mean_gamma = sum(gammas) / len(gammas) if gammas else float(self.spec.gamma)
+        c, slope = self.cost_ratio, self.verify_slope
+        known = c is not None and self.totals["alpha_count"] > 0
+        gamma = round(mean_gamma)
+        summary.update(
+            drafter=self.spec.drafter, target_calls=self.target_calls,
+            gamma_history=list(gammas), cost_ratio=c, verify_slope=slope,
+            predicted_speedup=predicted_speedup(summary["alpha"], gamma, c) if known else None,
+            predicted_speedup_verify=(predicted_speedup(summary["alpha"], gamma, c, slope)
+                                      if known and slope is not None else None))
+        return summary
+
+
+def finish_request_stats(stats: dict) -> None:
+    """Adds the derived speculative statistics to a request's stats (in place)."""
+    if "spec" in stats:
+        stats["spec"] = spec_summary(stats["spec"])

@@ -1,0 +1,95 @@
+"""Speculative decoding: acceptance rules and the speedup model.
+
+A drafter proposes γ tokens per sequence; the target scores all γ + 1 positions in one call;
+the longest acceptable prefix is kept, then one token of the target's own.
+
+- Greedy: keep drafted tokens while they equal the target's argmax, then the argmax.
+- Sampling, exact (Leviathan et al. 2023; Chen et al. 2023): accept drafted x with
+  probability min(1, p(x) / q(x)); at the first rejection draw from norm(max(0, p − q));
+  when all γ are accepted draw the bonus token from p at position γ. The emitted tokens are
+  then distributed exactly as the target's own samples. A deterministic proposal (the
+  n-gram drafter) is q = one-hot(x): accept with probability p(x), else draw from p with x
+  removed.
+
+Legend: B batch, G γ (drafted tokens), V vocab. Device code (pure JAX).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ACCEPT_TAG = 0x5EC  # separates the acceptance draws from the token draws of a position
+
+
+def predicted_speedup(alpha: float, gamma: int, c: float, verify_slope: float = 0.0) -> float:
+    """Expected tokens per unit of target-step time: (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+
+    α is the expected acceptance rate E[min(p, q)], c the draft/target step cost ratio.
+    `verify_slope` s extends the textbook model (which prices a verify of γ + 1 tokens as
+    one target step) with a verify that costs 1 + s·γ steps, as measured on hardware where
+    a step is not purely bandwidth-bound (`kvjax.speculative.cost`).
+    """
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1 + verify_slope * gamma)
+
+
+def choose_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 0.0) -> int:
+    """The γ in [1, gamma_max] with the best predicted speedup at this α, cost ratio c and
+    verify slope (the smallest on ties): the adaptive-γ policy."""
+    return max(range(1, gamma_max + 1),
+               key=lambda g: (predicted_speedup(alpha, g, c, verify_slope), -g))
+
+
+def _leading(accept: jax.Array) -> jax.Array:
+    """int32[B]: how many leading entries of bool[B, G] are True."""
+    return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+
+
+def greedy_accept(draft: jax.Array, target_logits: jax.Array,
+                  num_draft: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(accepted int32[B], next token int32[B]).
+
+    Args:
+      draft: int32[B, G]; target_logits: float32[B, G + 1, V] (position i scores the token
+      after draft[:, :i]); num_draft: int32[B] real drafted tokens per row (<= G).
+    """
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, G + 1]
+    g = draft.shape[1]
+    real = jnp.arange(g)[None, :] < num_draft[:, None]
+    accepted = _leading((draft == best[:, :g]) & real)
+    return accepted, jnp.take_along_axis(best, accepted[:, None], axis=1)[:, 0]
+
+
+def sampling_accept(draft: jax.Array, q: jax.Array, p: jax.Array, num_draft: jax.Array,
+                    keys: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact speculative sampling: (accepted int32[B], next token int32[B]).
+
+    Args:
+      draft: int32[B, G] drafted tokens; q: float32[B, G, V] the draft's distributions they
+      were drawn from (one-hot rows for a deterministic drafter); p: float32[B, G + 1, V] the
+      target's distributions (after the same temperature / top-k / top-p as q);
+      num_draft: int32[B]; keys: uint32[B, 2] sequence keys; positions: int32[B] position
+      of the first drafted token. The draw for position t uses fold_in(key, t), so the
+      same seed gives the same tokens.
+    """
+    b, g = draft.shape
+    t = positions[:, None] + jnp.arange(g + 1)[None, :]  # [B, G + 1]
+    step_keys = jax.vmap(lambda k, ts: jax.vmap(lambda x: jax.random.fold_in(k, x))(ts))(
+        keys, t)  # [B, G + 1, 2]
+    accept_keys = jax.vmap(jax.vmap(lambda k: jax.random.fold_in(k, ACCEPT_TAG)))(step_keys)
+    u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(accept_keys[:, :g])  # [B, G]
+    p_x = jnp.take_along_axis(p[:, :g], draft[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    ok = u * q_x < p_x  # u < min(1, p/q), without dividing by a tiny q
+    accepted = _leading(ok & (jnp.arange(g)[None, :] < num_draft[:, None]))
+    rows = jnp.arange(b)
+    p_at = p[rows, accepted]  # [B, V]
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # no q after the last
+    residual = jnp.maximum(p_at - q_pad[rows, accepted], 0.0)
+    # All accepted (or nothing drafted at that position): the bonus comes from p itself.
+    use_p = (accepted >= num_draft)[:, None] | (residual.sum(-1, keepdims=True) <= 0)
+    dist = jnp.where(use_p, p_at, residual)
+    logits = jnp.where(dist > 0, jnp.log(jnp.where(dist > 0, dist, 1.0)), -jnp.inf)
+    token = jax.vmap(jax.random.categorical)(step_keys[rows, accepted], logits)
+    return accepted, token.astype(jnp.int32)
