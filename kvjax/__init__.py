@@ -18,8 +18,9 @@ from kvjax.config import (
 from kvjax.decode.generate import GenerateResult, KVPool, generate
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent
+from kvjax.errors import NonCausalCacheError
 from kvjax.model.lora import init_adapter
-from kvjax.model.transformer import NonCausalCacheError, Transformer, forward, init_params
+from kvjax.model.transformer import Transformer, forward, init_params
 
 __version__ = "0.1.0"
 

@@ -8,6 +8,7 @@ and every error names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -164,7 +165,6 @@ class EngineConfig:
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
         _choice(self.attention, "attention", ("auto", "reference", "pallas_gpu", "pallas_tpu"))
         if isinstance(self.mesh, str):
-            from kvjax.sharding import parse_mesh
             parse_mesh(self.mesh)
 
 
@@ -346,3 +346,28 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
     with open(path, "rb") as f:
         raw = tomllib.load(f)
     return config_from_dict(apply_overrides(raw, overrides))
+
+
+MESH_AXES = ("data", "model")
+
+
+def parse_mesh(spec: str | dict[str, int]) -> dict[str, int]:
+    """`"data=2,model=4"` (or a dict) -> {"data": 2, "model": 4}; a missing axis is 1."""
+    if isinstance(spec, dict):
+        sizes = dict(spec)
+    else:
+        sizes = {}
+        for part in filter(None, (p.strip() for p in str(spec).split(","))):
+            match = re.fullmatch(r"(\w+)\s*=\s*(\d+)", part)
+            if match is None:
+                raise ConfigError("mesh", f"{spec!r}: expected 'data=D,model=M', got {part!r}")
+            if match[1] in sizes:
+                raise ConfigError("mesh", f"{spec!r}: axis {match[1]!r} given twice")
+            sizes[match[1]] = int(match[2])
+    unknown = sorted(set(sizes) - set(MESH_AXES))
+    if unknown:
+        raise ConfigError("mesh", f"{spec!r}: unknown axis {unknown[0]!r} (axes: data, model)")
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError("mesh", f"{spec!r}: {axis} must be an integer >= 1, got {size!r}")
+    return {axis: sizes.get(axis, 1) for axis in MESH_AXES}

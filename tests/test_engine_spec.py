@@ -17,7 +17,8 @@ from kvjax.cache.paged import init_cache
 from kvjax.config import ConfigError, SpecConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import pages_for
-from kvjax.engine.requests import InvalidRequestError, Request
+from kvjax.engine.requests import Request
+from kvjax.errors import InvalidRequestError
 from kvjax.speculative.drafters import NGramDrafter
 from kvjax.speculative.ngram_device import ngram_propose
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +18,9 @@ from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.prefill import prefill
+from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import sample, sampling_arrays, sequence_keys
-from kvjax.engine.requests import InvalidRequestError, check_token_ids
-from kvjax.model.transformer import NonCausalCacheError
+from kvjax.errors import InvalidRequestError, NonCausalCacheError
 
 
 class KVPool:
@@ -41,27 +40,6 @@ class GenerateResult:
     tokens: list[list[int]]  # per prompt, the generated ids only
     logits: list[np.ndarray] | None  # per prompt, float32[num_generated, vocab]
     stats: dict
-
-
-def validate_prompts(config: ModelConfig, prompts, max_new_tokens: int) -> list[list[int]]:
-    """Checks every prompt; returns them as lists of ints. Raises InvalidRequestError."""
-    if not config.causal:
-        raise NonCausalCacheError()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 1:
-        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got "
-                                  f"{max_new_tokens!r}")
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
-    out = []
-    for i, prompt in enumerate(prompts):
-        ids = check_token_ids(prompt, config.vocab_size, f"prompt {i}")
-        if len(ids) + max_new_tokens > config.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt {i}: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed "
-                f"the model's context max_seq_len={config.max_seq_len}")
-        out.append(ids)
-    return out
 
 
 def _prefill(params, config: ModelConfig, pool: KVPool, prompt: list[int],

@@ -59,9 +59,9 @@ from kvjax.engine.requests import (
     check_field_types,
     check_token_ids,
 )
+from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.lora import stack_adapters
-from kvjax.model.transformer import NonCausalCacheError
 from kvjax.speculative.plugin import Speculator, finish_request_stats
 
 _sample = jax.jit(sample)

@@ -8,25 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvjax.config import SamplingConfig
-
-
-class InvalidRequestError(ValueError):
-    """A request that cannot be served; raised before anything is allocated."""
-
-
-def check_token_ids(tokens, vocab_size: int, label: str = "the prompt") -> list[int]:
-    """The prompt as a list of ints; InvalidRequestError if empty, non-integer or out of range."""
-    ids = np.asarray(tokens)
-    if ids.ndim != 1 or ids.size == 0:
-        raise InvalidRequestError(f"{label} is empty or not a flat list of token ids")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise InvalidRequestError(f"{label} holds non-integer token ids ({ids.dtype})")
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-    if bad.size:
-        raise InvalidRequestError(
-            f"{label}: token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the "
-            f"vocabulary [0, {vocab_size})")
-    return [int(t) for t in ids]
+from kvjax.errors import InvalidRequestError
 
 
 def check_field_types(request: Request) -> None:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kvjax.cache.dense import DenseKVCache, dense_write_kv
 from kvjax.cache.paged import BatchInfo, PagedKVCache, write_kv
 from kvjax.config import ModelConfig
+from kvjax.errors import NonCausalCacheError
 from kvjax.model.attention import dense_attention, full_attention, paged_attention_reference
 from kvjax.model.kernels import (
     AttentionKernel,
@@ -30,21 +31,6 @@ from kvjax.model.lora import add_lora, stack_adapters
 from kvjax.sharding import StepShardings
 
 Cache = PagedKVCache | DenseKVCache | None
-
-NON_CAUSAL_MESSAGE = (
-    "causal=False: with bidirectional attention every position attends to later tokens, so "
-    "a token's K/V state changes whenever a token is appended; a cached state is never the "
-    "state a full recomputation would produce. Cached prefill/decode/verify is refused for "
-    "this model; score whole sequences with kvjax.forward instead."
-)
-
-
-class NonCausalCacheError(ValueError):
-    """A cached path was asked to run a bidirectional (causal=False) model."""
-
-    def __init__(self):
-        super().__init__(NON_CAUSAL_MESSAGE)
-
 
 class Attention(nn.Module):
     config: ModelConfig

@@ -32,9 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvjax.config import ConfigError, ModelConfig
-
-MESH_AXES = ("data", "model")
+from kvjax.config import MESH_AXES, ConfigError, ModelConfig, parse_mesh
 
 RULES: dict[str, str | None] = {
     "batch": "data",
@@ -74,28 +72,6 @@ PARAM_AXES: dict[tuple[str, str], tuple[str, ...]] = {
 NORM_AXES = ("embed",)  # scale / bias of every *_norm module
 
 CACHE_AXES = ("layers", "kv_heads", "pages", "page_slots", "head_dim")  # PagedKVCache.k, .v
-
-
-def parse_mesh(spec: str | dict[str, int]) -> dict[str, int]:
-    """`"data=2,model=4"` (or a dict) -> {"data": 2, "model": 4}; a missing axis is 1."""
-    if isinstance(spec, dict):
-        sizes = dict(spec)
-    else:
-        sizes = {}
-        for part in filter(None, (p.strip() for p in str(spec).split(","))):
-            match = re.fullmatch(r"(\w+)\s*=\s*(\d+)", part)
-            if match is None:
-                raise ConfigError("mesh", f"{spec!r}: expected 'data=D,model=M', got {part!r}")
-            if match[1] in sizes:
-                raise ConfigError("mesh", f"{spec!r}: axis {match[1]!r} given twice")
-            sizes[match[1]] = int(match[2])
-    unknown = sorted(set(sizes) - set(MESH_AXES))
-    if unknown:
-        raise ConfigError("mesh", f"{spec!r}: unknown axis {unknown[0]!r} (axes: data, model)")
-    for axis, size in sizes.items():
-        if not isinstance(size, int) or size < 1:
-            raise ConfigError("mesh", f"{spec!r}: {axis} must be an integer >= 1, got {size!r}")
-    return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
 
 
 def make_mesh(spec: str | dict[str, int]) -> Mesh:

@@ -23,9 +23,10 @@ from kvjax.cache.paged import BatchInfo
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, free_past, page_table, pages_for
-from kvjax.decode.generate import KVPool, _prefill, validate_prompts
+from kvjax.decode.generate import KVPool, _prefill
+from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sample, sampling_arrays, sequence_keys
-from kvjax.engine.requests import InvalidRequestError
+from kvjax.errors import InvalidRequestError
 from kvjax.speculative.drafters import Drafter
 from kvjax.speculative.rules import choose_gamma, greedy_accept, sampling_accept
 

@@ -19,7 +19,7 @@ from kvjax.cache.paged import init_cache, poison_pages
 from kvjax.cache.trie import PrefixTrie
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table
-from kvjax.model.transformer import NonCausalCacheError
+from kvjax.errors import NonCausalCacheError
 from kvjax.sharding import ShardingPlan
 from kvjax.speculative.loop import STAT_KEYS, spec_loop
 from kvjax.speculative.rules import predicted_speedup
