@@ -50,6 +50,7 @@ from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import free_past, page_table, pages_for
 from kvjax.decode.prefill import prefill
+from kvjax.decode.prompts import check_token_ids
 from kvjax.decode.sampling import sample, sequence_keys
 from kvjax.engine.requests import (
     InvalidRequestError,
@@ -57,7 +58,6 @@ from kvjax.engine.requests import (
     RequestResult,
     StreamEvent,
     check_field_types,
-    check_token_ids,
 )
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
