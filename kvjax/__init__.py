@@ -4,6 +4,7 @@ from kvjax import io, memory, speculative
 from kvjax.cache.allocator import AllocatorError, PageAllocator
 from kvjax.cache.identity import CacheNamespace
 from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
+from kvjax.cache.pool import KVPool, PagePool
 from kvjax.config import (
     CacheConfig,
     Config,
@@ -15,7 +16,7 @@ from kvjax.config import (
     SpecConfig,
     load_config,
 )
-from kvjax.decode.generate import GenerateResult, KVPool, generate
+from kvjax.decode.generate import GenerateResult, generate
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent
 from kvjax.errors import NonCausalCacheError
@@ -40,6 +41,7 @@ __all__ = [
     "ModelConfig",
     "NonCausalCacheError",
     "PageAllocator",
+    "PagePool",
     "PagedKVCache",
     "Request",
     "RequestResult",

@@ -101,7 +101,8 @@ class EngineMachine(RuleBasedStateMachine):
     def teardown(self):
         for _ in self.eng.stream():
             pass
-        caches = [self.eng.cache] + ([] if self.eng._draft is None else [self.eng._draft.cache])
+        draft = self.eng.draft_pool
+        caches = [self.eng.cache] + ([] if draft is None else [draft.cache])
         for (alloc, trie, _, config, p), cache in zip(self.pools(), caches, strict=True):
             trie_pages = trie.pages()
             assert alloc.num_free + len(trie_pages) == NUM_PAGES
@@ -125,7 +126,7 @@ class SpecEngineMachine(EngineMachine):
         return Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
 
     def pools(self):
-        draft = self.eng._draft
+        draft = self.eng.draft_pool
         return super().pools() + [(draft.allocator, draft.trie,
                                    lambda seq: (seq.draft_pages, seq.draft_length),
                                    DRAFT, DRAFT_P)]

@@ -226,7 +226,7 @@ def test_cancelling_a_preempted_request_returns_what_it_streamed(p):
         for event in tight.step():
             streamed[event.request_id] += event.tokens
         waiting = [r for r in tight._reqs.values()
-                   if r.stats.get("preemptions") and r in tight._waiting]
+                   if r.stats.get("preemptions") and r in tight.scheduler.waiting]
         victim = waiting[0].id if waiting else None
     tight.cancel(victim)
     result = tight.result(victim)

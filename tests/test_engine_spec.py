@@ -147,7 +147,7 @@ def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
     checked = 0
     while engine.num_waiting or engine.num_running:
         engine.step()
-        for seq in (s for s in engine._slots if s is not None):
+        for seq in (s for s in engine.scheduler.slots if s is not None):
             history = seq.req.tokens + seq.generated[:-1]
             assert seq.length == len(history)
             assert len(seq.pages) == pages_for(seq.length, 4)
@@ -155,7 +155,7 @@ def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
             assert seq.draft_length in (seq.length - 1, seq.length)
             for cfg, p, cache, pages, n in (
                     (CONFIG, target, engine.cache, seq.pages, seq.length),
-                    (DRAFT, draft, engine._draft.cache, seq.draft_pages, seq.draft_length)):
+                    (DRAFT, draft, engine.draft_pool.cache, seq.draft_pages, seq.draft_length)):
                 _, fresh = prefill(p, cfg, CACHE, init_cache(cfg, CACHE), history[:n],
                                    list(range(len(pages))))
                 for x, y in zip(gather_sequence(cache, pages, n),
@@ -172,7 +172,8 @@ def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
     m = engine.metrics()
     assert m["spec"]["wasted"] > 0
     assert m["free_pages"] == CACHE.num_pages - m["resident_pages"]
-    assert engine._draft.allocator.num_free == CACHE.num_pages - engine._draft.trie.num_nodes
+    draft = engine.draft_pool
+    assert draft.allocator.num_free == CACHE.num_pages - draft.trie.num_nodes
 
 
 def test_memory_pressure_samples_and_adapters(target, draft):
@@ -197,7 +198,8 @@ def test_memory_pressure_samples_and_adapters(target, draft):
         assert m["free_pages"] == cache.num_pages - m["resident_pages"]
     assert [r.tokens for r in results[1]] == [r.tokens for r in results[0]]
     assert m["preemptions"] + m["evictions"] > 0
-    assert engine._draft.allocator.num_free == cache.num_pages - engine._draft.trie.num_nodes
+    draft = engine.draft_pool
+    assert draft.allocator.num_free == cache.num_pages - draft.trie.num_nodes
 
 
 def test_statistics_of_always_right_and_always_wrong_drafts(target, draft):
@@ -258,7 +260,7 @@ def test_measured_cost_ratio_and_verify_slope(target, draft, monkeypatch):
           one of them 16 / 24, would give 0.213)
       s = (median(t(verify of 3) / t(target)) − 1) / (3 − 1) = (11 / 8 − 1) / 2 = 0.1875
     """
-    from kvjax.runtime import spec_cost
+    from kvjax.speculative import cost as spec_cost
 
     timed = []
 

@@ -110,7 +110,7 @@ def test_spec_kernel_page_copies_and_adapters_on_the_mesh(mesh_runs, case):
 def test_an_experiment_config_runs_on_a_mesh(mesh_runs):
     """`kvjax run` with `mesh=data=2,model=4`: the same metrics as on one device (timings
     aside), and the summary says where it ran."""
-    from kvjax.lab.registry import prefix_page_size
+    from experiments import prefix_page_size
     from kvjax.lab.results import is_timing
 
     run = mesh_runs["run prefix_page_size 2x4"]

@@ -32,8 +32,8 @@ from helpers import prefill, small_model
 import kvjax
 from kvjax import CacheConfig, SamplingConfig, init_cache
 from kvjax.decode.sampling import probabilities, sequence_keys
-from kvjax.runtime import spec_generate as host_spec
-from kvjax.runtime import spec_loop as device_spec
+from kvjax.speculative import host as host_spec
+from kvjax.speculative import loop as device_spec
 from kvjax.speculative.drafters import ModelDrafter
 from kvjax.speculative.host import speculative_generate
 from kvjax.speculative.rules import sampling_accept

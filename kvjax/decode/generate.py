@@ -1,5 +1,7 @@
 """`generate()`: validate, allocate pages, prefill in fixed chunks, decode on device, free.
 
+The pages come from a `KVPool` (`kvjax.cache.pool.PagePool`, the engine's pool class).
+
 Host code: builds numpy batch descriptions and calls the jitted steps in `steps.py`.
 """
 
@@ -12,27 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.allocator import PageAllocator
-from kvjax.cache.paged import PagedKVCache, cache_bytes, init_cache
+from kvjax.cache.paged import cache_bytes
+from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.prefill import prefill
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import sample, sampling_arrays, sequence_keys
-from kvjax.errors import InvalidRequestError, NonCausalCacheError
-
-
-class KVPool:
-    """A device page pool and its host allocator, reusable across `generate` calls."""
-
-    def __init__(self, model: ModelConfig, cache: CacheConfig):
-        if not model.causal:
-            raise NonCausalCacheError()
-        self.model_config = model
-        self.cache_config = cache
-        self.cache: PagedKVCache = init_cache(model, cache)
-        self.allocator = PageAllocator(cache.num_pages)
+from kvjax.errors import InvalidRequestError
 
 
 @dataclasses.dataclass

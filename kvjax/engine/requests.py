@@ -1,4 +1,8 @@
-"""Requests, results and stream events of the engine (plain data)."""
+"""Requests, results and stream events of the engine; a live request's state; rendering and
+validation (host code: plain Python + numpy).
+
+Bad input is refused here, before anything is queued or allocated: every check the engine
+makes on a request is in `render` and `validate`."""
 
 from __future__ import annotations
 
@@ -7,7 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvjax.config import SamplingConfig
+from kvjax.cache.identity import CacheNamespace
+from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
+from kvjax.decode.batching import pages_for
+from kvjax.decode.prompts import check_token_ids
 from kvjax.errors import InvalidRequestError
 
 
@@ -79,3 +86,122 @@ class StreamEvent:
     tokens: tuple[int, ...]
     finished: bool
     error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    """One sample of a live request: a batch slot, its pages and its progress."""
+
+    req: LiveRequest
+    index: int
+    key: np.ndarray  # uint32[2]
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    length: int = 0  # tokens in the cache
+    last: int = -1  # the newest token, not yet cached
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    streamed: list[int] = dataclasses.field(default_factory=list)  # survives preemption
+    checked: int = 0  # generated[:checked] is known to equal streamed[:checked]
+    closed: bool = False  # its finished event was streamed
+    done: bool = False
+    draft_pages: list[int] = dataclasses.field(default_factory=list)
+    draft_length: int = 0  # tokens in the draft's cache: `length` or `length - 1`
+    prev: int = -1  # the token at index length - 1, when the draft lags one behind
+
+
+@dataclasses.dataclass(eq=False)
+class LiveRequest:
+    """A validated request from submission to result: its rendered ids, namespace, salts
+    per page, samples and statistics."""
+
+    id: int
+    request: Request
+    tokens: list[int]
+    namespace: CacheNamespace
+    salts: list[str | None]
+    digests: list[bytes]
+    adapter_index: int
+    submitted: float
+    seqs: list[Seq] = dataclasses.field(default_factory=list)
+    stats: dict = dataclasses.field(default_factory=dict)
+    admitted_order: int = -1
+    operator_miss: tuple[str | None, tuple[str, ...]] = (None, ())  # metrics() only
+    gammas: list[int] = dataclasses.field(default_factory=list)  # γ of each decode call
+    calls: int = 0  # decode calls since its (latest) admission
+
+    @property
+    def replaying(self) -> bool:
+        """Whether it was recomputed after a preemption and has not caught up with its
+        stream."""
+        return self.calls < len(self.gammas) and any(
+            len(s.generated) < len(s.streamed) for s in self.seqs)
+
+
+def salts_per_page(request: Request, num_tokens: int, page_size: int) -> list[str | None]:
+    """Each page's salt: the tenant's, except the full pages inside `public_prefix`."""
+    return [None if request.tenant is None or (i + 1) * page_size <= request.public_prefix
+            else request.tenant for i in range(pages_for(num_tokens, page_size))]
+
+
+def render(request: Request, tokenizer=None, chat_template=None):
+    """The prompt's token ids: given, or rendered from text or chat messages."""
+    check_field_types(request)
+    given = [x is not None for x in (request.tokens, request.text, request.messages)]
+    if sum(given) != 1:
+        raise InvalidRequestError("give exactly one of tokens, text or messages")
+    if request.tokens is not None:
+        return request.tokens
+    if request.text is not None:
+        if tokenizer is None:
+            raise InvalidRequestError("a text request needs an engine with a tokenizer")
+        return tokenizer.encode(request.text)
+    if chat_template is None:
+        raise InvalidRequestError("a messages request needs an engine with a chat template")
+    try:
+        return chat_template.render(request.messages)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+
+
+def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
+             max_slots: int, adapters, draft_max_seq_len: int | None = None,
+             write_ahead: int = 0) -> list[int]:
+    """The prompt's ids as ints, or InvalidRequestError naming what cannot be served.
+
+    `adapters`: the loaded adapter names; `draft_max_seq_len`: the draft model's context,
+    if any; `write_ahead`: cache slots a decode call may write past the kept history (γ).
+    """
+    ids = np.asarray(check_token_ids(tokens, config.vocab_size))
+    if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be >= 1, got "
+                                  f"{request.max_new_tokens}")
+    if request.n < 1 or request.n > max_slots:
+        raise InvalidRequestError(f"n={request.n} must be in [1, max_slots={max_slots}]")
+    if request.adapter is not None and request.adapter not in adapters:
+        known = ", ".join(sorted(adapters)) or "none loaded"
+        raise InvalidRequestError(f"unknown adapter {request.adapter!r} (known: {known})")
+    if request.position_base < 0:
+        raise InvalidRequestError(f"position_base must be >= 0, got {request.position_base}")
+    end = request.position_base + ids.size + request.max_new_tokens
+    if end > config.max_seq_len:
+        raise InvalidRequestError(
+            f"position_base {request.position_base} + {ids.size} prompt tokens + "
+            f"{request.max_new_tokens} new tokens exceed max_seq_len={config.max_seq_len}")
+    if draft_max_seq_len is not None and end > draft_max_seq_len:
+        raise InvalidRequestError(
+            f"position_base {request.position_base} + {ids.size} prompt tokens + "
+            f"{request.max_new_tokens} new tokens exceed the draft's "
+            f"max_seq_len={draft_max_seq_len}")
+    if not 0 <= request.public_prefix <= ids.size:
+        raise InvalidRequestError(f"public_prefix must be in [0, {ids.size}]")
+    if request.stop_token is not None and not 0 <= request.stop_token < config.vocab_size:
+        raise InvalidRequestError(f"stop_token {request.stop_token} is outside the vocabulary")
+    shared = ids.size // cache.page_size
+    need = shared + request.n * (pages_for(ids.size + request.max_new_tokens + write_ahead,
+                                           cache.page_size) - shared)
+    if need > cache.num_pages:
+        raise InvalidRequestError(
+            f"the request needs {need} pages of {cache.page_size} tokens, more than the whole "
+            f"cache ({cache.num_pages} pages)")
+    return ids.tolist()

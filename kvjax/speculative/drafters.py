@@ -16,9 +16,9 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from kvjax.cache.pool import KVPool
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
-from kvjax.decode.generate import KVPool
 from kvjax.decode.prefill import prefill
 from kvjax.decode.sampling import DRAFT_TAG, probabilities
 

@@ -20,10 +20,11 @@ import jax
 import numpy as np
 
 from kvjax.cache.paged import BatchInfo
+from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, free_past, page_table, pages_for
-from kvjax.decode.generate import KVPool, _prefill
+from kvjax.decode.generate import _prefill
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sample, sampling_arrays, sequence_keys
 from kvjax.errors import InvalidRequestError

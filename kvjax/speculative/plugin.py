@@ -1,11 +1,11 @@
 """The engine's speculative-decoding side: the draft's page pool and trie, γ per call, stats.
 
-The draft model keeps its own paged cache (its K/V have the draft's shapes), its own
-allocator and its own prefix trie, keyed by the draft's namespace (the draft's weights and
-attention structure; no adapter: the draft runs without one). A reused prompt therefore
+The draft model keeps its own `PagePool` (its K/V have the draft's shapes; its own
+allocator and prefix trie, keyed by the draft's namespace: the draft's weights and
+attention structure, no adapter: the draft runs without one). A reused prompt therefore
 skips prefill for both models. The engine does the page work for both pools with the same
-code (admission, growth, copy on write, eviction, preemption); this module holds what is
-only the draft's, runs `spec_loop` and keeps the statistics.
+code (`kvjax.cache.pool`); this module holds the draft's weights and pool, runs `spec_loop`
+and keeps the statistics.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from kvjax.cache.allocator import PageAllocator
-from kvjax.cache.identity import CacheNamespace, attention_signature, model_fingerprint
-from kvjax.cache.paged import init_cache, poison_pages
-from kvjax.cache.trie import PrefixTrie
+from kvjax.cache.identity import model_fingerprint
+from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table
 from kvjax.errors import NonCausalCacheError
@@ -26,37 +24,6 @@ from kvjax.speculative.rules import predicted_speedup
 
 DECAY = 0.8  # weight of the older calls in the running estimates that drive adaptive γ
 MIN_EVIDENCE = 4.0  # decayed drafts at a position before its own acceptance rate is trusted
-
-
-class DraftPool:
-    """The draft model's weights, paged cache, allocator and prefix trie."""
-
-    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig,
-                 hash_fn=None, mesh=None):
-        self.sharding = None if mesh is None else ShardingPlan(mesh, config)
-        self.params = (jax.device_put(params) if self.sharding is None
-                       else self.sharding.place_params(params))
-        self.config = config
-        self.cache_config = cc = engine_config.cache
-        self.fingerprint = model_fingerprint(config, params)
-        self.cache = init_cache(config, cc) if mesh is None else self.sharding.init_cache(cc)
-        self.allocator = PageAllocator(cc.num_pages, track_freed=engine_config.poison_freed)
-        self.trie = PrefixTrie(cc.page_size, self.allocator, engine_config.eviction,
-                               evicted_record=engine_config.evicted_record,
-                               **({} if hash_fn is None else {"hash_fn": hash_fn}))
-        if engine_config.poison_freed:
-            self.cache = poison_pages(self.cache, np.arange(cc.num_pages, dtype=np.int32))
-
-    @property
-    def step_shardings(self):
-        """The draft's own step shardings (its prefill runs `steps.extend` on its cache)."""
-        return None if self.sharding is None else self.sharding.steps()
-
-    def namespace(self, position_base: int) -> CacheNamespace:
-        return CacheNamespace(model=self.fingerprint, adapter="none",
-                              position_base=position_base,
-                              attention=attention_signature(self.config),
-                              kv_dtype=self.cache_config.dtype)
 
 
 def spec_summary(totals: dict) -> dict:
@@ -85,7 +52,8 @@ class Speculator:
     def __init__(self, spec: SpecConfig, draft, config: ModelConfig,
                  engine_config: EngineConfig, hash_fn=None, mesh=None):
         self.spec = spec
-        self.pool: DraftPool | None = None
+        self.pool: PagePool | None = None  # the draft model's (None: the n-gram drafter)
+        self.params = self.config = self.sharding = None
         if spec.drafter == "model":
             if draft is None:
                 raise ConfigError("spec.drafter", "the model drafter needs "
@@ -96,7 +64,15 @@ class Speculator:
             if draft_config.vocab_size != config.vocab_size:
                 raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
                                   f"the target's {config.vocab_size}")
-            self.pool = DraftPool(params, draft_config, engine_config, hash_fn, mesh)
+            self.sharding = None if mesh is None else ShardingPlan(mesh, draft_config)
+            self.params = (jax.device_put(params) if self.sharding is None
+                           else self.sharding.place_params(params))
+            self.config = draft_config
+            ec = engine_config
+            self.pool = PagePool(draft_config, ec.cache, eviction=ec.eviction,
+                                 evicted_record=ec.evicted_record, hash_fn=hash_fn,
+                                 poison_freed=ec.poison_freed, sharding=self.sharding)
+            self.pool.fingerprint = model_fingerprint(draft_config, params)
         self.totals = empty_totals(spec.gamma)
         self.target_calls = 0
         self.gamma_history: list[int] = []
@@ -108,7 +84,12 @@ class Speculator:
 
     @property
     def max_seq_len(self) -> int | None:
-        return None if self.pool is None else self.pool.config.max_seq_len
+        return None if self.config is None else self.config.max_seq_len
+
+    @property
+    def step_shardings(self):
+        """The draft's own step shardings (its prefill runs `steps.extend` on its cache)."""
+        return None if self.sharding is None else self.sharding.steps()
 
     def next_gamma(self) -> int:
         """This call's γ: fixed, or (adaptive) the γ ≤ SpecConfig.gamma with the best
@@ -141,8 +122,11 @@ class Speculator:
             out.append(total)
         return out
 
-    def decode(self, engine, live, budgets: dict[int, int], gamma: int, arrays: dict) -> dict:
+    def decode(self, model, target: PagePool, decode_steps: int, live, budgets: dict[int, int],
+               gamma: int, arrays: dict) -> dict:
         """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
+
+        `model`: the target (`kvjax.engine.runner.TargetModel`), `target`: its pool.
 
         `arrays` holds the engine's per-slot arrays (table, lengths, last, budget, keys,
         knobs, stops, offsets, adapters) and want_logits. Returns the loop's outputs as
@@ -158,7 +142,7 @@ class Speculator:
             for seq in live:
                 rows[seq.slot] = seq.draft_pages
                 draft_lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
-            kwargs = dict(draft_params=pool.params, draft_config=pool.config,
+            kwargs = dict(draft_params=self.params, draft_config=self.config,
                           draft_cache=pool.cache,
                           draft_page_table=page_table(rows, slots, pool.cache_config.block_pages),
                           draft_lengths=draft_lengths, prev=prev)
@@ -169,14 +153,14 @@ class Speculator:
                 row = seq.req.tokens + seq.generated
                 history[seq.slot, : len(row)] = row
             kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
-        out = spec_loop(engine.params, engine.config, engine.cache, arrays["table"],
+        out = spec_loop(model.params, model.config, target.cache, arrays["table"],
                         arrays["lengths"], arrays["last"], arrays["budget"], arrays["keys"],
                         *arrays["knobs"], arrays["stops"], drafter=self.spec.drafter,
-                        gamma=gamma, max_out=engine.engine_config.decode_steps,
+                        gamma=gamma, max_out=decode_steps,
                         return_logits=arrays["want_logits"], position_offset=arrays["offsets"],
-                        lora=engine._lora, adapter_ids=arrays["adapters"],
-                        sharding=engine._shardings, **kwargs)
-        engine.cache = out.pop("cache")
+                        lora=model.lora, adapter_ids=arrays["adapters"],
+                        sharding=model.shardings, **kwargs)
+        target.cache = out.pop("cache")
         draft_cache = out.pop("draft_cache")
         if self.pool is not None:
             self.pool.cache = draft_cache
@@ -216,16 +200,14 @@ class Speculator:
     def calibrated(self) -> bool:
         return self.cost_ratio is not None and self.verify_slope is not None
 
-    def calibrate(self, engine, context: int = 128) -> None:
+    def calibrate(self, params, config: ModelConfig, batch: int, context: int = 128) -> None:
         """Measures what is not pinned in the SpecConfig: c (the draft's step time over the
         target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch."""
         from kvjax.speculative.cost import cost_ratio, verify_slope
 
-        batch = engine.engine_config.max_slots
-        target = (engine.params, engine.config)
+        target = (params, config)
         if self.cost_ratio is None:
-            self.cost_ratio = cost_ratio(target, (self.pool.params, self.pool.config), batch,
-                                         context)
+            self.cost_ratio = cost_ratio(target, (self.params, self.config), batch, context)
         if self.verify_slope is None:
             self.verify_slope = verify_slope(target, batch, context, self.spec.gamma + 1)
 

@@ -1,0 +1,133 @@
+"""PagePool: one model's paged KV cache and the host structures that hand out its pages.
+
+A pool is the device cache (a donated pytree), the allocator (reference-counted pages), the
+prefix trie (finished full pages kept for reuse) and the fixed fields of the namespace its
+entries live under. The engine holds one for the target model and one for the draft model;
+`generate()` holds one (`KVPool`, the same class) and uses its cache and allocator only.
+Every page operation is written once, here: reserve (evicting cached leaves, then asking the
+caller to preempt), grow (copy on write), release and poison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kvjax.cache.allocator import PageAllocator
+from kvjax.cache.identity import CacheNamespace, attention_signature
+from kvjax.cache.paged import (
+    PagedKVCache,
+    cache_bytes,
+    copy_pages,
+    init_cache,
+    padded_ids,
+    poison_pages,
+)
+from kvjax.cache.trie import EVICTION_POLICIES, PrefixTrie
+from kvjax.config import CacheConfig, ConfigError, ModelConfig
+from kvjax.decode.batching import free_past, pages_for
+from kvjax.errors import NonCausalCacheError
+
+Preempt = Callable[[], bool]  # frees some pages by preempting a request; False: none left
+
+
+class PagePool:
+    """A device page pool with its allocator, prefix trie and namespace (module docstring).
+
+    `sharding` (a `kvjax.sharding.ShardingPlan`) places the cache on a mesh; `poison_freed`
+    fills free pages with NaN on device (a debug mode: a read of a freed page shows).
+    """
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, *, eviction: str = "lru",
+                 evicted_record: int = 65536, hash_fn=None, poison_freed: bool = False,
+                 sharding=None):
+        if not model.causal:
+            raise NonCausalCacheError()
+        if eviction not in EVICTION_POLICIES:
+            raise ConfigError("engine.eviction", f"{eviction!r} is not one of "
+                              f"{', '.join(map(repr, EVICTION_POLICIES))}")
+        self.model_config = model
+        self.cache_config = cache
+        self.sharding = sharding
+        self.cache: PagedKVCache = (init_cache(model, cache) if sharding is None
+                                    else sharding.init_cache(cache))
+        self.allocator = PageAllocator(cache.num_pages, track_freed=poison_freed)
+        self.trie = PrefixTrie(cache.page_size, self.allocator, eviction,
+                               evicted_record=evicted_record,
+                               **({} if hash_fn is None else {"hash_fn": hash_fn}))
+        self.fingerprint: str | None = None  # the weights' (set by whoever loads them)
+        if poison_freed:
+            self.cache = poison_pages(self.cache, np.arange(cache.num_pages, dtype=np.int32))
+
+    def namespace(self, position_base: int, adapter: str = "none") -> CacheNamespace:
+        """The namespace (without salt) of a history computed by this pool's model."""
+        return CacheNamespace(model=self.fingerprint, adapter=adapter,
+                              position_base=position_base,
+                              attention=attention_signature(self.model_config),
+                              kv_dtype=self.cache_config.dtype)
+
+    @property
+    def room(self) -> int:
+        """Pages that can be had without preempting anyone: free ones and evictable ones."""
+        return self.allocator.num_free + self.trie.num_evictable()
+
+    @property
+    def page_bytes(self) -> int:
+        return cache_bytes(self.cache) // self.cache_config.num_pages
+
+    def reserve(self, num_pages: int, preempt: Preempt | None = None) -> bool:
+        """Makes `num_pages` pages free: evicts cached leaves, then calls `preempt` (when
+        given) until it frees enough or reports there is nobody left to preempt."""
+        while self.allocator.num_free < num_pages:
+            if self.trie.evict(num_pages - self.allocator.num_free):
+                continue
+            if preempt is None or not preempt():
+                return False
+        return True
+
+    def grow(self, pages: list[int], write_from: int, end: int,
+             preempt: Preempt | None = None) -> bool:
+        """Extends `pages` (in place) to cover cache slots [0, end), of which
+        [write_from, end) may be written: shared pages in that range are copied first
+        (copy on write). False, changing nothing, when the pages cannot be had."""
+        ps = self.cache_config.page_size
+        end = pages_for(end, ps)
+        shared = [i for i in range(write_from // ps, min(end, len(pages)))
+                  if self.allocator.refcount(pages[i]) > 1]
+        need = max(end - len(pages), 0)
+        if not self.reserve(need + len(shared), preempt):
+            return False
+        pages += self.allocator.allocate(need)
+        for i in shared:
+            fresh = self.allocator.copy_on_write(pages[i])
+            self.flush_poison()
+            self.copy_page(pages[i], fresh)
+            pages[i] = fresh
+        return True
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copies page `src` into page `dst` on device."""
+        self.cache = copy_pages(self.cache, padded_ids([src], 0),
+                                padded_ids([dst], self.cache_config.num_pages))
+
+    def truncate(self, pages: list[int], length: int) -> None:
+        """Rollback: releases the pages (in place) wholly past the first `length` slots."""
+        free_past(self.allocator, pages, length, self.cache_config.page_size)
+
+    def release(self, pages: list[int]) -> None:
+        """Drops one reference on each page (a page with none left is free again)."""
+        if pages:
+            self.allocator.free(pages)
+
+    def flush_poison(self) -> None:
+        """Poisons the pages freed since the last call that are still free (debug mode)."""
+        if self.allocator.freed:
+            freed = [p for p in self.allocator.freed if self.allocator.refcount(p) == 0]
+            self.allocator.freed.clear()
+            if freed:
+                self.cache = poison_pages(self.cache,
+                                          padded_ids(freed, self.cache_config.num_pages))
+
+
+KVPool = PagePool  # the name `generate()` users know

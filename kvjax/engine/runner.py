@@ -1,0 +1,167 @@
+"""The step runner: the device work of a scheduling round, and applying what it returns.
+
+Prefill of an admitted request (target, then draft) and its first token; then one call over
+the batch slots, `decode_loop` or the speculative `spec_loop`: the runner assembles the
+batch description (page table, lengths, last tokens, budgets, keys, sampling knobs), makes
+the call, appends each sample's new tokens and rolls back pages past the kept history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvjax.cache.pool import PagePool
+from kvjax.config import EngineConfig, ModelConfig
+from kvjax.decode import steps
+from kvjax.decode.batching import page_table
+from kvjax.decode.prefill import prefill
+from kvjax.decode.sampling import sample
+from kvjax.engine.requests import LiveRequest, Request, Seq
+from kvjax.engine.scheduler import PoolPlan
+from kvjax.engine.stats import Timers
+
+_sample = jax.jit(sample)
+
+
+@dataclasses.dataclass
+class TargetModel:
+    """The target model as the steps take it."""
+
+    params: Any  # on device (or placed on the mesh)
+    config: ModelConfig
+    lora: Any = None  # the loaded adapters, stacked (`kvjax.model.lora.stack_adapters`)
+    shardings: Any = None  # `kvjax.sharding.StepShardings` on a mesh
+    kernel: Any = None  # the decode attention kernel (None: the reference)
+
+
+def knobs(requests: list[Request | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """temperature, top_k, top_p per row (greedy for empty rows)."""
+    temperature = np.array([r.sampling.temperature if r else 0.0 for r in requests], np.float32)
+    top_k = np.array([r.sampling.top_k if r else 0 for r in requests], np.int32)
+    top_p = np.array([r.sampling.top_p if r else 1.0 for r in requests], np.float32)
+    return temperature, top_k, top_p
+
+
+class StepRunner:
+    """Runs the target's (and the draft's) device steps over the engine's pools."""
+
+    def __init__(self, model: TargetModel, pool: PagePool, engine_config: EngineConfig,
+                 speculator, timers: Timers):
+        self.model = model
+        self.pool = pool
+        self.engine_config = engine_config
+        self.spec = speculator  # a `kvjax.speculative.plugin.Speculator`, or None
+        self.timers = timers
+
+    # -- admission -----------------------------------------------------------------------------
+    def prefill(self, req: LiveRequest, pages: list[int], start: int) -> tuple[np.ndarray, float]:
+        """Prefills tokens[start:] in fixed chunks; returns (last token's logits [V], s)."""
+        m, pool = self.model, self.pool
+        before = self.timers["prefill_s"]
+        with self.timers("prefill_s"):
+            logits, pool.cache = prefill(m.params, m.config, pool.cache, pool.cache_config,
+                                         req.tokens, pages, start, req.request.position_base,
+                                         m.lora, req.adapter_index, m.shardings)
+            logits = np.asarray(logits)
+        return logits, self.timers["prefill_s"] - before
+
+    def cache_prompt(self, req: LiveRequest, pages: list[int]) -> int:
+        """Inserts the prompt's full pages into the trie; returns how many of its blocks an
+        unbounded cache would have held (for `unbounded_reused_tokens`)."""
+        with self.timers("host_s"):
+            trie = self.pool.trie
+            unbounded = trie.unbounded_blocks(req.namespace, req.tokens, req.salts)
+            trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
+        return unbounded
+
+    def prefill_draft(self, req: LiveRequest, plan: PoolPlan) -> tuple[list[int], int]:
+        """Commits the draft's plan, prefills its prompt and caches its full pages. Returns
+        (pages, reused tokens)."""
+        spec, pool = self.spec, plan.pool
+        pages = plan.commit()
+        start = len(plan.reused) * pool.cache_config.page_size
+        with self.timers("draft_prefill_s"):
+            _, pool.cache = prefill(spec.params, spec.config, pool.cache, pool.cache_config,
+                                    req.tokens, pages, start, req.request.position_base,
+                                    sharding=spec.step_shardings)
+        if self.engine_config.prefix_cache:
+            pool.trie.insert(pool.namespace(req.request.position_base), req.tokens, req.salts,
+                             req.digests, pages)
+        return pages, start
+
+    @staticmethod
+    def first_tokens(req: LiveRequest, logits: np.ndarray) -> np.ndarray:
+        """Each sample's first token from the prompt's last logits [V]."""
+        n = req.request.n
+        position = req.request.position_base + len(req.tokens)
+        return np.asarray(_sample(np.repeat(logits[None], n, 0),
+                                  np.stack([s.key for s in req.seqs]),
+                                  np.full(n, position, np.int32), *knobs([req.request] * n)))
+
+    # -- decode --------------------------------------------------------------------------------
+    def decode(self, live: list[Seq], budgets: dict[int, int], gamma: int) -> None:
+        """One decode (or speculative) call over the slots of `live`; appends each sample's
+        new tokens and, after a verification, releases pages past the kept history."""
+        m, pool, ec = self.model, self.pool, self.engine_config
+        pool.flush_poison()
+        slots = ec.max_slots
+        rows = [[] for _ in range(slots)]
+        lengths = np.zeros(slots, np.int32)
+        last = np.zeros(slots, np.int32)
+        budget = np.zeros(slots, np.int32)
+        keys = np.zeros((slots, 2), np.uint32)
+        offsets = np.zeros(slots, np.int32)
+        adapters = np.zeros(slots, np.int32)
+        stops = np.full(slots, -1, np.int32)
+        requests = [None] * slots
+        for seq in live:
+            i, r = seq.slot, seq.req.request
+            rows[i] = seq.pages
+            lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[i], seq.key
+            offsets[i], adapters[i] = r.position_base, seq.req.adapter_index
+            stops[i] = -1 if r.stop_token is None else r.stop_token
+            requests[i] = r
+        table = page_table(rows, slots, pool.cache_config.block_pages)
+        want_logits = any(s.req.request.return_logits for s in live)
+        adapter_ids = adapters if m.lora is not None else None
+        with self.timers("decode_s"):
+            if self.spec is None:
+                out, logits, pool.cache, new_lengths = steps.decode_loop(
+                    m.params, m.config, pool.cache, table, lengths, last, budget, keys,
+                    *knobs(requests), stops, max_steps=ec.decode_steps,
+                    return_logits=want_logits, position_offset=offsets, lora=m.lora,
+                    adapter_ids=adapter_ids, sharding=m.shardings, kernel=m.kernel)
+            else:
+                if self.spec.pool is not None:
+                    self.spec.pool.flush_poison()
+                res = self.spec.decode(m, pool, ec.decode_steps, live, budgets, gamma, dict(
+                    table=table, lengths=lengths, last=last, budget=budget, keys=keys,
+                    knobs=knobs(requests), stops=stops, offsets=offsets, adapters=adapter_ids,
+                    want_logits=want_logits))
+                out, logits, new_lengths = res["tokens"], res["logits"], res["lengths"]
+            out, new_lengths = np.asarray(out), np.asarray(new_lengths)
+            logits = np.asarray(logits) if want_logits else None
+        for seq in live:
+            self._apply(seq, out[seq.slot], None if logits is None else logits[seq.slot],
+                        int(new_lengths[seq.slot]))
+
+    def _apply(self, seq: Seq, out: np.ndarray, logits: np.ndarray | None, length: int) -> None:
+        """Appends a sample's new tokens (`out`: int32[steps], -1 past the last) and rolls
+        its pages back to the kept history after a verification."""
+        produced = out[out >= 0].tolist()
+        seq.generated += produced
+        if seq.req.request.return_logits:
+            seq.logits.extend(logits[: len(produced)])
+        seq.length = length
+        if produced:
+            seq.last = produced[-1]
+        request = seq.req.request
+        seq.done = len(seq.generated) >= request.max_new_tokens or seq.last == request.stop_token
+        if self.spec is not None:  # rollback: pages wholly past the kept history
+            self.pool.truncate(seq.pages, seq.length)
+            if self.spec.pool is not None:
+                self.spec.pool.truncate(seq.draft_pages, seq.draft_length)

@@ -1,0 +1,96 @@
+"""The engine's statistics: timers, what each request is told, and the aggregates.
+
+A request's stats depend only on what its own namespace can see (`kvjax.cache.trie`);
+the operator's view (misses that another tenant's private pages explain) is kept apart and
+only ever aggregated (`metrics`). Host code: plain Python.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+from kvjax.cache.trie import Match
+from kvjax.engine.requests import LiveRequest
+
+
+class Timers(collections.Counter):
+    """Seconds spent per phase (prefill_s, decode_s, host_s, draft_prefill_s)."""
+
+    @contextlib.contextmanager
+    def __call__(self, key: str):
+        """Adds the time spent inside the `with` block to `key`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[key] += time.perf_counter() - t0
+
+
+def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, copied: int,
+                     prefill_s: float, unbounded_blocks: int, page_size: int) -> None:
+    """Sets a request's admission stats (what its namespace can see) and its operator miss.
+
+    A request re-admitted after a preemption keeps its first admission's reuse figures and
+    adds the tokens it computed again.
+    """
+    n_tok = len(req.tokens)
+    cause, operator_cause = match.cause, match.operator_cause
+    if reuse < len(match.nodes):
+        cause = operator_cause = None  # all cached; the last page is recomputed for logits
+    if req.stats:
+        req.stats["recomputed_tokens"] += n_tok - start
+        req.stats["prefill_s"] += prefill_s
+        return
+    unbounded = min(unbounded_blocks, (n_tok - 1) // page_size) * page_size
+    req.stats = {
+        "prompt_tokens": n_tok,
+        "reused_tokens": start,
+        "computed_tokens": n_tok - start,
+        "reused_pages": reuse,
+        "copied_tokens": copied,
+        "miss_cause": cause,
+        "miss_position": match.position if cause in ("divergence", "partial_page") else None,
+        "miss_fields": match.fields if cause == "namespace" else [],
+        "prefill_s": prefill_s,
+        "unbounded_reused_tokens": max(unbounded, start),
+        "preemptions": 0,
+        "recomputed_tokens": 0,
+        "ttft_s": time.perf_counter() - req.submitted,
+    }
+    req.operator_miss = (operator_cause,
+                         tuple(match.operator_fields) if operator_cause == "namespace" else ())
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def aggregate(log: list[dict], operator_log: list[tuple[str | None, tuple[str, ...]]],
+              page_size: int) -> dict:
+    """The aggregates over finished or cancelled requests' stats (`log`, admitted ones)
+    and their operator misses (cause, namespace fields)."""
+    prompt = sum(s["prompt_tokens"] for s in log)
+    reused = sum(s["reused_tokens"] for s in log)
+    full_pages = sum((s["prompt_tokens"] - 1) // page_size for s in log)
+    causes = collections.Counter(cause for cause, _ in operator_log if cause)
+    fields = collections.Counter(f for cause, fs in operator_log
+                                 if cause == "namespace" for f in fs)
+    unbounded = sum(s["unbounded_reused_tokens"] for s in log)
+    return {
+        "requests": len(log),
+        "request_hit_rate": ratio(sum(s["reused_tokens"] > 0 for s in log), len(log)),
+        "token_reuse_rate": ratio(reused, prompt),
+        "page_reuse_rate": ratio(sum(s["reused_pages"] for s in log), full_pages),
+        "prompt_tokens": prompt,
+        "reused_tokens": reused,
+        "computed_tokens": prompt - reused,
+        "recomputed_tokens": sum(s["recomputed_tokens"] for s in log),
+        "misses_by_cause": dict(causes),  # the operator's view (see the module docstring)
+        "namespace_misses_by_field": dict(fields),
+        "unbounded_request_hit_rate": ratio(
+            sum(s["unbounded_reused_tokens"] > 0 for s in log), len(log)),
+        "unbounded_token_reuse_rate": ratio(unbounded, prompt),
+        "mean_ttft_s": ratio(sum(s["ttft_s"] for s in log), len(log)),
+    }
