@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kvjax import memory
 from kvjax.bench import decode as bench
-from kvjax.bench import device_check, memory
+from kvjax.bench import device_check
 from kvjax.bench.device_check import TINY_MODEL
 from kvjax.config import CacheConfig, load_config
 from kvjax.engine.engine import Engine
