@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import memory
-from kvjax.bench import decode as bench
 from kvjax.bench import device_check
 from kvjax.bench.device_check import TINY_MODEL
 from kvjax.config import CacheConfig, load_config
 from kvjax.engine.engine import Engine
+from kvjax.lab import timing as lab_timing
 from kvjax.model.transformer import init_params
 
 # The times the `--tiny` run reports, in place of those it measures:
@@ -38,13 +38,13 @@ def tiny(tmp_path_factory):
     kernel_s, ttft_s, measured = list(KERNEL_S), list(TTFT_S), []
 
     def median_seconds(fn, reps, warmup=2):
-        measured.append(bench.median_seconds(fn, reps, warmup))
+        measured.append(lab_timing.median_seconds(fn, reps, warmup))
         return kernel_s.pop(0)
 
     def multistep_seconds(params, config, holder, table, lengths, decode_steps, reps,
                           kernel=None):
-        measured.append(bench.multistep_seconds(params, config, holder, table, lengths,
-                                                decode_steps, reps, kernel))
+        measured.append(lab_timing.multistep_seconds(params, config, holder, table, lengths,
+                                                     decode_steps, reps, kernel))
         return STEP_S[len(lengths), "reference" if kernel is None else "kernel"]
 
     class KnownTTFT(Engine):

@@ -10,7 +10,7 @@ Three phases, each printed as it runs, all written to one JSON file:
            achieved HBM bandwidth per batch size, reference attention and the kernel side by
            side. Bytes per step are those `memory.step_cost` counts (weights once, every
            row's KV, the new KV written); bandwidth = bytes / measured seconds.
-Every time is a median of timed repetitions after warm-up (`kvjax.bench.decode.median_seconds`).
+Every time is a median of timed repetitions after warm-up (`kvjax.lab.timing.median_seconds`).
 `--tiny` runs a small model on CPU in seconds (kernels in Pallas interpret mode): the test.
 """
 
@@ -30,13 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.bench.decode import (
-    Holder,
-    contiguous_pages,
-    filled_with_noise,
-    median_seconds,
-    multistep_seconds,
-)
 from kvjax.cache.paged import BatchInfo, PagedKVCache, init_cache
 from kvjax.config import CacheConfig, EngineConfig, ModelConfig, load_config
 from kvjax.decode.batching import page_table, pages_for
@@ -44,6 +37,13 @@ from kvjax.engine.engine import Engine
 from kvjax.engine.requests import Request
 from kvjax.lab.progress import Progress
 from kvjax.lab.report import emit, environment, markdown_table, refuse
+from kvjax.lab.timing import (
+    Holder,
+    contiguous_pages,
+    filled_with_noise,
+    median_seconds,
+    multistep_seconds,
+)
 from kvjax.model.attention import paged_attention_reference
 from kvjax.model.kernels import (
     BACKENDS,
