@@ -17,11 +17,11 @@ import numpy as np
 
 from experiments import common
 from kvjax import memory
-from kvjax.bench.decode import Holder, contiguous_pages, filled_with_noise, multistep_seconds
 from kvjax.cache.paged import cache_bytes, init_cache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import generate
+from kvjax.lab.timing import Holder, contiguous_pages, filled_with_noise, multistep_seconds
 from kvjax.model.transformer import init_params
 
 LAYOUTS = ("mha", "gqa", "mqa")

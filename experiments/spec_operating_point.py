@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 from pathlib import Path
 
 from experiments import common
-from kvjax.bench import spec as bench_spec
-from kvjax.bench.spec import held_out_prompts, measure_point
 from kvjax.config import ConfigError
 from kvjax.memory.calculator import num_params
+from kvjax.speculative import operating_point
 from kvjax.speculative.cost import cost_ratio, verify_slope
+from kvjax.speculative.operating_point import held_out_prompts, measure_point
 from kvjax.train.loop import trained
 
 
@@ -82,10 +81,9 @@ def run(config) -> dict:
     target, draft = _pair(shared)
     c_model, slope = _costs(shared)
     prompts = held_out_prompts(p.prompts, p.prompt_len, seed=config.seed)
-    args = types.SimpleNamespace(slots=p.slots, gen_tokens=p.gen_tokens, reps=p.reps)
     c = c_model if p.drafter == "model" else 0.0
-    row = measure_point(target, draft, prompts, args, p.drafter, p.gamma, False, c, slope,
-                        p.gen_tokens)
+    row = measure_point(target, draft, prompts, p.drafter, p.gamma, False, c, slope,
+                        p.gen_tokens, gen_tokens=p.gen_tokens, slots=p.slots, reps=p.reps)
     row["verify_slope"] = slope
     row["target_params"], row["draft_params"] = num_params(target[1]), num_params(draft[1])
     return row
@@ -93,7 +91,7 @@ def run(config) -> dict:
 
 TIMING = ("c", "verify_slope", "predicted", "predicted_verify", "cost_model", "speedup")
 
-COLUMNS = bench_spec.COLUMNS
+COLUMNS = operating_point.COLUMNS
 
 
 def headline(rows: list[dict]) -> str:
@@ -114,5 +112,5 @@ def headline(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out) -> list:
     path = Path(out) / "spec_operating_point.png"
-    bench_spec.plot_operating_point(rows, path)
+    operating_point.plot_operating_point(rows, path)
     return [path]

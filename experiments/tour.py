@@ -12,15 +12,14 @@ acceptance, and the check that greedy tokens are unchanged).
 from __future__ import annotations
 
 import dataclasses
-import types
 from pathlib import Path
 
 from experiments import common
-from kvjax.bench.spec import held_out_prompts, measure_point
 from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import Request
 from kvjax.io.tokenizer import ByteTokenizer
+from kvjax.speculative.operating_point import held_out_prompts, measure_point
 from kvjax.train.loop import is_trained, trained
 
 SYSTEM = ("You are the kvjax tour guide. A KV-cache entry is the state a specific computation "
@@ -128,11 +127,10 @@ def _scene(name: str, engine: Engine, off: Engine, request: Request) -> dict:
 
 def _spec(p: Params, seed: int, target, draft, where: str) -> list[dict]:
     prompts = held_out_prompts(p.spec_prompts, p.spec_prompt_len, seed=seed)
-    args = types.SimpleNamespace(slots=1, gen_tokens=p.spec_tokens, reps=1)
     rows = []
     for drafter, gamma in (("model", p.gamma), ("ngram", max(1, p.gamma // 2))):
-        r = measure_point(target, draft, prompts, args, drafter, gamma, False, 0.0, 0.0,
-                          p.spec_tokens)
+        r = measure_point(target, draft, prompts, drafter, gamma, False, 0.0, 0.0,
+                          p.spec_tokens, gen_tokens=p.spec_tokens, slots=1, reps=1)
         rows.append({"case": f"{drafter} drafter, γ {gamma}", "speedup": r["speedup"],
                      "alpha": r["alpha"], "tokens_per_call": r["mean_accepted_length"],
                      "same_as_plain": r["same"] == r["prompts"], "models": where,

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax.bench import decode as bench
-from kvjax.bench import device_check, memory
+from kvjax import memory
+from kvjax.bench import device_check, device_measure
 from kvjax.bench.device_check import TINY_MODEL
 from kvjax.config import CacheConfig, load_config
 from kvjax.engine.engine import Engine
+from kvjax.lab import timing as lab_timing
 from kvjax.model.transformer import init_params
 
 # The times the `--tiny` run reports, in place of those it measures:
@@ -37,13 +38,13 @@ def tiny(tmp_path_factory):
     kernel_s, ttft_s, measured = list(KERNEL_S), list(TTFT_S), []
 
     def median_seconds(fn, reps, warmup=2):
-        measured.append(bench.median_seconds(fn, reps, warmup))
+        measured.append(lab_timing.median_seconds(fn, reps, warmup))
         return kernel_s.pop(0)
 
     def multistep_seconds(params, config, holder, table, lengths, decode_steps, reps,
                           kernel=None):
-        measured.append(bench.multistep_seconds(params, config, holder, table, lengths,
-                                                decode_steps, reps, kernel))
+        measured.append(lab_timing.multistep_seconds(params, config, holder, table, lengths,
+                                                     decode_steps, reps, kernel))
         return STEP_S[len(lengths), "reference" if kernel is None else "kernel"]
 
     class KnownTTFT(Engine):
@@ -55,9 +56,9 @@ def tiny(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("device_check") / "report.json"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(device_check, "median_seconds", median_seconds)
-        mp.setattr(device_check, "multistep_seconds", multistep_seconds)
-        mp.setattr(device_check, "Engine", KnownTTFT)
+        mp.setattr(device_measure, "median_seconds", median_seconds)
+        mp.setattr(device_measure, "multistep_seconds", multistep_seconds)
+        mp.setattr(device_measure, "Engine", KnownTTFT)
         mp.setattr(device_check, "peak_hbm", lambda kind: PEAK)
         rc = device_check.main(["--tiny", "--out", str(out)])
     assert kernel_s == ttft_s == []  # every known time was reported
@@ -86,7 +87,7 @@ def test_kernel_matches_reference_within_tolerance(tiny):
         ("bfloat16", "default"), ("float32", "default"), ("float32", "highest")]
     for case in check["cases"]:
         assert case["passed"], case
-        assert case["tol"] == device_check.TOLERANCE[case["q_dtype"]]
+        assert case["tol"] == device_measure.TOLERANCE[case["q_dtype"]]
         assert 0 <= case["max_abs_error"] <= case["tol"]
     timing = check["timing"]
     # reference 6 ms, kernel 2.5 ms: 6 / 2.5 = 2.4 (float64 arithmetic: measured error 0)

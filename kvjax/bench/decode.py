@@ -8,8 +8,6 @@ step divided by the bandwidth a jitted matrix-vector product reaches on this mac
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
 import time
 
 import jax
@@ -21,44 +19,17 @@ from kvjax.cache.dense import init_dense_cache
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig, load_config
 from kvjax.decode import steps
-from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.sampling import sample
 from kvjax.lab.report import emit, markdown_table, write_results
+from kvjax.lab.timing import (
+    Holder,
+    contiguous_pages,
+    filled_with_noise,
+    measure_bandwidth,
+    median_seconds,
+    multistep_seconds,
+)
 from kvjax.model.transformer import forward, init_params
-
-
-def median_seconds(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_bandwidth(megabytes: int = 256, reps: int = 10) -> float:
-    """Bytes/s a jitted float32 matrix-vector product streams (the decode-shaped workload)."""
-    n = int((megabytes * 2**20 / 4) ** 0.5)
-    w = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    x = jnp.ones((n,), jnp.float32)
-    matvec = jax.jit(lambda w, x: w @ x)
-    seconds = median_seconds(lambda: matvec(w, x).block_until_ready(), reps)
-    return n * n * 4 / seconds
-
-
-def filled_with_noise(cache, seed: int = 0):
-    """Random K/V so attention reads real numbers (timing does not depend on them)."""
-    k = jax.random.normal(jax.random.PRNGKey(seed), cache.k.shape, cache.k.dtype)
-    return cache.replace(k=k, v=k * 0.5)
-
-
-class Holder:
-    """Keeps the donated cache threaded through repeated timed calls."""
-
-    def __init__(self, cache):
-        self.cache = cache
 
 
 def _step_timer(params, config, holder, tokens, batch):
@@ -67,37 +38,6 @@ def _step_timer(params, config, holder, tokens, batch):
         logits.block_until_ready()
 
     return run
-
-
-def contiguous_pages(cache_cfg: CacheConfig, batch: int, total: int):
-    """A page table giving each of `batch` rows its own `total` tokens of pages, and the
-    cache config with exactly that many pages."""
-    per_row = pages_for(total, cache_cfg.page_size)
-    rows = [list(range(i * per_row, (i + 1) * per_row)) for i in range(batch)]
-    table = page_table(rows, batch, cache_cfg.block_pages)
-    return table, dataclasses.replace(cache_cfg, num_pages=batch * per_row)
-
-
-def multistep_seconds(params, config: ModelConfig, holder: Holder, table, lengths,
-                      decode_steps: int, reps: int, kernel=None) -> float:
-    """Seconds per token of `decode_steps` greedy tokens per row decoded on device by
-    `steps.decode_loop` from `lengths` (the cache in `holder` is threaded through), with
-    the decode-attention `kernel` (`kvjax.model.kernels.AttentionKernel`; None: reference)."""
-    batch = len(lengths)
-    zeros = np.zeros(batch, np.int32)
-    keys = np.zeros((batch, 2), np.uint32)
-    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
-    budget = np.full(batch, decode_steps, np.int32)
-    last = np.ones(batch, np.int32)
-
-    def multi_step():
-        out, _, holder.cache, _ = steps.decode_loop(
-            params, config, holder.cache, table, lengths, last, budget, keys, temp, zeros,
-            top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16),
-            kernel=kernel)
-        np.asarray(out)
-
-    return median_seconds(multi_step, reps) / decode_steps
 
 
 def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int, context: int,

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -23,6 +21,7 @@ from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import KVPool, generate
 from kvjax.io.hf import hf_config, load_hf
 from kvjax.lab.report import emit, markdown_table, write_results
+from kvjax.lab.timing import median_timed
 
 
 def _hf_model(model_cfg, folder: Path, seed: int):
@@ -36,15 +35,6 @@ def _hf_model(model_cfg, folder: Path, seed: int):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     model.save_pretrained(folder)
     return model
-
-
-def _median(fn, reps: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def main(args) -> int:
@@ -81,10 +71,10 @@ def main(args) -> int:
         for fn in (kv_run, hf_run):  # warm-up (compilation for kvjax)
             fn(2)
             fn(args.gen_tokens)
-        kv_prefill, _ = _median(lambda: kv_run(1), args.reps)
-        kv_total, kv_out = _median(lambda: kv_run(args.gen_tokens), args.reps)
-        hf_prefill, _ = _median(lambda: hf_run(1), args.reps)
-        hf_total, hf_out = _median(lambda: hf_run(args.gen_tokens), args.reps)
+        kv_prefill, _ = median_timed(lambda: kv_run(1), args.reps)
+        kv_total, kv_out = median_timed(lambda: kv_run(args.gen_tokens), args.reps)
+        hf_prefill, _ = median_timed(lambda: hf_run(1), args.reps)
+        hf_total, hf_out = median_timed(lambda: hf_run(args.gen_tokens), args.reps)
         hf_tokens = hf_out[:, args.prompt_len:].numpy()
         kv_tokens = np.array(kv_out.tokens)
         same = (kv_tokens == hf_tokens).all(axis=1)

@@ -1,0 +1,97 @@
+"""Timing helpers the benchmarks and experiments share: medians of timed calls, the decode-step
+timers, and the bandwidth a decode-shaped workload reaches on this machine.
+
+Every time is a median of repetitions after warm-up; callers block on the result
+(`block_until_ready`, or a host copy) inside the timed call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import CacheConfig, ModelConfig
+from kvjax.decode import steps
+from kvjax.decode.batching import bucket, page_table, pages_for
+
+
+def median_timed(fn, reps: int, warmup: int = 0) -> tuple[float, object]:
+    """(median seconds of `reps` timed calls of `fn` after `warmup` untimed ones, what the
+    last timed call returned)."""
+    for _ in range(warmup):
+        fn()
+    times, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def median_seconds(fn, reps: int, warmup: int = 2) -> float:
+    """Median seconds of `reps` timed calls of `fn` after `warmup` untimed ones; what `fn`
+    returns is dropped at once (no call's output is alive while the next one runs)."""
+
+    def call() -> None:
+        fn()
+
+    return median_timed(call, reps, warmup)[0]
+
+
+def measure_bandwidth(megabytes: int = 256, reps: int = 10) -> float:
+    """Bytes/s a jitted float32 matrix-vector product streams (the decode-shaped workload)."""
+    n = int((megabytes * 2**20 / 4) ** 0.5)
+    w = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    x = jnp.ones((n,), jnp.float32)
+    matvec = jax.jit(lambda w, x: w @ x)
+    seconds = median_seconds(lambda: matvec(w, x).block_until_ready(), reps)
+    return n * n * 4 / seconds
+
+
+def filled_with_noise(cache, seed: int = 0):
+    """Random K/V so attention reads real numbers (timing does not depend on them)."""
+    k = jax.random.normal(jax.random.PRNGKey(seed), cache.k.shape, cache.k.dtype)
+    return cache.replace(k=k, v=k * 0.5)
+
+
+class Holder:
+    """Keeps the donated cache threaded through repeated timed calls."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+
+def contiguous_pages(cache_cfg: CacheConfig, batch: int, total: int):
+    """A page table giving each of `batch` rows its own `total` tokens of pages, and the
+    cache config with exactly that many pages."""
+    per_row = pages_for(total, cache_cfg.page_size)
+    rows = [list(range(i * per_row, (i + 1) * per_row)) for i in range(batch)]
+    table = page_table(rows, batch, cache_cfg.block_pages)
+    return table, dataclasses.replace(cache_cfg, num_pages=batch * per_row)
+
+
+def multistep_seconds(params, config: ModelConfig, holder: Holder, table, lengths,
+                      decode_steps: int, reps: int, kernel=None) -> float:
+    """Seconds per token of `decode_steps` greedy tokens per row decoded on device by
+    `steps.decode_loop` from `lengths` (the cache in `holder` is threaded through), with
+    the decode-attention `kernel` (`kvjax.model.kernels.AttentionKernel`; None: reference)."""
+    batch = len(lengths)
+    zeros = np.zeros(batch, np.int32)
+    keys = np.zeros((batch, 2), np.uint32)
+    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
+    budget = np.full(batch, decode_steps, np.int32)
+    last = np.ones(batch, np.int32)
+
+    def multi_step():
+        out, _, holder.cache, _ = steps.decode_loop(
+            params, config, holder.cache, table, lengths, last, budget, keys, temp, zeros,
+            top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16),
+            kernel=kernel)
+        np.asarray(out)
+
+    return median_seconds(multi_step, reps) / decode_steps
