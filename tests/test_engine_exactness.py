@@ -152,7 +152,7 @@ def test_streamed_tokens_equal_the_results(p):
     streamed = {i: [] for i in ids}
     finished = set()
     only_first = [e.tokens for e in eng.stream(ids[0])]
-    assert ids[0] not in eng._reqs
+    assert ids[0] not in eng.rounds.live
     streamed[ids[0]] = [t for tokens in only_first for t in tokens]
     finished.add(ids[0])
     for event in eng.stream():

@@ -65,10 +65,10 @@ class EngineMachine(RuleBasedStateMachine):
     def step(self):
         self.eng.step()
 
-    @precondition(lambda self: self.eng._reqs)
+    @precondition(lambda self: self.eng.rounds.live)
     @rule(data=st.data())
     def cancel(self, data):
-        self.eng.cancel(data.draw(st.sampled_from(sorted(self.eng._reqs))))
+        self.eng.cancel(data.draw(st.sampled_from(sorted(self.eng.rounds.live))))
 
     @rule(pages=st.integers(1, 8), pool=st.integers(0, 1))
     def evict(self, pages, pool):
@@ -79,7 +79,7 @@ class EngineMachine(RuleBasedStateMachine):
     def refcounts_match_the_holders(self):
         for alloc, trie, pages_of, _, _ in self.pools():
             holders = collections.Counter(trie.pages())
-            for req in self.eng._reqs.values():
+            for req in self.eng.rounds.live.values():
                 for seq in req.seqs:
                     holders.update(pages_of(seq)[0])
             for page in range(NUM_PAGES):
@@ -89,7 +89,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def decoded_pages_have_one_writer(self):
         for alloc, _, pages_of, _, _ in self.pools():
-            for req in self.eng._reqs.values():
+            for req in self.eng.rounds.live.values():
                 for seq in req.seqs:
                     pages, length = pages_of(seq)
                     if seq.slot is None or length <= len(req.tokens):

@@ -12,6 +12,7 @@ from helpers import small_model
 import kvjax
 from kvjax import Engine, EngineConfig, InvalidRequestError, Request, SamplingConfig
 from kvjax.config import SpecConfig
+from kvjax.engine.rounds import Rounds
 from kvjax.lab import workloads
 
 V = CONFIG.vocab_size
@@ -123,14 +124,14 @@ def test_a_recomputation_that_contradicts_the_stream_is_an_error(p, monkeypatch)
     recomputed tokens differ from what it streamed. The engine ends that request with
     status "error" (its result holds the streamed tokens), keeps serving the others
     exactly, and leaks no page."""
-    preempt = Engine._preempt
+    preempt = Rounds._preempt
 
     def preempt_and_rekey(self, req):
         preempt(self, req)
         for seq in req.seqs:
             seq.key = seq.key ^ np.uint32(1)
 
-    monkeypatch.setattr(Engine, "_preempt", preempt_and_rekey)
+    monkeypatch.setattr(Rounds, "_preempt", preempt_and_rekey)
     requests = _sampled_workload()
     tight = _tight(p)
     ids = [tight.submit(r) for r in requests]
@@ -184,7 +185,7 @@ def test_a_contradiction_found_while_decoding_ends_every_open_stream_once(p, mon
     differ at index 3, with the stop token (so that sample is done in the very call that
     finds the contradiction). Every sample of every request gets exactly one finished
     event; the failed request's open samples get one naming the error; no page leaks."""
-    emit = Engine._emit
+    emit = Rounds._emit
     stop = 0  # never sampled in this workload: the requests run long enough to be preempted
 
     def emit_diverging(self, req, events):
@@ -195,7 +196,7 @@ def test_a_contradiction_found_while_decoding_ends_every_open_stream_once(p, mon
             seq.done = True
         return emit(self, req, events)
 
-    monkeypatch.setattr(Engine, "_emit", emit_diverging)
+    monkeypatch.setattr(Rounds, "_emit", emit_diverging)
     requests = workloads.shared_system_prompt(3, prefix_len=9, suffix_len=6, vocab=V,
                                               max_new_tokens=30, seed=7, n=2, sampling=HOT,
                                               stop_token=stop)
@@ -225,7 +226,7 @@ def test_cancelling_a_preempted_request_returns_what_it_streamed(p):
     while victim is None:
         for event in tight.step():
             streamed[event.request_id] += event.tokens
-        waiting = [r for r in tight._reqs.values()
+        waiting = [r for r in tight.rounds.live.values()
                    if r.stats.get("preemptions") and r in tight.scheduler.waiting]
         victim = waiting[0].id if waiting else None
     tight.cancel(victim)

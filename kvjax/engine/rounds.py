@@ -1,0 +1,231 @@
+"""A scheduling round over the engine's pools: admit, grow, decode, stream, retire.
+
+The engine facade (`engine.py`) builds the parts and holds this; here the parts meet: the
+scheduler picks and plans (`scheduler.py`), the pools give pages (`kvjax.cache.pool`), the
+step runner makes the device calls (`runner.py`), and what a request returns is checked
+and recorded (`results.py`, `stats.py`). Host code: plain Python + numpy.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from kvjax.config import EngineConfig, ModelConfig
+from kvjax.engine import results, scheduler
+from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent
+from kvjax.engine.runner import StepRunner
+from kvjax.engine.stats import Timers, record_admission
+from kvjax.speculative.plugin import finish_request_stats
+
+
+class Rounds:
+    """The engine's live requests and finished results, and the round that moves them."""
+
+    def __init__(self, config: ModelConfig, engine_config: EngineConfig, runner: StepRunner,
+                 timers: Timers, tokenizer=None):
+        self.config = config
+        self.engine_config = engine_config
+        self.runner = runner
+        self.pool, self.spec = runner.pool, runner.spec
+        self.draft_pool = None if self.spec is None else self.spec.pool
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler.Scheduler(engine_config.max_slots, engine_config.schedule)
+        self.live: dict[int, LiveRequest] = {}  # waiting or running
+        self.results: dict[int, RequestResult] = {}  # finished, not yet collected
+        self.counters = collections.Counter()
+        self.timers = timers
+        self.stats_log: list[dict] = []
+        self.operator_log: list[tuple[str | None, tuple[str, ...]]] = []  # (cause, fields)
+
+    def enqueue(self, req: LiveRequest) -> None:
+        self.live[req.id] = req
+        self.scheduler.waiting.append(req)
+
+    def step(self) -> list[StreamEvent]:
+        """One scheduling round: admit, decode, retire. Returns the new tokens."""
+        events: list[StreamEvent] = []
+        self._admit(events)
+        if self.scheduler.running:
+            self._decode(events)
+        elif self.scheduler.waiting:  # validation makes every request fit an empty cache
+            raise RuntimeError("the engine cannot admit a request into an idle cache")
+        return events
+
+    def cancel(self, req: LiveRequest) -> None:
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        self._release(req)
+        self._finish(req, status="cancelled")
+
+    # -- admission -----------------------------------------------------------------------------
+    def _admit(self, events: list[StreamEvent]) -> None:
+        sched, ec = self.scheduler, self.engine_config
+        while sched.waiting:
+            with self.timers("host_s"):
+                req = sched.pick(lambda r: len(scheduler.match(self.pool, r,
+                                                               ec.prefix_cache).nodes))
+            free = sched.free_slots()
+            if len(free) < req.request.n or not self._try_admit(req, free, events):
+                return
+
+    def _try_admit(self, req: LiveRequest, free_slots: list[int], events) -> bool:
+        ec = self.engine_config
+        with self.timers("host_s"):
+            adm = scheduler.plan_admission(req, self.pool, self.draft_pool, ec.prefix_cache,
+                                           ec.partial_page_copy)
+            if adm is None:
+                return False
+            pages = adm.target.commit()
+        if adm.target.copy_from is not None:
+            self.counters["partial_copies"] += 1
+        logits, prefill_s = self.runner.prefill(req, pages, adm.start)
+        unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
+        draft_pages, draft_reused = ([], 0) if adm.draft is None else \
+            self.runner.prefill_draft(req, adm.draft)
+        first = self.runner.first_tokens(req, logits)
+        for j, seq in enumerate(req.seqs):
+            seq.pages, seq.draft_pages = list(pages), list(draft_pages)
+            if j > 0:  # the samples share the prompt's pages (copy on write)
+                for page in pages:
+                    self.pool.allocator.share(page)
+                for page in draft_pages:
+                    self.draft_pool.allocator.share(page)
+            seq.length, seq.last, seq.generated = len(req.tokens), int(first[j]), [int(first[j])]
+            seq.logits = [logits] if req.request.return_logits else []
+            seq.done = (req.request.max_new_tokens == 1 or seq.last == req.request.stop_token)
+            seq.draft_length, seq.prev = len(req.tokens), -1
+        self.scheduler.seat(req, free_slots)
+        for seq in req.seqs:
+            if seq.done:
+                self._release_seq(seq)
+        record_admission(req, adm.match, adm.reuse, adm.start, adm.target.copied, prefill_s,
+                         unbounded, self.pool.cache_config.page_size)
+        if self.draft_pool is not None:
+            req.stats.setdefault("draft_reused_tokens", draft_reused)
+        if self._emit(req, events):
+            self._retire_if_done(req)
+        return True
+
+    # -- pages ---------------------------------------------------------------------------------
+    def _grow(self, seq: Seq, tokens: int) -> bool:
+        """Gives `seq` pages it may write for its next `tokens` cache slots, in the target's
+        pool and the draft's (copy on write), preempting younger requests if it must."""
+        def preempt() -> bool:
+            victim = self.scheduler.victim(seq.req)
+            if victim is not None:
+                self._preempt(victim)
+            return victim is not None
+
+        end = seq.length + tokens
+        with self.timers("host_s"):
+            ok = self.pool.grow(seq.pages, seq.length, end, preempt)
+            if ok and self.draft_pool is not None:
+                ok = self.draft_pool.grow(seq.draft_pages, seq.draft_length, end, preempt)
+        return ok
+
+    def _preempt(self, req: LiveRequest) -> None:
+        """Returns a running request's pages and queues it first: it is recomputed from its
+        prompt. What it streamed stays; the regenerated tokens are checked against it."""
+        self._release(req)
+        for seq in req.seqs:
+            seq.generated, seq.logits, seq.done, seq.length = [], [], False, 0
+            seq.draft_length, seq.prev, seq.checked = 0, -1, 0
+        req.calls = 0
+        req.stats.pop("spec", None)  # counts the tokens it returns, not the discarded work
+        req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
+        self.counters["preemptions"] += 1
+        self.scheduler.waiting.appendleft(req)
+
+    def _release(self, req: LiveRequest) -> None:
+        for seq in req.seqs:
+            self._release_seq(seq)
+
+    def _release_seq(self, seq: Seq) -> None:
+        self.pool.release(seq.pages)
+        if seq.draft_pages:
+            self.draft_pool.release(seq.draft_pages)
+        seq.pages, seq.draft_pages = [], []
+        self.scheduler.vacate(seq)
+
+    # -- decode --------------------------------------------------------------------------------
+    def _decode(self, events: list[StreamEvent]) -> None:
+        ec, spec = self.engine_config, self.spec
+        gamma = 0
+        if spec is not None:
+            if spec.spec.adaptive and not spec.calibrated:
+                spec.calibrate(self.runner.model.params, self.config, ec.max_slots)
+            replay = self._replay_gamma()
+            gamma = spec.next_gamma() if replay is None else replay
+        budgets = {}
+        for seq in self.scheduler.decode_order():
+            if seq.slot is None or seq.done:
+                continue  # preempted while growing another sequence
+            if spec is not None and seq.req.replaying and seq.req.gammas[seq.req.calls] != gamma:
+                continue  # recomputing under another γ: it waits for a call with its own
+            budget = min(ec.decode_steps, seq.req.request.max_new_tokens - len(seq.generated))
+            if self._grow(seq, budget + gamma):  # a verify writes up to γ slots ahead
+                budgets[seq.slot] = budget
+            elif self.scheduler.num_running > 1:
+                self._preempt(seq.req)  # nothing younger to preempt: wait for the others
+        live = [s for s in self.scheduler.slots if s is not None and s.slot in budgets]
+        if not live:
+            return
+        live_reqs = list({s.req.id: s.req for s in live}.values())
+        self.runner.decode(live, budgets, gamma)
+        if spec is not None:
+            for req in live_reqs:
+                if req.calls == len(req.gammas):
+                    req.gammas.append(gamma)
+                req.calls += 1
+        for req in live_reqs:
+            if not self._emit(req, events):
+                continue
+            for seq in req.seqs:
+                if seq.done:
+                    self._release_seq(seq)
+            self._retire_if_done(req)
+
+    def _replay_gamma(self) -> int | None:
+        """The γ the oldest running request that is recomputing streamed tokens had at this
+        call of its first run, or None. Sampled speculative tokens depend on where rounds
+        start, so a request regenerates what it streamed only under the same γ per call
+        (adaptive γ may have moved since)."""
+        replaying = [s.req for s in self.scheduler.running if s.req.replaying]
+        if not replaying:
+            return None
+        oldest = min(replaying, key=lambda r: r.admitted_order)
+        return oldest.gammas[oldest.calls]
+
+    # -- results -------------------------------------------------------------------------------
+    def _emit(self, req: LiveRequest, events: list[StreamEvent]) -> bool:
+        """Streams each sample's new tokens. False when a recomputed sample contradicts what
+        it already streamed: the request has failed (`_fail`) and no token is streamed."""
+        error = results.contradiction(req)
+        if error is not None:
+            self._fail(req, events, error)
+            return False
+        events += results.new_events(req)
+        return True
+
+    def _fail(self, req: LiveRequest, events: list[StreamEvent], error: str) -> None:
+        """Ends a request with status "error": its pages return, and every sample whose
+        stream is still open gets a last event naming the error."""
+        self._release(req)
+        events += results.closing_events(req, error)
+        self._finish(req, status="error", error=error)
+
+    def _retire_if_done(self, req: LiveRequest) -> None:
+        if all(s.done for s in req.seqs):
+            self._release(req)
+            self._finish(req, status="finished")
+
+    def _finish(self, req: LiveRequest, status: str, error: str | None = None) -> None:
+        result = results.request_result(req, status, error, self.config.vocab_size,
+                                        self.tokenizer)
+        finish_request_stats(result.stats)
+        self.results[req.id] = result
+        self.counters[status] += 1
+        self.stats_log.append(dict(result.stats, id=req.id, status=status))
+        if "prompt_tokens" in req.stats:
+            self.operator_log.append(req.operator_miss)
+        del self.live[req.id]
