@@ -21,7 +21,7 @@ from kvjax.config import ModelConfig
 from kvjax.decode.sampling import sample
 from kvjax.model.kernels import AttentionKernel
 from kvjax.model.transformer import Cache, Transformer
-from kvjax.sharding import StepShardings, maybe_constrain_cache, maybe_replicated
+from kvjax.sharding.rules import StepShardings, maybe_constrain_cache, maybe_replicated
 
 _TRACES: collections.Counter = collections.Counter()
 

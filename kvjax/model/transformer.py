@@ -28,7 +28,7 @@ from kvjax.model.kernels import (
 )
 from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm
 from kvjax.model.lora import add_lora, stack_adapters
-from kvjax.sharding import StepShardings
+from kvjax.sharding.rules import StepShardings
 
 Cache = PagedKVCache | DenseKVCache | None
 

@@ -33,7 +33,7 @@ from kvjax.config import ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.sampling import DRAFT_TAG, probabilities, sample
 from kvjax.model.transformer import Transformer
-from kvjax.sharding import maybe_constrain_cache, maybe_replicated
+from kvjax.sharding.rules import maybe_constrain_cache, maybe_replicated
 from kvjax.speculative.ngram_device import ngram_propose
 from kvjax.speculative.rules import greedy_accept, sampling_accept
 

@@ -18,7 +18,7 @@ from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table
 from kvjax.errors import NonCausalCacheError
-from kvjax.sharding import ShardingPlan
+from kvjax.sharding.plan import ShardingPlan
 from kvjax.speculative.loop import STAT_KEYS, spec_loop
 from kvjax.speculative.rules import predicted_speedup
 
