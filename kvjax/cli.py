@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -89,11 +90,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_clone_root(args: argparse.Namespace, root: Path | None) -> None:
+    """From anywhere inside a clone, runs as from its root: the paths a config names
+    (configs/..., results/...) are the clone's. Paths given here are taken from where the
+    command was typed."""
+    cwd = Path.cwd().resolve()
+    if root is None or cwd == root or not cwd.is_relative_to(root):
+        return
+    for key in ("config", "out", "publish"):
+        if getattr(args, key, None) is not None:
+            setattr(args, key, str(Path(getattr(args, key)).resolve()))
+    os.chdir(root)
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvjax.lab import registry as experiments
     from kvjax.lab import runner
     from kvjax.lab.results import publish
 
+    _to_clone_root(args, experiments.root())
     if args.list:
         configs = runner.shipped_configs(Path("configs"))
         for name in experiments.shipped():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -386,3 +387,16 @@ def plot(rows, out):
     assert [(r["x"], r["square"], r["seed"]) for r in _read(out)] == [(1, 1, 3), (2, 4, 3),
                                                                       (3, 9, 3)]
     assert "| 3 | 9 |" in (out / "summary.md").read_text()
+
+
+def test_kvjax_run_works_from_any_directory_inside_the_clone(tmp_path, monkeypatch, capsys):
+    """From a subfolder the shipped experiment is found and the config's paths are the
+    clone's (the command runs as from the root); paths typed on the command line are taken
+    from where they were typed."""
+    monkeypatch.chdir(ROOT / "docs")
+    out = tmp_path / "out"
+    typed = os.path.relpath(out, ROOT / "docs")  # relative to where it is typed
+    assert main(["run", "../configs/prefix_page_size.toml", "--set", "scale=small",
+                 "--out", typed]) == 0
+    assert Path.cwd() == ROOT
+    assert _read(out) and "prefix_page_size" in capsys.readouterr().out

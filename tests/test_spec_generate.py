@@ -95,7 +95,8 @@ def test_rollback_with_a_shared_prefix_page_is_bitwise(model):
     unchanged, and every page past the end went back to the allocator."""
     from kvjax.decode.batching import free_past
     from kvjax.decode.generate import KVPool
-    from kvjax.speculative.host import SpecStats, _verify
+    from kvjax.speculative.host import _verify
+    from kvjax.speculative.stats import SpecStats
 
     config, params = model
     pool = KVPool(config, CACHE)
@@ -261,7 +262,7 @@ def test_spec_config_and_public_facade(model):
 def test_adaptive_gamma_follows_alpha(model):
     """α = 1 drives γ to its maximum, α = 0 to 1, and α between them to the best γ worked
     out by hand (the smaller on a tie); outputs stay the target's."""
-    from kvjax.speculative.rules import choose_gamma
+    from kvjax.speculative.gamma import choose_gamma
 
     assert choose_gamma(1.0, 0.1, 8) == 8
     assert choose_gamma(0.0, 0.1, 8) == 1

@@ -4,15 +4,23 @@ Serving: `kvjax.Engine(params, config, engine_config, draft=(draft_params, draft
 spec=SpecConfig(drafter="model" | "ngram", gamma, adaptive))` runs the on-device loop
 (`kvjax.speculative.loop`). Research drafters that implement the `Drafter` protocol run
 in the host-driven `speculative_generate(target_params, target_config, prompts,
-max_new_tokens, drafter, gamma)`, whose rollback is bitwise a fresh prefill.
+max_new_tokens, drafter, gamma)`, whose rollback is bitwise a fresh prefill. Both paths
+count with one `SpecStats` and choose adaptive γ with one `GammaPolicy`.
+
+The parts: rules.py (acceptance rules, speedup model), stats.py, gamma.py, loop.py (the
+device loop), ngram_device.py, drafters.py + host.py (the host Drafter path), plugin.py
+(the engine's draft pool and γ controller), cost.py (measured c and verify slope),
+operating_point.py (the measurement `kvjax bench spec` and the experiments share).
 """
 
 from __future__ import annotations
 
 from kvjax.config import CacheConfig, SamplingConfig, SpecConfig
 from kvjax.speculative.drafters import Drafter, ModelDrafter, NGramDrafter
-from kvjax.speculative.host import SpecResult, SpecStats, speculative_generate
+from kvjax.speculative.gamma import GammaPolicy, choose_gamma
+from kvjax.speculative.host import SpecResult, speculative_generate
 from kvjax.speculative.rules import greedy_accept, predicted_speedup, sampling_accept
+from kvjax.speculative.stats import SpecStats
 
 
 def make_drafter(spec: SpecConfig, draft: tuple | None = None,
@@ -26,6 +34,6 @@ def make_drafter(spec: SpecConfig, draft: tuple | None = None,
     return ModelDrafter(draft[0], draft[1], cache or CacheConfig(), sampling)
 
 
-__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "SpecConfig", "SpecResult", "SpecStats",
-           "greedy_accept", "make_drafter", "predicted_speedup", "sampling_accept",
-           "speculative_generate"]
+__all__ = ["Drafter", "GammaPolicy", "ModelDrafter", "NGramDrafter", "SpecConfig", "SpecResult",
+           "SpecStats", "choose_gamma", "greedy_accept", "make_drafter", "predicted_speedup",
+           "sampling_accept", "speculative_generate"]

@@ -29,56 +29,9 @@ from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sample, sampling_arrays, sequence_keys
 from kvjax.errors import InvalidRequestError
 from kvjax.speculative.drafters import Drafter
-from kvjax.speculative.rules import choose_gamma, greedy_accept, sampling_accept
-
-
-@dataclasses.dataclass
-class SpecStats:
-    target_calls: int = 0
-    verifications: int = 0  # sequences verified (a batched call verifies several)
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    accepted_by_position: list[int] = dataclasses.field(default_factory=list)
-    drafted_by_position: list[int] = dataclasses.field(default_factory=list)
-    verify_s: float = 0.0
-    draft_s: float = 0.0
-    alpha_sum: float = 0.0  # sum of E[min(p, q)] over tested positions (greedy: p one-hot)
-    alpha_count: int = 0  # drafted positions whose whole prefix was accepted
-    gamma_history: list[int] = dataclasses.field(default_factory=list)  # γ of each round
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def alpha(self) -> float:
-        """α estimated as the mean of E[min(p, q)] over drafted positions that were tested
-        on the accepted history (every drafted position up to the first rejection)."""
-        return self.alpha_sum / self.alpha_count if self.alpha_count else 0.0
-
-    @property
-    def cost_ratio(self) -> float:
-        """c: measured draft time per drafted token / target time per verification call."""
-        if not self.drafted or not self.target_calls or self.verify_s <= 0:
-            return 0.0
-        return (self.draft_s / self.drafted) / (self.verify_s / self.target_calls)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per sequence per verification (accepted drafts + the target's own
-        token): what one target call yields for one sequence."""
-        return self.emitted / self.verifications if self.verifications else 0.0
-
-    @property
-    def wasted(self) -> int:
-        """Drafted tokens the target scored and rejected."""
-        return self.drafted - self.accepted
-
-    def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
-                "alpha": self.alpha, "cost_ratio": self.cost_ratio,
-                "mean_accepted_length": self.mean_accepted_length, "wasted": self.wasted}
+from kvjax.speculative.gamma import GammaPolicy
+from kvjax.speculative.rules import greedy_accept, sampling_accept
+from kvjax.speculative.stats import SpecStats
 
 
 @dataclasses.dataclass
@@ -109,8 +62,8 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     allocated in the returned pool (to inspect the cache); otherwise they are freed.
     `batched_verify` scores every sequence in one [slots, γ + 1] call: faster, but the kept
     K/V then match a fresh prefill within float tolerance, not bitwise. `adaptive` picks
-    each round's γ (up to `gamma`) with the best predicted speedup at the running α and
-    measured cost ratio (α starts at 0.5).
+    each round's γ (up to `gamma`) with the engine's policy (`kvjax.speculative.gamma`):
+    from the running acceptance by position and the measured cost ratio.
     """
     sampling = sampling or SamplingConfig()
     prompts = validate_prompts(config, prompts, max_new_tokens)
@@ -122,7 +75,8 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     pool = KVPool(config, cache)
     ps = cache.page_size
     rows = [pool.allocator.allocate(pages_for(len(p), ps)) for p in prompts]
-    stats = SpecStats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma)
+    stats = SpecStats.empty(gamma)
+    policy = GammaPolicy(gamma)
     n = len(prompts)
     slots = bucket(n)
     keys = np.asarray(sequence_keys(sampling.seed, n))
@@ -137,9 +91,9 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         active = [i for i in range(n) if len(outs[i]) < max_new_tokens]
         if not active:
             break
-        round_gamma = gamma if not adaptive else choose_gamma(
-            stats.alpha if stats.alpha_count else 0.5, stats.cost_ratio, gamma)
+        round_gamma = policy.choose(stats.cost_ratio) if adaptive else gamma
         stats.gamma_history.append(round_gamma)
+        seen = SpecStats.empty(gamma)
         t0 = time.perf_counter()
         proposals = drafter.propose([histories[i] + outs[i] for i in active], round_gamma,
                                     seq_ids=active)
@@ -149,11 +103,14 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
                  keys[i])
                 for i, (draft, q) in zip(active, proposals, strict=True)]
         if batched_verify:  # one [slots, γ + 1] call for every active sequence
-            emitted = _verify(params, config, pool, seqs, sampling, stats, gamma, slots,
+            emitted = _verify(params, config, pool, seqs, sampling, seen, gamma, slots,
                               gamma + 1)
         else:  # exact: each sequence in the prefill chunk shape
-            emitted = [_verify(params, config, pool, [seq], sampling, stats, gamma, 1,
+            emitted = [_verify(params, config, pool, [seq], sampling, seen, gamma, 1,
                                cache.prefill_chunk)[0] for seq in seqs]
+        policy.observe(round_gamma, seen.alpha_sum, seen.alpha_count, seen.drafted_by_position,
+                       seen.accepted_by_position)
+        stats.merge(seen)
         for i, tokens in zip(active, emitted, strict=True):
             lengths[i] += len(tokens)  # the fed token and the accepted drafts are now cached
             outs[i] += tokens[: max_new_tokens - len(outs[i])]
@@ -214,18 +171,9 @@ def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingC
     accepted, nxt = np.asarray(accepted), np.asarray(nxt)
     stats.verify_s += time.perf_counter() - t0
     stats.target_calls += 1
-    stats.verifications += len(seqs)
     out = []
     for j, (_, _, _, draft, _, _) in enumerate(seqs):
-        a, g = int(accepted[j]), len(draft)
-        stats.drafted += g
-        stats.accepted += a
-        stats.emitted += a + 1
-        for pos in range(g):
-            stats.drafted_by_position[pos] += 1
-            stats.accepted_by_position[pos] += pos < a
-            if pos <= a:
-                stats.alpha_sum += float(alpha_terms[j, pos])
-                stats.alpha_count += 1
+        a = int(accepted[j])
+        stats.record(len(draft), a, alpha_terms[j])
         out.append([*draft[:a], int(nxt[j])])
     return out

@@ -36,8 +36,7 @@ from kvjax.model.transformer import Transformer
 from kvjax.sharding.rules import maybe_constrain_cache, maybe_replicated
 from kvjax.speculative.ngram_device import ngram_propose
 from kvjax.speculative.rules import greedy_accept, sampling_accept
-
-STAT_KEYS = ("verifications", "drafted", "accepted", "emitted", "alpha_sum", "alpha_count")
+from kvjax.speculative.stats import ROW_KEYS
 
 
 def _draft_model(params, config, cache, table, draft_lengths, lengths, last, prev, active,
@@ -127,7 +126,7 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     all_greedy = jnp.all(temperature == 0)
     zeros_b = jnp.zeros((b,), jnp.int32)
     stats = {key: (jnp.zeros((b,), jnp.float32) if key == "alpha_sum" else zeros_b)
-             for key in STAT_KEYS}
+             for key in ROW_KEYS}
     stats["drafted_by_position"] = jnp.zeros((b, gamma), jnp.int32)
     stats["accepted_by_position"] = jnp.zeros((b, gamma), jnp.int32)
     state = {

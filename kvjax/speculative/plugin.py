@@ -19,31 +19,10 @@ from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table
 from kvjax.errors import NonCausalCacheError
 from kvjax.sharding.plan import ShardingPlan
-from kvjax.speculative.loop import STAT_KEYS, spec_loop
+from kvjax.speculative.gamma import GammaPolicy
+from kvjax.speculative.loop import spec_loop
 from kvjax.speculative.rules import predicted_speedup
-
-DECAY = 0.8  # weight of the older calls in the running estimates that drive adaptive γ
-MIN_EVIDENCE = 4.0  # decayed drafts at a position before its own acceptance rate is trusted
-
-
-def spec_summary(totals: dict) -> dict:
-    """Derived statistics from summed counters (a request's or the engine's)."""
-    drafted, accepted = totals["drafted"], totals["accepted"]
-    calls = totals["verifications"]
-    return {
-        **totals,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "alpha": totals["alpha_sum"] / totals["alpha_count"] if totals["alpha_count"] else 0.0,
-        "mean_accepted_length": totals["emitted"] / calls if calls else 0.0,
-        "wasted": drafted - accepted,
-    }
-
-
-def empty_totals(gamma: int) -> dict:
-    totals = {key: 0.0 if key == "alpha_sum" else 0 for key in STAT_KEYS}
-    totals["drafted_by_position"] = [0] * gamma
-    totals["accepted_by_position"] = [0] * gamma
-    return totals
+from kvjax.speculative.stats import SpecStats
 
 
 class Speculator:
@@ -73,12 +52,8 @@ class Speculator:
                                  evicted_record=ec.evicted_record, hash_fn=hash_fn,
                                  poison_freed=ec.poison_freed, sharding=self.sharding)
             self.pool.fingerprint = model_fingerprint(draft_config, params)
-        self.totals = empty_totals(spec.gamma)
-        self.target_calls = 0
-        self.gamma_history: list[int] = []
-        self._alpha = [0.0, 0.0]  # decayed (sum, count) of E[min(p, q)] for adaptive γ
-        self._drafted = np.zeros(spec.gamma)  # decayed drafts at each position
-        self._accepted = np.zeros(spec.gamma)  # decayed accepted prefixes reaching it
+        self.totals = SpecStats.empty(spec.gamma)
+        self.policy = GammaPolicy(spec.gamma)
         self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
         self.verify_slope = spec.verify_slope
 
@@ -92,35 +67,10 @@ class Speculator:
         return None if self.sharding is None else self.sharding.steps()
 
     def next_gamma(self) -> int:
-        """This call's γ: fixed, or (adaptive) the γ ≤ SpecConfig.gamma with the best
-        expected tokens per unit of target time, `expected_tokens(γ) / (γc + 1 + sγ)`."""
-        spec = self.spec
-        if not spec.adaptive or self._alpha[1] == 0:
-            return spec.gamma
-        c, s = self.cost_ratio or 0.0, self.verify_slope or 0.0
-        tokens = self.expected_tokens()
-        return max(range(1, spec.gamma + 1),
-                   key=lambda g: (tokens[g - 1] / (g * c + 1 + s * g), -g))
-
-    def expected_tokens(self) -> list[float]:
-        """Expected tokens per round for γ = 1 .. SpecConfig.gamma: 1 + Σ_i P(the first i
-        drafts are all accepted). P comes from the running acceptance by position where
-        there is evidence (drafters are not i.i.d.: an n-gram continuation's later tokens
-        fail more often); past the last such position it is extended with the last
-        observed conditional acceptance P(i | i − 1), or with the running α when there is
-        no evidence at all."""
-        alpha = self._alpha[0] / self._alpha[1] if self._alpha[1] else 0.5
-        prefix, step, total, out = 1.0, alpha, 1.0, []
-        for i in range(self.spec.gamma):
-            if self._drafted[i] >= MIN_EVIDENCE:
-                observed = self._accepted[i] / self._drafted[i]
-                step = min(observed / prefix, 1.0) if prefix > 0 else 0.0
-                prefix = observed
-            else:
-                prefix *= step
-            total += prefix
-            out.append(total)
-        return out
+        """This call's γ: fixed, or (adaptive) the policy's (`kvjax.speculative.gamma`)."""
+        if not self.spec.adaptive:
+            return self.spec.gamma
+        return self.policy.choose(self.cost_ratio, self.verify_slope)
 
     def decode(self, model, target: PagePool, decode_steps: int, live, budgets: dict[int, int],
                gamma: int, arrays: dict) -> dict:
@@ -173,28 +123,18 @@ class Speculator:
         return out
 
     def _record(self, live, out: dict, gamma: int) -> None:
-        self.target_calls += int(out["rounds"])
-        self.gamma_history.append(gamma)
-        new_sum = float(sum(out["alpha_sum"][s.slot] for s in live))
-        new_count = float(sum(out["alpha_count"][s.slot] for s in live))
-        self._alpha = [DECAY * self._alpha[0] + new_sum, DECAY * self._alpha[1] + new_count]
-        drafted = np.zeros(self.spec.gamma)
-        accepted = np.zeros(self.spec.gamma)
+        self.totals.target_calls += int(out["rounds"])
+        self.totals.gamma_history.append(gamma)
+        call = SpecStats.empty(self.spec.gamma)
         for seq in live:
-            drafted[:gamma] += out["drafted_by_position"][seq.slot]
-            accepted[:gamma] += out["accepted_by_position"][seq.slot]
-        # Only positions drafted in this call age: a short γ must not erase what longer
-        # drafts taught about the positions it no longer reaches.
-        self._drafted[:gamma] = DECAY * self._drafted[:gamma] + drafted[:gamma]
-        self._accepted[:gamma] = DECAY * self._accepted[:gamma] + accepted[:gamma]
-        for seq in live:
-            req_totals = seq.req.stats.setdefault("spec", empty_totals(self.spec.gamma))
-            for totals in (req_totals, self.totals):
-                for key in STAT_KEYS:
-                    totals[key] += out[key][seq.slot].item()
-                for key in ("drafted_by_position", "accepted_by_position"):
-                    for i, x in enumerate(out[key][seq.slot].tolist()):
-                        totals[key][i] += x
+            call.add_row(out, seq.slot)
+            mine = seq.req.stats.setdefault("spec", SpecStats.empty(self.spec.gamma))
+            mine.add_row(out, seq.slot)
+            mine.target_calls += int(out["verifications"][seq.slot])
+            mine.gamma_history.append(gamma)
+        self.totals.merge(call)
+        self.policy.observe(gamma, call.alpha_sum, call.alpha_count, call.drafted_by_position,
+                            call.accepted_by_position)
 
     @property
     def calibrated(self) -> bool:
@@ -212,15 +152,14 @@ class Speculator:
             self.verify_slope = verify_slope(target, batch, context, self.spec.gamma + 1)
 
     def metrics(self) -> dict:
-        summary = spec_summary(self.totals)
-        gammas = self.gamma_history
+        summary = self.totals.as_dict()
+        gammas = self.totals.gamma_history
         mean_gamma = sum(gammas) / len(gammas) if gammas else float(self.spec.gamma)
         c, slope = self.cost_ratio, self.verify_slope
-        known = c is not None and self.totals["alpha_count"] > 0
+        known = c is not None and self.totals.alpha_count > 0
         gamma = round(mean_gamma)
         summary.update(
-            drafter=self.spec.drafter, target_calls=self.target_calls,
-            gamma_history=list(gammas), cost_ratio=c, verify_slope=slope,
+            drafter=self.spec.drafter, cost_ratio=c, verify_slope=slope,
             predicted_speedup=predicted_speedup(summary["alpha"], gamma, c) if known else None,
             predicted_speedup_verify=(predicted_speedup(summary["alpha"], gamma, c, slope)
                                       if known and slope is not None else None))
@@ -228,6 +167,6 @@ class Speculator:
 
 
 def finish_request_stats(stats: dict) -> None:
-    """Adds the derived speculative statistics to a request's stats (in place)."""
+    """A request's speculative statistics as plain data (in place), for its result."""
     if "spec" in stats:
-        stats["spec"] = spec_summary(stats["spec"])
+        stats["spec"] = stats["spec"].as_dict()

@@ -34,13 +34,6 @@ def predicted_speedup(alpha: float, gamma: int, c: float, verify_slope: float = 
     return tokens / (gamma * c + 1 + verify_slope * gamma)
 
 
-def choose_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 0.0) -> int:
-    """The γ in [1, gamma_max] with the best predicted speedup at this α, cost ratio c and
-    verify slope (the smallest on ties): the adaptive-γ policy."""
-    return max(range(1, gamma_max + 1),
-               key=lambda g: (predicted_speedup(alpha, g, c, verify_slope), -g))
-
-
 def _leading(accept: jax.Array) -> jax.Array:
     """int32[B]: how many leading entries of bool[B, G] are True."""
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
