@@ -16,10 +16,18 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.io.hf_families import CheckpointError, config_from_hf, family_of, hf_config
+from kvjax.io.hf_families import (
+    ALIASES,
+    FAMILIES,
+    OPTIONS,
+    CheckpointError,
+    config_from_hf,
+    family_of,
+    hf_config,
+)
 
-__all__ = ["CheckpointError", "config_from_hf", "hf_config", "load_hf", "read_safetensors",
-           "save_hf"]
+__all__ = ["ALIASES", "FAMILIES", "OPTIONS", "CheckpointError", "config_from_hf", "hf_config",
+           "load_hf", "read_safetensors", "save_hf"]
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
