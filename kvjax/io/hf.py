@@ -19,6 +19,9 @@ from kvjax.config import ModelConfig
 from kvjax.io.hf_families import (
     ALIASES,
     FAMILIES,
+    LLAMA_LIKE,
+    MAPPED,
+    NO_EFFECT,
     OPTIONS,
     CheckpointError,
     config_from_hf,
@@ -26,8 +29,9 @@ from kvjax.io.hf_families import (
     hf_config,
 )
 
-__all__ = ["ALIASES", "FAMILIES", "OPTIONS", "CheckpointError", "config_from_hf", "hf_config",
-           "load_hf", "read_safetensors", "save_hf"]
+__all__ = ["ALIASES", "FAMILIES", "LLAMA_LIKE", "MAPPED", "NO_EFFECT", "OPTIONS",
+           "CheckpointError", "config_from_hf", "hf_config", "load_hf", "read_safetensors",
+           "save_hf"]
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
