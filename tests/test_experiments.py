@@ -397,6 +397,7 @@ def test_kvjax_run_works_from_any_directory_inside_the_clone(tmp_path, monkeypat
     out = tmp_path / "out"
     typed = os.path.relpath(out, ROOT / "docs")  # relative to where it is typed
     assert main(["run", "../configs/prefix_page_size.toml", "--set", "scale=small",
+                 "--set", 'sweep.workload=["few_shot"]', "--set", "sweep.page_size=[16]",
                  "--out", typed]) == 0
     assert Path.cwd() == ROOT
     assert _read(out) and "prefix_page_size" in capsys.readouterr().out
