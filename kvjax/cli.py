@@ -137,6 +137,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "tiles":
+        from kvjax.bench import tiles as bench_tiles
+
+        return bench_tiles.main(args)
     if args.which == "prefix":
         from kvjax.bench import prefix as bench_prefix
 
@@ -225,9 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: decode (paged vs dense vs no cache), "
                                          "prefix (prefix cache on vs off), peer (vs "
                                          "transformers generate), spec (speculative "
-                                         "decoding operating point)")
-    bench.add_argument("which", nargs="?", choices=("decode", "prefix", "peer", "spec"),
-                       default="decode")
+                                         "decoding operating point), tiles (row-invariant "
+                                         "matmul tiles: bits and cost)")
+    bench.add_argument("which", nargs="?",
+                       choices=("decode", "prefix", "peer", "spec", "tiles"), default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bench.add_argument("--out", help="JSON output (default results/bench_<which>.json)")
@@ -271,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         args.out = args.out or f"results/bench_{args.which}.json"
-        args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3}[args.which]
+        args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3,
+                                  "tiles": 7}[args.which]
         args.slots = args.slots or (1 if args.which == "spec" else 8)
     try:
         return args.func(args)
