@@ -78,7 +78,7 @@ def test_a_draft_pool_without_room_aborts_the_whole_plan(pools):
     assert (_refcounts(target), _refcounts(draft)) == before
 
 
-def test_commit_evicts_allocates_and_copies_a_partial_page(pools):
+def test_commit_allocates_and_write_copies_a_partial_page(pools):
     target, _ = pools
     prompt = list(range(1, 13))  # three full pages cached
     cached = _cached(target, prompt)
@@ -88,6 +88,8 @@ def test_commit_evicts_allocates_and_copies_a_partial_page(pools):
     assert plan.target.copy_from == cached[2] and plan.target.copied == 2 and plan.start == 10
     pages = plan.target.commit()
     assert pages[:2] == cached[:2] and len(pages) == 3 and pages[2] not in cached
+    assert target.allocator.refcount(cached[2]) == 2  # held until the copy is written
+    plan.target.write(pages)
     np.testing.assert_array_equal(np.asarray(target.cache.k[:, :, pages[2]]), 7.0)
     assert target.allocator.refcount(cached[2]) == 1  # the copy source: the trie's only
 
@@ -114,3 +116,16 @@ def test_reserve_evicts_then_preempts_and_grow_copies_on_write(pools):
     assert target.grow(pages, 2, 6)  # writes slots 2..5: the shared page is copied
     assert pages[0] != shared[0] and len(pages) == 2
     assert target.allocator.refcount(shared[0]) == 1 and target.allocator.copies == 1
+
+
+def test_commit_touches_every_matched_page_even_the_recomputed_last_one(pools):
+    """A fully cached prompt recomputes its last page (for the logits) but still uses the
+    cached one's history: LFU counts a hit on every matched page."""
+    target, _ = pools
+    prompt = list(range(1, 9))  # two full pages, both cached
+    _cached(target, prompt)
+    req = _live(target, prompt)
+    plan = plan_admission(req, target, None, True, False)
+    assert plan.reuse == 1 and len(plan.target.nodes) == 2
+    plan.target.commit()
+    assert [n.hits for n in plan.target.nodes] == [1, 1]

@@ -75,3 +75,17 @@ class PageAllocator:
                 self._free.append(page)
                 if self.track_freed:
                     self.freed.append(page)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def free_past(allocator, pages: list[int], length: int, page_size: int) -> None:
+    """Rollback: returns the pages wholly past the first `length` tokens to `allocator`
+    (a `PageAllocator`) and drops them from `pages` in place."""
+    keep = pages_for(length, page_size)
+    if len(pages) > keep:
+        allocator.free(pages[keep:])
+        del pages[keep:]

@@ -10,11 +10,12 @@ caller to preempt), grow (copy on write), release and poison.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
 
-from kvjax.cache.allocator import PageAllocator
+from kvjax.cache.allocator import PageAllocator, free_past, pages_for
 from kvjax.cache.identity import CacheNamespace, attention_signature
 from kvjax.cache.paged import (
     PagedKVCache,
@@ -26,7 +27,6 @@ from kvjax.cache.paged import (
 )
 from kvjax.cache.trie import EVICTION_POLICIES, PrefixTrie
 from kvjax.config import CacheConfig, ConfigError, ModelConfig
-from kvjax.decode.batching import free_past, pages_for
 from kvjax.errors import NonCausalCacheError
 
 Preempt = Callable[[], bool]  # frees some pages by preempting a request; False: none left
@@ -60,6 +60,14 @@ class PagePool:
         if poison_freed:
             self.cache = poison_pages(self.cache, np.arange(cache.num_pages, dtype=np.int32))
 
+    @classmethod
+    def for_engine(cls, model: ModelConfig, engine_config, hash_fn=None,
+                   sharding=None) -> PagePool:
+        """A pool with an `EngineConfig`'s cache, eviction and debug settings."""
+        ec = engine_config
+        return cls(model, ec.cache, eviction=ec.eviction, evicted_record=ec.evicted_record,
+                   hash_fn=hash_fn, poison_freed=ec.poison_freed, sharding=sharding)
+
     def namespace(self, position_base: int, adapter: str = "none") -> CacheNamespace:
         """The namespace (without salt) of a history computed by this pool's model."""
         return CacheNamespace(model=self.fingerprint, adapter=adapter,
@@ -87,16 +95,19 @@ class PagePool:
         return True
 
     def grow(self, pages: list[int], write_from: int, end: int,
-             preempt: Preempt | None = None) -> bool:
+             preempt: Preempt | None = None, host_timer=contextlib.nullcontext) -> bool:
         """Extends `pages` (in place) to cover cache slots [0, end), of which
         [write_from, end) may be written: shared pages in that range are copied first
-        (copy on write). False, changing nothing, when the pages cannot be had."""
+        (copy on write). False, changing nothing, when the pages cannot be had.
+        `host_timer()` is entered around the host work (reserve, with any preemption)."""
         ps = self.cache_config.page_size
         end = pages_for(end, ps)
         shared = [i for i in range(write_from // ps, min(end, len(pages)))
                   if self.allocator.refcount(pages[i]) > 1]
         need = max(end - len(pages), 0)
-        if not self.reserve(need + len(shared), preempt):
+        with host_timer():
+            ok = self.reserve(need + len(shared), preempt)
+        if not ok:
             return False
         pages += self.allocator.allocate(need)
         for i in shared:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvjax.cache.allocator import free_past, pages_for
+
+__all__ = ["bucket", "free_past", "page_table", "pages_for"]
+
 
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power-of-two multiple of `minimum` that is >= n."""
@@ -11,19 +15,6 @@ def bucket(n: int, minimum: int = 1) -> int:
     while size < n:
         size *= 2
     return size
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
-
-
-def free_past(allocator, pages: list[int], length: int, page_size: int) -> None:
-    """Rollback: returns the pages wholly past the first `length` tokens to `allocator`
-    (a `PageAllocator`) and drops them from `pages` in place."""
-    keep = pages_for(length, page_size)
-    if len(pages) > keep:
-        allocator.free(pages[keep:])
-        del pages[keep:]
 
 
 def page_table(rows: list[list[int]], num_slots: int, block_pages: int) -> np.ndarray:

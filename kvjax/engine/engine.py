@@ -80,9 +80,7 @@ class Engine:
         lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
         if self.sharding is not None and lora is not None:
             lora = self.sharding.place_replicated(lora)
-        self.pool = PagePool(config, ec.cache, eviction=ec.eviction,
-                             evicted_record=ec.evicted_record, hash_fn=hash_fn,
-                             poison_freed=ec.poison_freed, sharding=self.sharding)
+        self.pool = PagePool.for_engine(config, ec, hash_fn, self.sharding)
         self.model = TargetModel(params=None, config=config, lora=lora)
         self.rounds = None
         self.load_params(params)
@@ -237,8 +235,11 @@ class Engine:
         log = [s for s in self.rounds.stats_log if "prompt_tokens" in s]
         resident = self.trie.num_nodes
         counters = self.rounds.counters
+        agg = aggregate(log, self.rounds.operator_log, self.cache_config.page_size)
+        tail = {k: agg.pop(k) for k in ("unbounded_request_hit_rate",
+                                        "unbounded_token_reuse_rate", "mean_ttft_s")}
         return {
-            **aggregate(log, self.rounds.operator_log, self.cache_config.page_size),
+            **agg,
             "errors": counters["error"],
             "evictions": self.trie.evictions,
             "cow_copies": self.allocator.copies,
@@ -247,6 +248,7 @@ class Engine:
             "resident_pages": resident,
             "resident_bytes": resident * self.pool.page_bytes,
             "free_pages": self.allocator.num_free,
+            **tail,
             "prefill_s": self._timers["prefill_s"],
             "decode_s": self._timers["decode_s"],
             "host_s": self._timers["host_s"],

@@ -76,6 +76,7 @@ class Rounds:
             if adm is None:
                 return False
             pages = adm.target.commit()
+        adm.target.write(pages)
         if adm.target.copy_from is not None:
             self.counters["partial_copies"] += 1
         logits, prefill_s = self.runner.prefill(req, pages, adm.start)
@@ -116,11 +117,10 @@ class Rounds:
                 self._preempt(victim)
             return victim is not None
 
-        end = seq.length + tokens
-        with self.timers("host_s"):
-            ok = self.pool.grow(seq.pages, seq.length, end, preempt)
-            if ok and self.draft_pool is not None:
-                ok = self.draft_pool.grow(seq.draft_pages, seq.draft_length, end, preempt)
+        end, timer = seq.length + tokens, lambda: self.timers("host_s")
+        ok = self.pool.grow(seq.pages, seq.length, end, preempt, timer)
+        if ok and self.draft_pool is not None:
+            ok = self.draft_pool.grow(seq.draft_pages, seq.draft_length, end, preempt, timer)
         return ok
 
     def _preempt(self, req: LiveRequest) -> None:
@@ -171,7 +171,7 @@ class Rounds:
         if not live:
             return
         live_reqs = list({s.req.id: s.req for s in live}.values())
-        self.runner.decode(live, budgets, gamma)
+        self.runner.decode(live, budgets, gamma, self.scheduler.slots)
         if spec is not None:
             for req in live_reqs:
                 if req.calls == len(req.gammas):

@@ -83,6 +83,7 @@ class StepRunner:
         (pages, reused tokens)."""
         spec, pool = self.spec, plan.pool
         pages = plan.commit()
+        plan.write(pages)
         start = len(plan.reused) * pool.cache_config.page_size
         with self.timers("draft_prefill_s"):
             _, pool.cache = prefill(spec.params, spec.config, pool.cache, pool.cache_config,
@@ -103,13 +104,15 @@ class StepRunner:
                                   np.full(n, position, np.int32), *knobs([req.request] * n)))
 
     # -- decode --------------------------------------------------------------------------------
-    def decode(self, live: list[Seq], budgets: dict[int, int], gamma: int) -> None:
+    def decode(self, live: list[Seq], budgets: dict[int, int], gamma: int,
+               occupied: list[Seq | None]) -> None:
         """One decode (or speculative) call over the slots of `live`; appends each sample's
-        new tokens and, after a verification, releases pages past the kept history."""
+        new tokens and, after a verification, releases pages past the kept history. The
+        page table holds every occupied slot's pages (`occupied`: the slots), live or not."""
         m, pool, ec = self.model, self.pool, self.engine_config
         pool.flush_poison()
         slots = ec.max_slots
-        rows = [[] for _ in range(slots)]
+        rows = [[] if s is None else s.pages for s in occupied]
         lengths = np.zeros(slots, np.int32)
         last = np.zeros(slots, np.int32)
         budget = np.zeros(slots, np.int32)
@@ -120,7 +123,6 @@ class StepRunner:
         requests = [None] * slots
         for seq in live:
             i, r = seq.slot, seq.req.request
-            rows[i] = seq.pages
             lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[i], seq.key
             offsets[i], adapters[i] = r.position_base, seq.req.adapter_index
             stops[i] = -1 if r.stop_token is None else r.stop_token

@@ -29,7 +29,7 @@ class PoolPlan:
     fresh pages it needs."""
 
     pool: PagePool
-    nodes: list[Node]  # the reused pages' trie nodes (touched on commit)
+    nodes: list[Node]  # matched trie nodes, touched on commit (LRU time, LFU hits)
     reused: list[int]
     fresh: int
     copy_from: int | None = None
@@ -57,16 +57,19 @@ class PoolPlan:
         self.pool.release(self.held)
 
     def commit(self) -> list[int]:
-        """Evicts what it must, allocates the fresh pages and copies the partial page;
-        returns the sequence's pages (the reused ones first)."""
+        """Evicts what it must and allocates the fresh pages (host work); returns the
+        sequence's pages, the reused ones first. `write` makes them ready on device."""
         self.pool.reserve(self.fresh)
         self.pool.trie.touch(self.nodes)
-        pages = self.reused + self.pool.allocator.allocate(self.fresh)
+        return self.reused + self.pool.allocator.allocate(self.fresh)
+
+    def write(self, pages: list[int]) -> None:
+        """Poisons what was freed (debug mode) and copies the partly matching page into
+        the first fresh one, then lets the copy source go."""
         self.pool.flush_poison()
         if self.copy_from is not None:
             self.pool.copy_page(self.copy_from, pages[len(self.reused)])
             self.pool.release([self.copy_from])
-        return pages
 
 
 @dataclasses.dataclass
@@ -86,6 +89,12 @@ class Admission:
         """The first token prefill computes."""
         return self.reuse * self.target.pool.cache_config.page_size + self.target.copied
 
+    def abort(self) -> None:
+        """Gives back every reference the plan holds, in both pools."""
+        for plan in (self.target, self.draft):
+            if plan is not None:
+                plan.abort()
+
 
 def match(pool: PagePool, req: LiveRequest, prefix_cache: bool, draft: bool = False) -> Match:
     """The pool's longest cached prefix of the request (the draft's namespace has no
@@ -103,7 +112,8 @@ def plan_admission(req: LiveRequest, target: PagePool, draft: PagePool | None,
     ps, n_tok = target.cache_config.page_size, len(req.tokens)
     found = match(target, req, prefix_cache)
     reuse = min(len(found.nodes), (n_tok - 1) // ps)  # at least one token is computed
-    plan = PoolPlan(target, found.nodes[:reuse], found.pages[:reuse], pages_for(n_tok, ps) - reuse)
+    # Every matched node is touched, the last full page's too when it is recomputed.
+    plan = PoolPlan(target, found.nodes, found.pages[:reuse], pages_for(n_tok, ps) - reuse)
     if partial_page_copy:
         room = n_tok - 1 - reuse * ps
         if reuse < len(found.nodes):
@@ -125,12 +135,11 @@ def plan_admission(req: LiveRequest, target: PagePool, draft: PagePool | None,
     plan.hold()
     if not plan.fits:
         plan.drop_copy()
+    admission = Admission(found, plan, draft_plan)
     if not plan.fits:
-        plan.abort()
-        if draft_plan is not None:
-            draft_plan.abort()
+        admission.abort()
         return None
-    return Admission(found, plan, draft_plan)
+    return admission
 
 
 class Scheduler:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from functools import partial
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
@@ -28,7 +29,9 @@ from kvjax.model.kernels import (
 )
 from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm
 from kvjax.model.lora import add_lora, stack_adapters
-from kvjax.sharding.rules import StepShardings
+
+if TYPE_CHECKING:  # annotations only: the sharding layer sits above the model
+    from kvjax.sharding.rules import StepShardings
 
 Cache = PagedKVCache | DenseKVCache | None
 

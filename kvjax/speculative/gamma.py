@@ -38,7 +38,8 @@ def iid_tokens(alpha: float, gamma_max: int) -> list[float]:
 
 def choose_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 0.0) -> int:
     """The best γ in [1, gamma_max] at a fixed i.i.d. acceptance α (the smallest on ties):
-    the policy's choice before any acceptance by position is known."""
+    what `GammaPolicy.choose` returns when its running α is α and no position has enough
+    evidence of its own."""
     return best_gamma(iid_tokens(alpha, gamma_max), c, verify_slope)
 
 

@@ -47,10 +47,8 @@ class Speculator:
             self.params = (jax.device_put(params) if self.sharding is None
                            else self.sharding.place_params(params))
             self.config = draft_config
-            ec = engine_config
-            self.pool = PagePool(draft_config, ec.cache, eviction=ec.eviction,
-                                 evicted_record=ec.evicted_record, hash_fn=hash_fn,
-                                 poison_freed=ec.poison_freed, sharding=self.sharding)
+            self.pool = PagePool.for_engine(draft_config, engine_config, hash_fn,
+                                            self.sharding)
             self.pool.fingerprint = model_fingerprint(draft_config, params)
         self.totals = SpecStats.empty(spec.gamma)
         self.policy = GammaPolicy(spec.gamma)
@@ -126,15 +124,20 @@ class Speculator:
         self.totals.target_calls += int(out["rounds"])
         self.totals.gamma_history.append(gamma)
         call = SpecStats.empty(self.spec.gamma)
+        requests = {}
         for seq in live:
             call.add_row(out, seq.slot)
             mine = seq.req.stats.setdefault("spec", SpecStats.empty(self.spec.gamma))
             mine.add_row(out, seq.slot)
-            mine.target_calls += int(out["verifications"][seq.slot])
+            requests.setdefault(id(seq.req), (mine, []))[1].append(seq.slot)
+        for mine, slots in requests.values():  # once per request: its samples share calls
+            mine.target_calls += max(int(out["verifications"][s]) for s in slots)
             mine.gamma_history.append(gamma)
         self.totals.merge(call)
-        self.policy.observe(gamma, call.alpha_sum, call.alpha_count, call.drafted_by_position,
-                            call.accepted_by_position)
+        # The policy's input summed as the loop returns it (float32 per row).
+        self.policy.observe(gamma, float(sum(out["alpha_sum"][s.slot] for s in live)),
+                            float(sum(out["alpha_count"][s.slot] for s in live)),
+                            call.drafted_by_position, call.accepted_by_position)
 
     @property
     def calibrated(self) -> bool:
@@ -152,7 +155,7 @@ class Speculator:
             self.verify_slope = verify_slope(target, batch, context, self.spec.gamma + 1)
 
     def metrics(self) -> dict:
-        summary = self.totals.as_dict()
+        summary = self.totals.as_dict(timings=False)
         gammas = self.totals.gamma_history
         mean_gamma = sum(gammas) / len(gammas) if gammas else float(self.spec.gamma)
         c, slope = self.cost_ratio, self.verify_slope
@@ -169,4 +172,4 @@ class Speculator:
 def finish_request_stats(stats: dict) -> None:
     """A request's speculative statistics as plain data (in place), for its result."""
     if "spec" in stats:
-        stats["spec"] = stats["spec"].as_dict()
+        stats["spec"] = stats["spec"].as_dict(timings=False)
