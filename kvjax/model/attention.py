@@ -30,6 +30,20 @@ def _mask(q_pos: jax.Array, k_pos: jax.Array, causal: bool, window: int | None) 
     return mask
 
 
+def tree_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by halving it with elementwise adds (zero-padded to a power of
+    two): the order of the adds is fixed by the axis length alone. A plain `sum` is not:
+    XLA CPU vectorises a row reduction by the whole array's shape, so a row's sum changes
+    in the last bits with the number of other rows (measured on [n, 16, 2, 4, 16] rows)."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
     """[B, T, N, H] -> [B, T, K, G, H], scaled by 1/sqrt(H)."""
     b, t, n, h = q.shape
@@ -54,8 +68,14 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
 
 
 def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, batch: BatchInfo,
-                              window: int | None) -> jax.Array:
+                              window: int | None, per_query: bool = False) -> jax.Array:
     """Causal attention of new queries over the paged cache (which already holds them).
+
+    `per_query` makes the query axis a batch axis of both products (the keys broadcast to
+    it), so each query's products have G rows whatever T is: a query's bits then do not
+    depend on how many queries share the call. Otherwise the T * G rows of a KV head form
+    one product, whose row bits change with T (on XLA CPU, measured from T = 8 at G = 4 and
+    from T = 2 at G = 1).
 
     Args:
       q: [B, T, N, H], queries at positions `batch.lengths + t`.
@@ -82,24 +102,32 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         return picked.transpose(2, 0, 1, 3, 4).reshape(-1, b, block_len, h).astype(q.dtype)
 
     def step(index, carry):
-        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
+        m, l, acc = carry  # [B, K, G, T] (per_query: [B, T, K, G]) and acc [..., H]
         pages = jax.lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [B, block_pages]
         k, v = gather(cache.k, pages), gather(cache.v, pages)  # [K, B, S, H]
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
         written = k_pos[None, :] < end[:, None]  # [B, S]
         v = jnp.where(written[None, :, :, None], v, 0)  # a poisoned page never leaks in
         mask = _mask(q_pos, k_pos[None, :], True, window) & written[:, None, :]  # [B, T, S]
-        s = jnp.einsum("BTKGH,KBSH->BKGTS", qg, k)
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        if per_query:  # [B, T, K, G, S]: T a batch axis of the products
+            k, v = (jnp.broadcast_to(x[:, :, None], (x.shape[0], b, t, block_len, h))
+                    for x in (k, v))  # [K, B, T, S, H]
+            s = jnp.einsum("BTKGH,KBTSH->BTKGS", qg, k)
+            s = jnp.where(mask[:, :, None, None], s, -jnp.inf)
+        else:  # [B, K, G, T, S]
+            s = jnp.einsum("BTKGH,KBSH->BKGTS", qg, k)
+            s = jnp.where(mask[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("BKGTS,KBSH->BKGTH", p, v)
+        l = l * correction + (tree_sum(p) if per_query else p.sum(axis=-1))
+        pv = (jnp.einsum("BTKGS,KBTSH->BTKGH", p, v) if per_query
+              else jnp.einsum("BKGTS,KBSH->BKGTH", p, v))
+        acc = acc * correction[..., None] + pv
         return m_new, l, acc
 
     g = n // cache.k.shape[1]
-    shape = (b, cache.k.shape[1], g, t)
+    shape = (b, t, cache.k.shape[1], g) if per_query else (b, cache.k.shape[1], g, t)
     init = (jnp.full(shape, _M_INIT, q.dtype), jnp.zeros(shape, q.dtype),
             jnp.zeros((*shape, h), q.dtype))
     # Only blocks that some query can see are visited; the skipped ones are fully masked and
@@ -110,7 +138,9 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         start = jnp.maximum(jnp.min(batch.lengths) - window + 1, 0) // block_len
     _, l, acc = jax.lax.fori_loop(start, stop, step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
-    return jnp.einsum("BKGTH->BTKGH", out).reshape(b, t, n, h)
+    if not per_query:
+        out = jnp.einsum("BKGTH->BTKGH", out)
+    return out.reshape(b, t, n, h)
 
 
 def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchInfo,

@@ -1,0 +1,64 @@
+"""Per-query paged attention (`paged_attention_reference(..., per_query=True)`): a query's
+output bits do not depend on how many queries share the call (a prefill chunk, a verify, a
+decode step) nor on the other sequences in the batch."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import small_model
+
+from kvjax import BatchInfo, CacheConfig, init_cache
+from kvjax.decode.batching import page_table
+from kvjax.model.attention import paged_attention_reference
+
+TOL = 2e-6  # per-query vs the T * G-row products: measured 1.8e-7 on outputs of std 0.25
+
+
+def _case(num_heads: int, num_kv_heads: int, seed: int = 0):
+    config = small_model(num_heads=num_heads, num_kv_heads=num_kv_heads, d_model=64, head_dim=8)
+    cache_cfg = CacheConfig(page_size=4, num_pages=64, attn_block=16, prefill_chunk=16)
+    cache = init_cache(config, cache_cfg)
+    rng = np.random.default_rng(seed)
+    cache = cache.replace(k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype),
+                          v=jnp.asarray(rng.standard_normal(cache.v.shape), cache.v.dtype))
+    rows = [list(range(14)), list(range(14, 30)), list(range(30, 40))]  # 3 sequences
+    q = rng.standard_normal((3, 16, num_heads, config.head_dim)).astype(np.float32)
+    return cache, rows, jnp.asarray(q), cache_cfg
+
+
+def _attend(cache, rows, q, block_pages, lengths, num_new, per_query):
+    batch = BatchInfo(page_table=jnp.asarray(page_table(rows, len(rows), block_pages)),
+                      lengths=jnp.asarray(lengths, jnp.int32),
+                      num_new=jnp.asarray(num_new, jnp.int32))
+    return np.asarray(paged_attention_reference(q, cache, 0, batch, None, per_query))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (6, 2)])  # G = 4, 1, 3
+def test_a_query_has_the_same_bits_in_any_call(heads, kv_heads):
+    cache, rows, q, cc = _case(heads, kv_heads)
+    bp = cc.attn_block // cc.page_size
+    start = 24  # the 16 queries of sequence 0 sit at positions 24 .. 39
+    chunk = _attend(cache, rows[:1], q[:1], bp, [start], [16], True)[0]  # [T, N, H]
+    batched = _attend(cache, rows, q, bp, [start, 40, 20], [16, 16, 16], True)[0]
+    np.testing.assert_array_equal(batched, chunk)
+    for t in range(16):  # one query per call, as in decode
+        alone = _attend(cache, rows[:1], q[:1, t:t + 1], bp, [start + t], [1], True)[0, 0]
+        np.testing.assert_array_equal(chunk[t], alone)
+    for t0, size in [(0, 5), (5, 2), (7, 9)]:  # verify-sized calls
+        part = _attend(cache, rows[:1], q[:1, t0:t0 + size], bp, [start + t0], [size], True)
+        np.testing.assert_array_equal(part[0], chunk[t0:t0 + size])
+    grouped = _attend(cache, rows[:1], q[:1], bp, [start], [16], False)[0]
+    np.testing.assert_allclose(chunk, grouped, rtol=0, atol=TOL)
+
+
+def test_the_grouped_products_do_change_with_the_number_of_queries():
+    """What per_query fixes, seen on this backend: the T * G-row products give a query
+    other bits in a 16-query call than alone (G = 4)."""
+    cache, rows, q, cc = _case(8, 2)
+    bp = cc.attn_block // cc.page_size
+    chunk = _attend(cache, rows[:1], q[:1], bp, [24], [16], False)[0]
+    alone = [_attend(cache, rows[:1], q[:1, t:t + 1], bp, [24 + t], [1], False)[0, 0]
+             for t in range(16)]
+    assert any(not np.array_equal(chunk[t], alone[t]) for t in range(16))
