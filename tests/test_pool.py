@@ -71,7 +71,8 @@ def test_a_draft_pool_without_room_aborts_the_whole_plan(pools):
     target, draft = pools
     prompt = list(range(1, 9))
     _cached(target, prompt)
-    draft.allocator.allocate(draft.allocator.num_free)  # the draft's pool is full
+    _cached(draft, prompt)  # the draft's plan holds these two pages while it counts room
+    draft.allocator.allocate(draft.allocator.num_free)  # and has none for the third
     req = _live(target, prompt + [20, 21, 22])
     before = (_refcounts(target), _refcounts(draft))
     assert plan_admission(req, target, draft, True, False) is None
