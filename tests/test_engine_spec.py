@@ -5,6 +5,8 @@ input is refused. (The sampled output's distribution: tests/test_spec_sampling.p
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -233,6 +235,13 @@ def test_statistics_of_always_right_and_always_wrong_drafts(target, draft):
     assert w["target_calls"] == 12
     per_request = got[0].stats["spec"]
     assert (per_request["drafted"], per_request["emitted"]) == (18, 12)
+    assert per_request["target_calls"] == 12 and per_request["gamma_history"] == [4, 4, 4]
+    # Two samples share the request's calls: each call counts once for the request.
+    (pair,) = wrong.generate([dataclasses.replace(requests[0], n=2)])
+    assert pair.tokens == [greedy[0].tokens] * 2
+    both = pair.stats["spec"]
+    assert (both["verifications"], both["emitted"]) == (24, 24)
+    assert both["target_calls"] == 12 and both["gamma_history"] == [4, 4, 4]
 
 
 def test_adaptive_gamma_follows_the_running_alpha(target, draft):
