@@ -82,8 +82,6 @@ class Engine:
             lora = self.sharding.place_replicated(lora)
         self.pool = PagePool.for_engine(config, ec, hash_fn, self.sharding)
         self.model = TargetModel(params=None, config=config, lora=lora)
-        self.rounds = None
-        self.load_params(params)
         self._next_id = 0
         self._timers = Timers()
         self._backlog: list[StreamEvent] = []
@@ -108,6 +106,7 @@ class Engine:
         self.runner = StepRunner(self.model, self.pool, ec, self.spec, self._timers)
         self.rounds = Rounds(config, ec, self.runner, self._timers, tokenizer)
         self.scheduler = self.rounds.scheduler
+        self.load_params(params)  # last: the runner reads the weights from self.model
 
     # -- read-only views ----------------------------------------------------------------------
     @property
@@ -144,7 +143,7 @@ class Engine:
 
         Refused while requests are live: their namespaces name the weights they started with.
         """
-        live = {} if self.rounds is None else self.rounds.live
+        live = self.rounds.live
         if live:
             raise RuntimeError(f"load_params with {len(live)} live requests: finish or "
                                f"cancel them first")
