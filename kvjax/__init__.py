@@ -1,6 +1,6 @@
 """kvjax: a JAX research framework for provably exact cached decoding."""
 
-from kvjax import io, memory, speculative
+from kvjax import backend, io, memory, speculative  # backend first: XLA flags (backend.py)
 from kvjax.cache.allocator import AllocatorError, PageAllocator
 from kvjax.cache.identity import CacheNamespace
 from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
@@ -49,6 +49,7 @@ __all__ = [
     "SpecConfig",
     "StreamEvent",
     "Transformer",
+    "backend",
     "cache_bytes",
     "forward",
     "generate",

@@ -65,6 +65,12 @@ class ModelConfig:
     tie_embeddings: bool = True
     causal: bool = True
     dtype: str = "float32"  # parameter and activation dtype
+    # "fast": XLA picks each product's kernel by shape, so a token's bits may change with the
+    # batch or chunk around it; "invariant": every token-row product runs in row blocks of
+    # 2..row_block rows, attention per query, norms and softmax by fixed-order sums, so a
+    # token's bits depend on its own history alone (see kvjax.model.tiled)
+    numerics: str = "fast"
+    row_block: int = 32
 
     def __post_init__(self):
         for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff",
@@ -84,6 +90,8 @@ class ModelConfig:
         _choice(self.position, "position", ("rope", "learned"))
         _choice(self.mlp, "mlp", ("swiglu", "gelu"))
         _choice(self.dtype, "dtype", ("float32", "bfloat16"))
+        _choice(self.numerics, "numerics", ("fast", "invariant"))
+        _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",
@@ -158,11 +166,16 @@ class EngineConfig:
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
     attention: str = "auto"  # decode kernel: auto | reference | pallas_gpu | pallas_tpu
     attention_interpret: bool = False  # run a Pallas kernel in interpret mode (CPU tests)
+    # the arithmetic of the model and the draft (ModelConfig.numerics): "invariant" makes a
+    # request's bits independent of everything but its own history; "fast" shares only
+    # prefill-written pages
+    numerics: str = "invariant"
 
     def __post_init__(self):
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
+        _choice(self.numerics, "numerics", ("fast", "invariant"))
         _choice(self.attention, "attention", ("auto", "reference", "pallas_gpu", "pallas_tpu"))
         if isinstance(self.mesh, str):
             parse_mesh(self.mesh)

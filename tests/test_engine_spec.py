@@ -1,5 +1,6 @@
-"""Speculative decoding in the engine (the on-device loop): greedy output equals the
-target's greedy output for γ 1..8 and both drafters with prefix reuse on; cache on == off
+"""Speculative decoding in the engine (the on-device loop): greedy output (tokens and their
+logits, bitwise) equals the target's greedy output for γ 1..8 and both drafters with prefix
+reuse on, and a second turn reuses the pages verification wrote, bitwise; cache on == off
 bitwise; rollback frees pages and never writes shared ones; hand-built statistics; bad
 input is refused. (The sampled output's distribution: tests/test_spec_sampling.py.)"""
 
@@ -64,9 +65,20 @@ def waves():
     return first, second
 
 
-def run_waves(engine):
+def run_waves(engine, logits: bool = False):
     first, second = waves()
+    if logits:
+        first, second = ([dataclasses.replace(r, return_logits=True) for r in wave]
+                         for wave in (first, second))
     return engine.generate(first), engine.generate(second)
+
+
+def continuations(answers) -> list[Request]:
+    """The first wave's prompts + their answers + 3 more tokens: a second turn, whose full
+    pages of the first turn were written by prefill and by decode or verification."""
+    first, _ = waves()
+    return [Request(tokens=list(r.tokens) + a.tokens + [1, 2, 3], max_new_tokens=6,
+                    return_logits=True) for r, a in zip(first, answers, strict=True)]
 
 
 # 8-token pages and 32-token attention blocks: every sequence of these tests fits the
@@ -78,7 +90,10 @@ ONE_BUCKET = CacheConfig(page_size=8, num_pages=96, prefill_chunk=16, attn_block
 
 @pytest.fixture(scope="module")
 def greedy_reference(target):
-    return run_waves(spec_engine(target, None, cache=ONE_BUCKET))
+    """Plain decoding's waves, and the second turns on a cache-off engine."""
+    first, second = run_waves(spec_engine(target, None, cache=ONE_BUCKET), logits=True)
+    cold = spec_engine(target, None, cache=ONE_BUCKET, prefix_cache=False)
+    return first, second, cold.generate(continuations(first))
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
@@ -88,10 +103,14 @@ def test_greedy_equals_target_greedy(target, draft, greedy_reference, drafter, g
     engine = spec_engine(target, SpecConfig(drafter=drafter, gamma=gamma),
                          draft=(draft, DRAFT) if drafter == "model" else None,
                          cache=ONE_BUCKET)
-    got = run_waves(engine)
-    for ref_wave, got_wave in zip(greedy_reference, got, strict=True):
-        assert [r.tokens for r in got_wave] == [r.tokens for r in ref_wave]
+    got = run_waves(engine, logits=True)
+    for ref_wave, got_wave in zip(greedy_reference, got, strict=False):
+        assert_same(got_wave, ref_wave)  # tokens and the emitted tokens' logits, bitwise
     second = got[1]
+    turns = engine.generate(continuations(got[0]))  # reuse pages a verification wrote
+    assert_same(turns, greedy_reference[2])
+    for request, result in zip(continuations(got[0]), turns, strict=True):
+        assert result.stats["reused_tokens"] == (len(request.tokens) - 4) // 8 * 8
     assert all(r.stats["reused_tokens"] >= 8 for r in second)  # the system prompt's pages
     if drafter == "model":  # the draft's pages were reused too: no draft prefill for them
         assert all(r.stats["draft_reused_tokens"] >= 8 for r in second)
@@ -275,13 +294,14 @@ def test_measured_cost_ratio_and_verify_slope(target, draft, monkeypatch):
 
     def fake_step_timer(models, batch, context):
         ticks, after_target = 0, False
+        is_draft = lambda c: c.d_model == DRAFT.d_model  # noqa: E731 (numerics set by the engine)
         for _, config, width, repeats in models:
-            if config == DRAFT:
+            if is_draft(config):
                 ticks += repeats * {(True, 1): 2, (False, 1): 1}[after_target, width]
             else:
                 ticks += repeats * {1: 8, 3: 11}[width]  # only these widths may be timed
                 after_target = True
-        lone_target = len(models) == 1 and models[0][1] != DRAFT and models[0][2] == 1
+        lone_target = len(models) == 1 and not is_draft(models[0][1]) and models[0][2] == 1
         timed.append((batch, context))
         calls = []
 

@@ -1,4 +1,4 @@
-"""Per-query paged attention (`paged_attention_reference(..., per_query=True)`): a query's
+"""Row-tiled paged attention (`paged_attention_reference(..., row_tile=R)`): a query's
 output bits do not depend on how many queries share the call (a prefill chunk, a verify, a
 decode step) nor on the other sequences in the batch."""
 
@@ -13,12 +13,15 @@ from kvjax import BatchInfo, CacheConfig, init_cache
 from kvjax.decode.batching import page_table
 from kvjax.model.attention import paged_attention_reference
 
-TOL = 2e-6  # per-query vs the T * G-row products: measured 1.8e-7 on outputs of std 0.25
+TOL = 2e-6  # tiled vs the T * G-row products: measured 1.8e-7 on outputs of std 0.25
+TILE = 4  # query rows per product: 16 queries x G = 4 make 16 tiles, one query of G = 1 two rows
 
 
-def _case(num_heads: int, num_kv_heads: int, seed: int = 0):
-    config = small_model(num_heads=num_heads, num_kv_heads=num_kv_heads, d_model=64, head_dim=8)
-    cache_cfg = CacheConfig(page_size=4, num_pages=64, attn_block=16, prefill_chunk=16)
+def _case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int = 8,
+          attn_block: int = 16):
+    config = small_model(num_heads=num_heads, num_kv_heads=num_kv_heads, d_model=64,
+                         head_dim=head_dim)
+    cache_cfg = CacheConfig(page_size=4, num_pages=64, attn_block=attn_block, prefill_chunk=16)
     cache = init_cache(config, cache_cfg)
     rng = np.random.default_rng(seed)
     cache = cache.replace(k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype),
@@ -28,11 +31,11 @@ def _case(num_heads: int, num_kv_heads: int, seed: int = 0):
     return cache, rows, jnp.asarray(q), cache_cfg
 
 
-def _attend(cache, rows, q, block_pages, lengths, num_new, per_query):
+def _attend(cache, rows, q, block_pages, lengths, num_new, row_tile=TILE):
     batch = BatchInfo(page_table=jnp.asarray(page_table(rows, len(rows), block_pages)),
                       lengths=jnp.asarray(lengths, jnp.int32),
                       num_new=jnp.asarray(num_new, jnp.int32))
-    return np.asarray(paged_attention_reference(q, cache, 0, batch, None, per_query))
+    return np.asarray(paged_attention_reference(q, cache, 0, batch, None, row_tile))
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (6, 2)])  # G = 4, 1, 3
@@ -40,25 +43,31 @@ def test_a_query_has_the_same_bits_in_any_call(heads, kv_heads):
     cache, rows, q, cc = _case(heads, kv_heads)
     bp = cc.attn_block // cc.page_size
     start = 24  # the 16 queries of sequence 0 sit at positions 24 .. 39
-    chunk = _attend(cache, rows[:1], q[:1], bp, [start], [16], True)[0]  # [T, N, H]
-    batched = _attend(cache, rows, q, bp, [start, 40, 20], [16, 16, 16], True)[0]
+    chunk = _attend(cache, rows[:1], q[:1], bp, [start], [16])[0]  # [T, N, H]
+    batched = _attend(cache, rows, q, bp, [start, 40, 20], [16, 16, 16])[0]
     np.testing.assert_array_equal(batched, chunk)
     for t in range(16):  # one query per call, as in decode
-        alone = _attend(cache, rows[:1], q[:1, t:t + 1], bp, [start + t], [1], True)[0, 0]
+        alone = _attend(cache, rows[:1], q[:1, t:t + 1], bp, [start + t], [1])[0, 0]
         np.testing.assert_array_equal(chunk[t], alone)
     for t0, size in [(0, 5), (5, 2), (7, 9)]:  # verify-sized calls
-        part = _attend(cache, rows[:1], q[:1, t0:t0 + size], bp, [start + t0], [size], True)
+        part = _attend(cache, rows[:1], q[:1, t0:t0 + size], bp, [start + t0], [size])
         np.testing.assert_array_equal(part[0], chunk[t0:t0 + size])
-    grouped = _attend(cache, rows[:1], q[:1], bp, [start], [16], False)[0]
+    grouped = _attend(cache, rows[:1], q[:1], bp, [start], [16], None)[0]
     np.testing.assert_allclose(chunk, grouped, rtol=0, atol=TOL)
 
 
-def test_the_grouped_products_do_change_with_the_number_of_queries():
-    """What per_query fixes, seen on this backend: the T * G-row products give a query
-    other bits in a 16-query call than alone (G = 4)."""
-    cache, rows, q, cc = _case(8, 2)
+def test_the_untiled_products_do_change_with_the_number_of_queries():
+    """What the tiles fix, seen on this backend: with G = 1 (H = 16), a query alone is a
+    one-row product (a matrix-vector kernel), other bits than in a 16-row one; the tiles
+    pad it to two rows. (With G >= 2 the untiled products held at every shape tried here;
+    T * G = 64 rows split from 32 rows at H = 16, S = 32 in a plain batched product.)"""
+    cache, rows, q, cc = _case(4, 4, head_dim=16)
     bp = cc.attn_block // cc.page_size
-    chunk = _attend(cache, rows[:1], q[:1], bp, [24], [16], False)[0]
-    alone = [_attend(cache, rows[:1], q[:1, t:t + 1], bp, [24 + t], [1], False)[0, 0]
+    chunk = _attend(cache, rows[:1], q[:1], bp, [24], [16], None)[0]
+    alone = [_attend(cache, rows[:1], q[:1, t:t + 1], bp, [24 + t], [1], None)[0, 0]
              for t in range(16)]
     assert any(not np.array_equal(chunk[t], alone[t]) for t in range(16))
+    tiled = _attend(cache, rows[:1], q[:1], bp, [24], [16])[0]
+    for t in range(16):
+        np.testing.assert_array_equal(
+            tiled[t], _attend(cache, rows[:1], q[:1, t:t + 1], bp, [24 + t], [1])[0, 0])

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import small_model
 
+from kvjax import backend
 from kvjax.model.tiled import (
+    RowInvariantDot,
+    check_rows,
     invariant_block,
     invariant_matmul,
     model_shapes,
@@ -76,3 +80,61 @@ def test_model_shapes_names_every_token_matmul():
     shapes = model_shapes(small_model())
     assert set(shapes) == {"q", "k/v", "o", "mlp up", "mlp down", "head"}
     assert all(d > 0 and f > 0 for d, f in shapes.values())
+
+
+def test_row_invariant_dot_keeps_dense_layers_values_and_bits():
+    """`RowInvariantDot` as a Flax layer's dot_general: DenseGeneral over two contracted
+    axes (the attention output) and the tied head's [V, D] layout, each row equal alone
+    and in a loop of blocks, and within float32 rounding of the plain product."""
+    rng = np.random.default_rng(2)
+    dot = RowInvariantDot(4)
+    cases = [((3, 5, 7), (2, 6, 3, 5), (((2, 3), (0, 1)), ((), ()))),  # o: [N, H, D]
+             ((13, 9), (2, 6, 9), (((2,), (1,)), ((), ())))]  # head: x . embedding [V, D]
+    for w_shape, x_shape, dims in cases:
+        w = jnp.asarray(rng.standard_normal(w_shape).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32))
+        out = np.asarray(dot(x, w, dims))
+        np.testing.assert_allclose(out, np.asarray(jax.lax.dot_general(x, w, dims)),
+                                   rtol=0, atol=1e-5)  # measured 0 (same kernel class)
+        for b, t in [(0, 0), (1, 5)]:
+            np.testing.assert_array_equal(np.asarray(dot(x[b:b + 1, t:t + 1], w, dims))[0, 0],
+                                          out[b, t])
+    with pytest.raises(ValueError, match="trailing"):
+        dot(x, w, (((1,), (1,)), ((), ())))
+
+
+def test_check_rows_probes_the_models_shapes():
+    """Clean for a model at its default block; names the products whose rows a too-large
+    block splits (the bench q projection at 64 rows, measured) and the fusion emitters when
+    XLA_FLAGS does not turn them off."""
+    assert check_rows(small_model()) == []
+    wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61,
+                       row_block=64)
+    assert "q" in check_rows(wide)
+
+
+def test_the_xla_flag_is_added_only_where_allowed(monkeypatch):
+    monkeypatch.setattr(backend, "_jaxlib_version", lambda: "0.10.2")
+    env = {}
+    assert backend.set_xla_flags(env) and env["XLA_FLAGS"] == f"{backend.FUSION_FLAG}=false"
+    env = {"XLA_FLAGS": f"--foo=1 {backend.FUSION_FLAG}=true"}  # the user's choice stands
+    assert not backend.set_xla_flags(env) and env["XLA_FLAGS"].endswith("=true")
+    env = {"KVJAX_XLA_FLAGS": "0"}
+    assert not backend.set_xla_flags(env) and "XLA_FLAGS" not in env
+    monkeypatch.setattr(backend, "_jaxlib_version", lambda: "0.11.0")  # unchecked: untouched
+    env = {}
+    assert not backend.set_xla_flags(env) and "XLA_FLAGS" not in env
+    assert backend.fusion_emitters_off(), "the test run itself must have the flag"
+
+
+def test_the_engine_warns_when_invariance_does_not_hold(monkeypatch):
+    from engine_helpers import CACHE, CONFIG, params
+
+    from kvjax import Engine, EngineConfig
+
+    monkeypatch.setattr(backend, "fusion_emitters_off", lambda environ=None: False)
+    with pytest.warns(RuntimeWarning, match="fusion emitters"):
+        engine = Engine(params(), CONFIG, EngineConfig(cache=CACHE))
+    assert engine.numerics_problems
+    assert Engine(params(), CONFIG, EngineConfig(cache=CACHE, numerics="fast")) \
+        .numerics_problems == []

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import SamplingConfig
+from kvjax.model.tiled import row_softmax
 
 DRAFT_TAG = 0xD4AF  # a draft model's sampling keys: fold_in(sequence key, DRAFT_TAG)
 
@@ -72,7 +73,7 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     rep = lambda x: jnp.repeat(x, inner)  # noqa: E731
     adjusted = adjusted_logits(logits.reshape(-1, shape[-1]), rep(temperature), rep(top_k),
                                rep(top_p))
-    return jax.nn.softmax(adjusted, axis=-1).reshape(shape)
+    return row_softmax(adjusted).reshape(shape)
 
 
 def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,

@@ -25,6 +25,7 @@ pages explain), aggregated, never per request.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import time
 import warnings
@@ -55,6 +56,7 @@ from kvjax.engine.stats import Timers, aggregate
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.lora import stack_adapters
+from kvjax.model.tiled import check_rows
 from kvjax.speculative.plugin import Speculator
 
 
@@ -67,10 +69,10 @@ class Engine:
                  spec: SpecConfig | None = None):
         if not config.causal:
             raise NonCausalCacheError()
-        self.config = config
+        self.engine_config = ec = engine_config or EngineConfig()
+        self.config = config = dataclasses.replace(config, numerics=ec.numerics)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.engine_config = ec = engine_config or EngineConfig()
         self.cache_config = ec.cache
         self.adapters = dict(adapters or {})
         self._adapter_index = {name: i for i, name in enumerate(self.adapters, start=1)}
@@ -103,10 +105,26 @@ class Engine:
             self.model.shardings = self.sharding.steps(draft_plan)
             for note in self.sharding.notes + ([] if draft_plan is None else draft_plan.notes):
                 warnings.warn(f"kvjax mesh: {note}", stacklevel=2)
+        self.numerics_problems = self._check_numerics()
         self.runner = StepRunner(self.model, self.pool, ec, self.spec, self._timers)
         self.rounds = Rounds(config, ec, self.runner, self._timers, tokenizer)
         self.scheduler = self.rounds.scheduler
         self.load_params(params)  # last: the runner reads the weights from self.model
+
+    def _check_numerics(self) -> list[str]:
+        """Under invariant numerics, probes the running backend over the model's (and the
+        draft's) own product shapes (`kvjax.model.tiled.check_rows`, cached per shape) and
+        warns when a row's bits would change with the batch: what fails is listed."""
+        if self.engine_config.numerics != "invariant":
+            return []
+        configs = [self.config] + ([] if self.spec is None or self.spec.config is None
+                                   else [self.spec.config])
+        problems = sorted({p for c in configs for p in check_rows(c)})
+        if problems:
+            warnings.warn(f"kvjax numerics='invariant' does not hold on this backend for: "
+                          f"{'; '.join(problems)}. A request's bits may change with its batch.",
+                          RuntimeWarning, stacklevel=3)
+        return problems
 
     # -- read-only views ----------------------------------------------------------------------
     @property

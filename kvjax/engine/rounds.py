@@ -136,11 +136,15 @@ class Rounds:
         self.counters["preemptions"] += 1
         self.scheduler.waiting.appendleft(req)
 
-    def _release(self, req: LiveRequest) -> None:
+    def _release(self, req: LiveRequest, cache: bool = True) -> None:
         for seq in req.seqs:
-            self._release_seq(seq)
+            self._release_seq(seq, cache)
 
-    def _release_seq(self, seq: Seq) -> None:
+    def _release_seq(self, seq: Seq, cache: bool = True) -> None:
+        """Returns a sample's pages; with `cache`, its history's full pages enter the trie
+        first (`StepRunner.cache_history`), so a later turn or request reuses them."""
+        if cache:
+            self.runner.cache_history(seq)
         self.pool.release(seq.pages)
         if seq.draft_pages:
             self.draft_pool.release(seq.draft_pages)
@@ -210,7 +214,7 @@ class Rounds:
     def _fail(self, req: LiveRequest, events: list[StreamEvent], error: str) -> None:
         """Ends a request with status "error": its pages return, and every sample whose
         stream is still open gets a last event naming the error."""
-        self._release(req)
+        self._release(req, cache=False)
         events += results.closing_events(req, error)
         self._finish(req, status="error", error=error)
 

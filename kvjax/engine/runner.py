@@ -15,12 +15,13 @@ import jax
 import numpy as np
 
 from kvjax.cache.pool import PagePool
+from kvjax.cache.trie import history_digests
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
 from kvjax.decode.prefill import prefill
 from kvjax.decode.sampling import sample
-from kvjax.engine.requests import LiveRequest, Request, Seq
+from kvjax.engine.requests import LiveRequest, Request, Seq, salts_per_page
 from kvjax.engine.scheduler import PoolPlan
 from kvjax.engine.stats import Timers
 
@@ -77,6 +78,24 @@ class StepRunner:
             unbounded = trie.unbounded_blocks(req.namespace, req.tokens, req.salts)
             trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
         return unbounded
+
+    def cache_history(self, seq: Seq) -> None:
+        """Inserts the full pages of a sample's cached history (its prompt and its answer so
+        far, written by prefill, decode or verification) into the target's trie and the
+        draft's. Only under invariant numerics, where those pages hold the bits a prefill of
+        the same history writes; otherwise a decode-written page differs in the last bits."""
+        if not self.engine_config.prefix_cache or self.model.config.numerics != "invariant":
+            return
+        req, ps = seq.req, self.pool.cache_config.page_size
+        history = (req.tokens + seq.generated)[: seq.length]
+        with self.timers("host_s"):
+            salts = salts_per_page(req.request, len(history), ps)
+            digests = history_digests(history, ps)
+            self.pool.trie.insert(req.namespace, history, salts, digests, seq.pages)
+            draft = None if self.spec is None else self.spec.pool
+            if draft is not None and seq.draft_pages:
+                draft.trie.insert(draft.namespace(req.request.position_base),
+                                  history[: seq.draft_length], salts, digests, seq.draft_pages)
 
     def prefill_draft(self, req: LiveRequest, plan: PoolPlan) -> tuple[list[int], int]:
         """Commits the draft's plan, prefills its prompt and caches its full pages. Returns

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKVCache
 from kvjax.cache.paged import BatchInfo, PagedKVCache
+from kvjax.model.tiled import tree_sum
 
 _M_INIT = -1e30  # finite running-max start: exp(-inf - _M_INIT) == 0, never NaN
 
@@ -28,20 +29,6 @@ def _mask(q_pos: jax.Array, k_pos: jax.Array, causal: bool, window: int | None) 
     if window is not None:
         mask = mask & (diff < window) if causal else mask & (jnp.abs(diff) < window)
     return mask
-
-
-def tree_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis by halving it with elementwise adds (zero-padded to a power of
-    two): the order of the adds is fixed by the axis length alone. A plain `sum` is not:
-    XLA CPU vectorises a row reduction by the whole array's shape, so a row's sum changes
-    in the last bits with the number of other rows (measured on [n, 16, 2, 4, 16] rows)."""
-    n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
 
 
 def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -68,30 +55,43 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
 
 
 def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, batch: BatchInfo,
-                              window: int | None, per_query: bool = False) -> jax.Array:
+                              window: int | None, row_tile: int | None = None) -> jax.Array:
     """Causal attention of new queries over the paged cache (which already holds them).
 
-    `per_query` makes the query axis a batch axis of both products (the keys broadcast to
-    it), so each query's products have G rows whatever T is: a query's bits then do not
-    depend on how many queries share the call. Otherwise the T * G rows of a KV head form
-    one product, whose row bits change with T (on XLA CPU, measured from T = 8 at G = 4 and
-    from T = 2 at G = 1).
+    A KV head's query rows (T queries x G heads of its group) are the rows of its two
+    products with a block's keys. `row_tile` R cuts them into tiles of 2..R rows that
+    form a batch axis of the products (the keys broadcast to it), so every product has a
+    row count in 2..R whatever T is: a query's bits then do not depend on how many queries
+    share the call, the one property of a row that changes them on XLA CPU (a batched
+    product's row bits held across batch counts and row counts 2..32 at every attention
+    shape measured; T * G rows in one product changed them from 64 rows at H = 16,
+    S = 32). None: one product of all T * G rows (fastest). The softmax normaliser is a
+    fixed-order sum (`tree_sum`).
 
     Args:
       q: [B, T, N, H], queries at positions `batch.lengths + t`.
     Returns: [B, T, N, H]
     """
     b, t, n, h = q.shape
+    kv = cache.k.shape[1]
+    g = n // kv
+    rows = t * g
+    tile = rows if row_tile is None else max(2, min(row_tile, rows))
+    nt = -(-rows // tile)  # tiles of `tile` query rows, the last one padded
     block_pages = cache.block_pages
     block_len = block_pages * cache.page_size
     num_blocks = batch.page_table.shape[1] // block_pages
-    qg = _grouped(q, cache.k.shape[1])
-    q_pos = batch.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    qg = jnp.transpose(_grouped(q, kv), (0, 2, 1, 3, 4)).reshape(b, kv, rows, h)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, nt * tile - rows), (0, 0)))
+    qg = qg.reshape(b, kv, nt, tile, h)  # [B, K, nt, R, H]
+    q_pos = batch.lengths[:, None] + jnp.arange(nt * tile, dtype=jnp.int32)[None, :] // g
+    q_pos = jnp.where(jnp.arange(nt * tile) < rows, q_pos, -1)  # padded rows see nothing
+    q_pos = q_pos.reshape(b, nt, tile)  # [B, nt, R]
     end = batch.lengths + batch.num_new  # [B] keys at or past `end` are unwritten
     blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
 
     def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        """[K, B, S, H] keys or values of `pages` [B, block_pages] in this layer.
+        """[B, K, nt, S, H] keys or values of `pages` [B, block_pages] in this layer.
 
         One gather from the whole pool: slicing the layer out first (`pool[layer]`) would
         materialise a copy of the layer's pages at every step, a cost that grows with the
@@ -99,35 +99,28 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         step from 16 to 1024 pages).
         """
         picked = pool[layer, :, pages]  # [B, block_pages, K, page_size, H]
-        return picked.transpose(2, 0, 1, 3, 4).reshape(-1, b, block_len, h).astype(q.dtype)
+        picked = picked.transpose(0, 2, 1, 3, 4).reshape(b, kv, 1, block_len, h)
+        return jnp.broadcast_to(picked.astype(q.dtype), (b, kv, nt, block_len, h))
 
     def step(index, carry):
-        m, l, acc = carry  # [B, K, G, T] (per_query: [B, T, K, G]) and acc [..., H]
+        m, l, acc = carry  # [B, K, nt, R] and acc [B, K, nt, R, H]
         pages = jax.lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [B, block_pages]
-        k, v = gather(cache.k, pages), gather(cache.v, pages)  # [K, B, S, H]
+        k, v = gather(cache.k, pages), gather(cache.v, pages)
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
         written = k_pos[None, :] < end[:, None]  # [B, S]
-        v = jnp.where(written[None, :, :, None], v, 0)  # a poisoned page never leaks in
-        mask = _mask(q_pos, k_pos[None, :], True, window) & written[:, None, :]  # [B, T, S]
-        if per_query:  # [B, T, K, G, S]: T a batch axis of the products
-            k, v = (jnp.broadcast_to(x[:, :, None], (x.shape[0], b, t, block_len, h))
-                    for x in (k, v))  # [K, B, T, S, H]
-            s = jnp.einsum("BTKGH,KBTSH->BTKGS", qg, k)
-            s = jnp.where(mask[:, :, None, None], s, -jnp.inf)
-        else:  # [B, K, G, T, S]
-            s = jnp.einsum("BTKGH,KBSH->BKGTS", qg, k)
-            s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in
+        mask = _mask(q_pos, k_pos[None, None, :], True, window)  # [B, nt, R, S]
+        mask = (mask & written[:, None, None, :])[:, None]  # [B, 1, nt, R, S]
+        s = jnp.einsum("BKnRH,BKnSH->BKnRS", qg, k)
+        s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
-        l = l * correction + (tree_sum(p) if per_query else p.sum(axis=-1))
-        pv = (jnp.einsum("BTKGS,KBTSH->BTKGH", p, v) if per_query
-              else jnp.einsum("BKGTS,KBSH->BKGTH", p, v))
-        acc = acc * correction[..., None] + pv
+        l = l * correction + tree_sum(p)
+        acc = acc * correction[..., None] + jnp.einsum("BKnRS,BKnSH->BKnRH", p, v)
         return m_new, l, acc
 
-    g = n // cache.k.shape[1]
-    shape = (b, t, cache.k.shape[1], g) if per_query else (b, cache.k.shape[1], g, t)
+    shape = (b, kv, nt, tile)
     init = (jnp.full(shape, _M_INIT, q.dtype), jnp.zeros(shape, q.dtype),
             jnp.zeros((*shape, h), q.dtype))
     # Only blocks that some query can see are visited; the skipped ones are fully masked and
@@ -138,9 +131,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         start = jnp.maximum(jnp.min(batch.lengths) - window + 1, 0) // block_len
     _, l, acc = jax.lax.fori_loop(start, stop, step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
-    if not per_query:
-        out = jnp.einsum("BKGTH->BTKGH", out)
-    return out.reshape(b, t, n, h)
+    out = out.reshape(b, kv, nt * tile, h)[:, :, :rows].reshape(b, kv, t, g, h)
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h)
 
 
 def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchInfo,

@@ -11,8 +11,22 @@ import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
 from kvjax.model.lora import add_lora
+from kvjax.model.tiled import RowInvariantDot, tree_sum
 
 EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def row_dot(config: ModelConfig) -> RowInvariantDot | None:
+    """The `dot_general` of the model's token-row products: row-invariant blocks under
+    `numerics="invariant"`, XLA's own choice (None) otherwise."""
+    return RowInvariantDot(config.row_block) if config.numerics == "invariant" else None
+
+
+def row_mean(x: jax.Array) -> jax.Array:
+    """Mean over the last axis, keepdims, summed in a fixed order (`tree_sum`): a plain
+    `mean` changes a row's last bits with the number of rows (XLA CPU, from 5 rows of
+    49,152 or 8 rows of 576, measured)."""
+    return (tree_sum(x) / x.shape[-1])[..., None]
 
 
 class RMSNorm(nn.Module):
@@ -22,14 +36,30 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = x32 * jax.lax.rsqrt(row_mean(x32 * x32) + self.eps)
         return (normed * scale).astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation with Flax's parameter names (scale, bias) and row-invariant means."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (d,))
+        bias = self.param("bias", nn.initializers.zeros, (d,))
+        x32 = x.astype(jnp.float32)
+        centred = x32 - row_mean(x32)
+        normed = centred * jax.lax.rsqrt(row_mean(centred * centred) + self.eps)
+        return (normed * scale + bias).astype(x.dtype)
 
 
 def make_norm(config: ModelConfig, name: str) -> nn.Module:
     if config.norm == "rms":
         return RMSNorm(eps=config.norm_eps, name=name)
-    return nn.LayerNorm(epsilon=config.norm_eps, dtype=config.dtype, name=name)
+    return LayerNorm(eps=config.norm_eps, name=name)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -56,8 +86,10 @@ class MLP(nn.Module):
         cfg = self.config
 
         def dense(inputs: jax.Array, features: int, name: str) -> jax.Array:
-            y = nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype, name=name)(inputs)
-            return add_lora(self, name, inputs, y, adapter_ids)
+            y = nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
+                         dot_general=row_dot(cfg), name=name)(inputs)
+            return add_lora(self, name, inputs, y, adapter_ids, invariant=cfg.numerics ==
+                            "invariant")
 
         if cfg.mlp == "swiglu":
             hidden = nn.silu(dense(x, cfg.d_ff, "gate")) * dense(x, cfg.d_ff, "up")  # [B, T, F]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.model.tiled import tree_sum
 
 
 def lora_targets(config: ModelConfig) -> dict[str, dict[str, tuple[int, int]]]:
@@ -71,8 +72,12 @@ def stack_adapters(config: ModelConfig, adapters: list[dict]) -> dict:
 
 
 def add_lora(module: nn.Module, name: str, x: jax.Array, y: jax.Array,
-             adapter_ids: jax.Array | None, in_dims: int = 1) -> jax.Array:
+             adapter_ids: jax.Array | None, in_dims: int = 1,
+             invariant: bool = False) -> jax.Array:
     """y + the selected adapter's delta for projection `name` (y unchanged without LoRA).
+
+    `invariant` computes each token's delta on its own, as products and fixed-order sums
+    (`tree_sum`): a batched einsum's row bits change with the number of tokens.
 
     Args:
       x: [B, T, *in] the projection input (`in_dims` trailing input axes); y: [B, T, *out].
@@ -80,9 +85,12 @@ def add_lora(module: nn.Module, name: str, x: jax.Array, y: jax.Array,
     """
     if adapter_ids is None or not module.has_variable("lora", f"{name}_a"):
         return y
-    a = module.get_variable("lora", f"{name}_a")  # [A, I, R]
-    b = module.get_variable("lora", f"{name}_b")  # [A, R, O]
+    a = module.get_variable("lora", f"{name}_a")[adapter_ids].astype(x.dtype)  # [B, I, R]
+    b = module.get_variable("lora", f"{name}_b")[adapter_ids].astype(x.dtype)  # [B, R, O]
     flat = x.reshape(*x.shape[:2], -1) if in_dims > 1 else x  # [B, T, I]
-    xa = jnp.einsum("BTI,BIR->BTR", flat, a[adapter_ids].astype(x.dtype))
-    delta = jnp.einsum("BTR,BRO->BTO", xa, b[adapter_ids].astype(x.dtype))
+    if invariant:
+        xa = tree_sum(flat[:, :, None, :] * jnp.swapaxes(a, 1, 2)[:, None])  # [B, T, R]
+        delta = tree_sum(xa[:, :, None, :] * jnp.swapaxes(b, 1, 2)[:, None])  # [B, T, O]
+    else:
+        delta = jnp.einsum("BTR,BRO->BTO", jnp.einsum("BTI,BIR->BTR", flat, a), b)
     return y + delta.reshape(y.shape)

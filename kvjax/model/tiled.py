@@ -17,6 +17,8 @@ Legend: M rows, d input width, f output width, B block rows.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -25,7 +27,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import backend
+
 BLOCKS = (2, 4, 8, 16, 32, 64, 128, 256)  # the block sizes `invariant_block` considers
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by halving it with elementwise adds (zero-padded to a power of
+    two): the order of the adds is fixed by the axis length alone. A plain `sum` is not:
+    XLA CPU vectorises a row reduction by the whole array's shape, so a row's sum changes
+    in the last bits with the number of other rows (measured on [n, 16, 2, 4, 16] rows)."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def row_softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last axis with a fixed-order sum (`tree_sum`): each row's bits do not
+    depend on how many rows there are (`jax.nn.softmax` does, on XLA CPU)."""
+    e = jnp.exp(x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True)))
+    return e / tree_sum(e)[..., None]
+
+
+def row_blocks(fn: Callable[[jax.Array], jax.Array], rows: jax.Array, block: int) -> jax.Array:
+    """fn over `rows` [M, ...] with every call between 2 and `block` rows: a single row is
+    padded to two, up to `block` rows are one call, more a loop (`lax.map`) over
+    `block`-row calls, the last zero-padded. fn must act on each row alone (a product of
+    rows with weights, say); then a row's bits are those of a call of its own size class."""
+    m = rows.shape[0]
+    pad = [(0, 0)] * (rows.ndim - 1)
+    if m <= block:
+        return fn(jnp.pad(rows, [(0, max(2 - m, 0)), *pad]))[:m]
+    n = -(-m // block)
+    blocks = jnp.pad(rows, [(0, n * block - m), *pad]).reshape(n, block, *rows.shape[1:])
+    out = jax.lax.map(fn, blocks)  # [n, B, ...]
+    return out.reshape(n * block, *out.shape[2:])[:m]
 
 
 @partial(jax.jit, static_argnames=("block",))
@@ -34,16 +74,36 @@ def invariant_matmul(x: jax.Array, w: jax.Array, block: int) -> jax.Array:
     docstring); leading axes of x are flattened into rows and trailing axes of w into
     columns (a DenseGeneral kernel [D, N, H] works as is)."""
     lead, d, trail = x.shape[:-1], x.shape[-1], w.shape[1:]
-    rows = x.reshape(-1, d)  # [M, d]
     w2 = w.reshape(d, math.prod(trail))  # [d, f]
-    m = rows.shape[0]
-    if m <= block:  # one dot of max(M, 2) rows
-        out = (jnp.pad(rows, ((0, max(2 - m, 0)), (0, 0))) @ w2)[:m]
-    else:  # [n, B, d] blocks, the last one zero-padded
-        n = -(-m // block)
-        blocks = jnp.pad(rows, ((0, n * block - m), (0, 0))).reshape(n, block, d)
-        out = jax.lax.map(lambda b: b @ w2, blocks).reshape(n * block, -1)[:m]  # [M, f]
+    out = row_blocks(lambda r: r @ w2, x.reshape(-1, d), block)  # [M, f]
     return out.reshape(*lead, *trail)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowInvariantDot:
+    """A `lax.dot_general` for Flax's Dense, DenseGeneral and Embed.attend whose rows are
+    computed in `row_blocks` of at most `block` rows. The contracted axes of the input must
+    be its trailing ones and there may be no batch axes: every other input axis is a row
+    axis. The weights are used as stored (no transpose), so the kernel XLA picks is the
+    one the plain product of a block would get."""
+
+    block: int
+
+    def __call__(self, x: jax.Array, w: jax.Array, dimension_numbers, precision=None,
+                 preferred_element_type=None) -> jax.Array:
+        (x_contract, w_contract), (x_batch, w_batch) = dimension_numbers
+        x_contract = tuple(a % x.ndim for a in x_contract)
+        n = len(x_contract)
+        if x_batch or w_batch or x_contract != tuple(range(x.ndim - n, x.ndim)):
+            raise ValueError(f"RowInvariantDot: contract the trailing input axes without "
+                             f"batch axes, got {dimension_numbers}")
+        lead = x.shape[: x.ndim - n]
+        dims = ((tuple(range(1, n + 1)), tuple(w_contract)), ((), ()))
+        rows = x.reshape(-1, *x.shape[x.ndim - n:])  # [M, *contracted]
+        out = row_blocks(lambda r: jax.lax.dot_general(
+            r, w, dims, precision=precision, preferred_element_type=preferred_element_type),
+            rows, self.block)
+        return out.reshape(*lead, *out.shape[1:])
 
 
 def plain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -101,3 +161,48 @@ def model_shapes(config) -> dict[str, tuple[int, int]]:
             "o": (c.num_heads * c.head_dim, c.d_model),
             "mlp up": (c.d_model, c.d_ff), "mlp down": (c.d_ff, c.d_model),
             "head": (c.d_model, c.vocab_size)}
+
+
+def _dot_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(weight shape, contracted weight axes) of every token-row product of a ModelConfig,
+    as the layers store them (the head as the tied embedding [V, D] when tied)."""
+    c = config
+    dense = {"q": ((c.d_model, c.num_heads, c.head_dim), (0,)),
+             "k/v": ((c.d_model, c.num_kv_heads, c.head_dim), (0,)),
+             "o": ((c.num_heads, c.head_dim, c.d_model), (0, 1)),
+             "mlp up": ((c.d_model, c.d_ff), (0,)), "mlp down": ((c.d_ff, c.d_model), (0,))}
+    dense["head"] = (((c.vocab_size, c.d_model), (1,)) if c.tie_embeddings
+                     else ((c.d_model, c.vocab_size), (0,)))
+    return dense
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_dot(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
+               backend: str) -> bool:
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal(w_shape).astype(np.float32))
+    x_shape = tuple(w_shape[a] for a in contract)
+    n = 2 * block + 3
+    x = jnp.asarray(rng.standard_normal((n, *x_shape)).astype(np.float32))
+    dims = (tuple(range(1, 1 + len(contract))), contract)
+    dot = jax.jit(lambda r: RowInvariantDot(block)(r, w, (dims, ((), ()))))
+    alone = [np.asarray(dot(x[i:i + 1]))[0] for i in (0, 2, n - 1)]
+    for m, rows in ((3, (0, 2)), (n, (0, 2, n - 1))):
+        out = np.asarray(dot(x[:m]))
+        for i in rows:
+            if not np.array_equal(out[i], alone[(0, 2, n - 1).index(i)]):
+                return False
+    return True
+
+
+def check_rows(config) -> list[str]:
+    """The token-row products of `config` whose rows do not get the same bits alone as in
+    a block of three and in a loop of blocks, on the running backend (cached per shape):
+    empty when invariant numerics hold for them. Also names XLA CPU's fusion emitters when
+    they are on (see `kvjax.backend`), which break invariance inside loops."""
+    problems = [name for name, (shape, contract) in _dot_shapes(config).items()
+                if not _probe_dot(shape, contract, config.row_block, jax.default_backend())]
+    if jax.default_backend() == "cpu" and not backend.fusion_emitters_off():
+        problems.append("XLA CPU fusion emitters (set XLA_FLAGS="
+                        f"{backend.FUSION_FLAG}=false before JAX starts)")
+    return problems

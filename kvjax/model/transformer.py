@@ -27,7 +27,7 @@ from kvjax.model.kernels import (
     paged_decode_attention,
     sharded_paged_decode_attention,
 )
-from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm
+from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm, row_dot
 from kvjax.model.lora import add_lora, stack_adapters
 
 if TYPE_CHECKING:  # annotations only: the sharding layer sits above the model
@@ -46,10 +46,12 @@ class Attention(nn.Module):
                  batch: BatchInfo | None, adapter_ids: jax.Array | None) -> tuple[jax.Array, Cache]:
         cfg = self.config
 
+        invariant = cfg.numerics == "invariant"
+
         def project(heads: int, name: str) -> jax.Array:  # [B, T, D] -> [B, T, heads, H]
             y = nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.dtype,
-                                name=name)(x)
-            return add_lora(self, name, x, y, adapter_ids)
+                                dot_general=row_dot(cfg), name=name)(x)
+            return add_lora(self, name, x, y, adapter_ids, invariant=invariant)
 
         q, k, v = project(cfg.num_heads, "q"), project(cfg.num_kv_heads, "k"), \
             project(cfg.num_kv_heads, "v")
@@ -66,15 +68,18 @@ class Attention(nn.Module):
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, cfg.sliding_window)
         y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
-                            name="o")(out)
-        return add_lora(self, "o", out, y, adapter_ids, in_dims=2), cache
+                            dot_general=row_dot(cfg), name="o")(out)
+        return add_lora(self, "o", out, y, adapter_ids, in_dims=2, invariant=invariant), cache
 
     def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo) -> jax.Array:
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
-        if one is chosen (under shard_map on a mesh), everything else by the reference."""
+        if one is chosen (under shard_map on a mesh), everything else by the reference;
+        invariant numerics always by the reference, per query."""
         kernel, window = self.kernel, self.config.sliding_window
-        if kernel is None or kernel.backend == "reference" or q.shape[1] != 1:
-            return paged_attention_reference(q, cache, self.layer, batch, window)
+        invariant = self.config.numerics == "invariant"
+        if kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or invariant:
+            return paged_attention_reference(q, cache, self.layer, batch, window,
+                                             self.config.row_block if invariant else None)
         if self.sharding is None:
             return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
                                           kernel.interpret, window=window)
@@ -139,11 +144,14 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)
-        if cfg.tie_embeddings:
+        dot = row_dot(cfg)
+        if cfg.tie_embeddings and dot is not None:  # x [B, T, D] . embedding [V, D]
+            logits = dot(x, embed.embedding.astype(x.dtype), (((2,), (1,)), ((), ())))
+        elif cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
-                              name="lm_head")(x)
+                              dot_general=dot, name="lm_head")(x)
         return logits.astype(jnp.float32), cache
 
 
