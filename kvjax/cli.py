@@ -137,6 +137,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "numerics":
+        from kvjax.bench import numerics as bench_numerics
+
+        return bench_numerics.main(args)
     if args.which == "tiles":
         from kvjax.bench import tiles as bench_tiles
 
@@ -230,9 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "prefix (prefix cache on vs off), peer (vs "
                                          "transformers generate), spec (speculative "
                                          "decoding operating point), tiles (row-invariant "
-                                         "matmul tiles: bits and cost)")
+                                         "matmul tiles: bits and cost), numerics (fast vs "
+                                         "invariant numerics)")
     bench.add_argument("which", nargs="?",
-                       choices=("decode", "prefix", "peer", "spec", "tiles"), default="decode")
+                       choices=("decode", "prefix", "peer", "spec", "tiles", "numerics"),
+                       default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bench.add_argument("--out", help="JSON output (default results/bench_<which>.json)")
@@ -260,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--prompt-len", type=int, default=512, help="(peer, spec)")
     peer.add_argument("--gen-tokens", type=int, default=128, help="(peer, spec)")
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
+    bench.add_argument("--passes", type=int, default=3,
+                       help="(numerics) alternating passes over fast and invariant")
     spec = bench.add_argument_group("spec")
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         args.out = args.out or f"results/bench_{args.which}.json"
         args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3,
-                                  "tiles": 7}[args.which]
+                                  "tiles": 7, "numerics": 3}[args.which]
         args.slots = args.slots or (1 if args.which == "spec" else 8)
     try:
         return args.func(args)

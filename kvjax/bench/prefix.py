@@ -2,7 +2,9 @@
 
 Workloads (token ids from a seeded generator, on the bench model):
   (a) system prompt: requests sharing a long system prompt, each with a short unique suffix;
-  (b) multi-turn:    conversations whose every turn extends the previous prompt + answer;
+  (b) multi-turn:    conversations whose every turn extends the previous prompt + answer
+                     (with the reused tokens of an ideal cache: every full page computed
+                     before, answers included);
   (c) few-shot:      the same shared examples followed by different queries.
 For each: total prefill time, mean TTFT, reused-token fraction, and the ratio of measured
 prefill time (on / off) to the ideal (computed tokens on / off); plus the host-side time
@@ -22,17 +24,54 @@ from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.model.transformer import init_params
 
 
-def _workloads(args, vocab: int) -> dict:
+def _workloads(args, vocab: int, page_size: int) -> dict:
     return {
         "system_prompt": lambda eng: eng.generate(workloads.shared_system_prompt(
             args.requests, args.system_len, args.suffix_len, vocab, args.new_tokens, seed=1)),
-        "multi_turn": lambda eng: [r for c in workloads.run_multi_turn(
-            eng, args.conversations, args.turns, args.turn_system_len, args.user_len, vocab,
-            args.new_tokens, seed=2) for r in c.results],
+        "multi_turn": _multi_turn(args, vocab, page_size),
         "few_shot": lambda eng: eng.generate(workloads.few_shot(
             args.requests // 2, args.examples, args.example_len, args.suffix_len, vocab,
             args.new_tokens, seed=3)),
     }
+
+
+def ideal_reused(calls: list[list[tuple[list[int], list[int]]]], page_size: int) -> int:
+    """Tokens an ideal cache reuses over `calls` (each a list of (prompt, answer) run by
+    one `generate`, in order): every full page a request shares with what was computed
+    before it, i.e. earlier calls' prompts and answers (the last answer token is never
+    cached) and earlier prompts of its own call, up to its last token's page (computed for
+    its logits)."""
+    total, seen = 0, []
+
+    def common_pages(a: list[int], b: list[int]) -> int:
+        n = 0
+        while (n + 1) * page_size <= min(len(a), len(b)) and \
+                a[n * page_size:(n + 1) * page_size] == b[n * page_size:(n + 1) * page_size]:
+            n += 1
+        return n
+
+    for call in calls:
+        prompts = []
+        for prompt, _ in call:
+            best = max((common_pages(prompt, h) for h in seen + prompts), default=0)
+            total += min(best, (len(prompt) - 1) // page_size) * page_size
+            prompts.append(prompt)
+        seen += [prompt + answer[:-1] for prompt, answer in call]
+    return total
+
+
+def _multi_turn(args, vocab: int, page_size: int):
+    """The multi-turn workload, its results, and the ideal cache's reused tokens."""
+    def run(eng):
+        convs = workloads.run_multi_turn(eng, args.conversations, args.turns,
+                                         args.turn_system_len, args.user_len, vocab,
+                                         args.new_tokens, seed=2)
+        calls = [[(c.results[t].prompt_ids, c.results[t].tokens) for c in convs]
+                 for t in range(args.turns)]
+        results = [r for c in convs for r in c.results]
+        results[0].stats["ideal_reused_tokens"] = ideal_reused(calls, page_size)
+        return results
+    return run
 
 
 def _run(params, model, engine_config, workload) -> dict:
@@ -42,7 +81,10 @@ def _run(params, model, engine_config, workload) -> dict:
     wall = time.perf_counter() - t0
     m = eng.metrics()
     computed = sum(r.stats["computed_tokens"] for r in results)
-    return {"wall_s": wall, "prefill_s": m["prefill_s"], "mean_ttft_s": m["mean_ttft_s"],
+    ideal = results[0].stats.get("ideal_reused_tokens")
+    return {"reused_over_ideal": None if not ideal else
+            sum(r.stats["reused_tokens"] for r in results) / ideal,
+            "wall_s": wall, "prefill_s": m["prefill_s"], "mean_ttft_s": m["mean_ttft_s"],
             "token_reuse_rate": m["token_reuse_rate"], "computed_tokens": computed,
             "prompt_tokens": m["prompt_tokens"], "host_s": m["host_s"],
             "tokens": [r.tokens for r in results]}
@@ -57,7 +99,7 @@ def main(args) -> int:
     emit(f"bench prefix: {args.config}: {model.num_layers} layers, d_model {model.d_model}; "
           f"page_size {cache.page_size}, prefill_chunk {cache.prefill_chunk}, "
           f"{cache.num_pages} pages, {args.slots} slots")
-    loads = _workloads(args, model.vocab_size)
+    loads = _workloads(args, model.vocab_size, cache.page_size)
     rows = []
     for name, workload in loads.items():
         # Warm-up: one untimed run compiles every shape (page-table widths, slots) it uses.
@@ -78,6 +120,7 @@ def main(args) -> int:
         rows.append({
             "workload": name, "prompt_tokens": on["prompt_tokens"],
             "reused_fraction": on["token_reuse_rate"],
+            "reused_over_ideal": on["reused_over_ideal"],
             "prefill_s_on": med["on"]["prefill_s"], "prefill_s_off": med["off"]["prefill_s"],
             "ttft_s_on": med["on"]["mean_ttft_s"], "ttft_s_off": med["off"]["mean_ttft_s"],
             "measured_time_ratio": measured, "ideal_ratio": ideal,
@@ -93,6 +136,8 @@ COLUMNS = [
     ("workload", lambda r: r["workload"]),
     ("prompt tokens", lambda r: f"{r['prompt_tokens']:,}"),
     ("reused", lambda r: f"{r['reused_fraction']:.1%}"),
+    ("reused / ideal cache", lambda r: "–" if r["reused_over_ideal"] is None
+     else f"{r['reused_over_ideal']:.1%}"),
     ("prefill s on / off", lambda r: f"{r['prefill_s_on']:.2f} / {r['prefill_s_off']:.2f}"),
     ("mean TTFT s on / off", lambda r: f"{r['ttft_s_on']:.2f} / {r['ttft_s_off']:.2f}"),
     ("time ratio", lambda r: f"{r['measured_time_ratio']:.3f}"),

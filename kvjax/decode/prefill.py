@@ -1,10 +1,15 @@
-"""Chunked prefill of one sequence: the only way tokens enter a cache outside decode/verify.
+"""Chunked prefill: the only way tokens enter a cache outside decode/verify.
 
-Every prefill call has the one fixed shape [1, prefill_chunk], so a token's K/V do not
-depend on where its chunk started (the bitwise contract prefix reuse and rollback rely on).
+Every call has the fixed chunk length `prefill_chunk`, so under `numerics="fast"` a token's
+K/V do not depend on where its chunk started (the contract prefix reuse there relies on),
+provided each call holds one sequence. Under `numerics="invariant"` a token's bits do not
+depend on the call's other rows either, so `prefill_rows` prefills several sequences
+together: call c holds chunk c of every sequence, [B, chunk] with B bucketed.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -12,28 +17,64 @@ import numpy as np
 from kvjax.cache.paged import BatchInfo, PagedKVCache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.batching import page_table
+from kvjax.decode.batching import bucket, page_table
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    """One sequence to prefill: tokens[start:] go into `pages` (its whole page list)."""
+
+    tokens: list[int]
+    pages: list[int]
+    start: int = 0
+    position_base: int = 0
+    adapter_index: int = 0
+
+
+def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
+                 rows: list[PrefillRow], lora: dict | None = None,
+                 sharding=None) -> tuple[list[jax.Array | None], PagedKVCache]:
+    """Prefills every row's tokens[start:]; returns (each row's last token logits [V], or
+    None when it had nothing to prefill, and the cache). Donates `cache` (through
+    `steps.extend`; `sharding` as there). The rows are padded to a power of two; a row
+    whose tokens are done rides along with no new token (it writes and attends nothing)."""
+    chunk, n = cache_config.prefill_chunk, len(rows)
+    b = bucket(n)
+    table = page_table([r.pages for r in rows], b, cache_config.block_pages)
+    offsets = None
+    if any(r.position_base for r in rows):
+        offsets = np.zeros(b, np.int32)
+        offsets[:n] = [r.position_base for r in rows]
+    ids = None
+    if lora is not None:
+        ids = np.zeros(b, np.int32)
+        ids[:n] = [r.adapter_index for r in rows]
+    calls = max(-(-(len(r.tokens) - r.start) // chunk) for r in rows)
+    out: list[jax.Array | None] = [None] * n
+    for c in range(calls):
+        tokens = np.zeros((b, chunk), np.int32)
+        lengths, num_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, r in enumerate(rows):
+            s = min(r.start + c * chunk, len(r.tokens))
+            piece = r.tokens[s:s + chunk]
+            tokens[i, : len(piece)] = piece
+            lengths[i], num_new[i] = s, len(piece)
+        batch = BatchInfo(page_table=table, lengths=lengths, num_new=num_new,
+                          position_offset=offsets)
+        logits, cache = steps.extend(params, config, cache, tokens, batch, lora, ids,
+                                     last_only=True, sharding=sharding)
+        for i, r in enumerate(rows):
+            if num_new[i] and lengths[i] + num_new[i] == len(r.tokens):
+                out[i] = logits[i, 0]
+    return out, cache
 
 
 def prefill(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
             tokens: list[int], pages: list[int], start: int = 0, position_base: int = 0,
             lora: dict | None = None, adapter_index: int | None = None,
             sharding=None) -> tuple[jax.Array | None, PagedKVCache]:
-    """Writes tokens[start:] into `pages`; returns (last token's logits [V] or None, cache).
-
-    Donates `cache` (through `steps.extend`; `sharding` as there).
-    """
-    chunk = cache_config.prefill_chunk
-    table = page_table([pages], 1, cache_config.block_pages)
-    offset = np.array([position_base], np.int32) if position_base else None
-    ids = np.array([adapter_index], np.int32) if lora is not None else None
-    logits = None
-    for s in range(start, len(tokens), chunk):
-        piece = tokens[s:s + chunk]
-        padded = np.zeros((1, chunk), np.int32)
-        padded[0, : len(piece)] = piece
-        batch = BatchInfo(page_table=table, lengths=np.array([s], np.int32),
-                          num_new=np.array([len(piece)], np.int32), position_offset=offset)
-        logits, cache = steps.extend(params, config, cache, padded, batch, lora, ids,
-                                     last_only=True, sharding=sharding)
-    return (None if logits is None else logits[0, 0]), cache
+    """Writes tokens[start:] of one sequence into `pages`; returns (last token's logits [V]
+    or None, cache). Donates `cache` (through `steps.extend`; `sharding` as there)."""
+    row = PrefillRow(list(tokens), list(pages), start, position_base, adapter_index or 0)
+    (logits,), cache = prefill_rows(params, config, cache, cache_config, [row], lora, sharding)
+    return logits, cache

@@ -9,13 +9,18 @@ requests. The parts: `requests` (validation, rendering, a live request's state),
 (one scheduling round over them), `results` and `stats`; this facade builds the parts and
 is the public API.
 
-Exactness: the trie only ever holds pages computed by the prefill path (one fixed chunk
-shape, page-block attention), so a page reused from the cache holds exactly the bits a cold
-prefill would write. Pages written by decode (one token per row) differ from prefill's in
-the last bits, so they are never shared. A preempted request is recomputed from its prompt;
-its sampling keys depend only on (seed, sample, position), so it regenerates the same
-tokens bit for bit, which the engine checks against what it already streamed (a request
-that recomputes differently ends with status "error" instead of streaming a contradiction).
+Exactness (`EngineConfig.numerics="invariant"`, the default): every token's arithmetic
+has shapes that do not depend on the step around it (row-blocked products, row-tiled
+attention over fixed blocks of absolute positions, fixed-order sums; `kvjax.model.tiled`),
+so a token's K/V and logits are the same bits whether it was computed by a prefill chunk,
+a decode step or a verification, alone or in any batch. The trie therefore takes every
+full page a sample writes: the prompt's at admission, the answer's when the sample
+finishes, is preempted or cancelled. Under `numerics="fast"` only prefill-written pages
+(one fixed chunk shape) are shared, which keeps cache on == cache off but not batch
+invariance. A preempted request is recomputed from its prompt; its sampling keys depend
+only on (seed, sample, position), so it regenerates the same tokens bit for bit, which the
+engine checks against what it already streamed (a request that recomputes differently ends
+with status "error" instead of streaming a contradiction).
 
 What a request is told (its stats, stream events, errors) depends only on what its own
 namespace can see; `metrics()` adds the operator's view (misses another tenant's private

@@ -59,27 +59,52 @@ class Rounds:
 
     # -- admission -----------------------------------------------------------------------------
     def _admit(self, events: list[StreamEvent]) -> None:
+        """Admits waiting requests while slots and pages allow: plans a group, prefills it
+        (together under invariant numerics, else one per group), starts each member."""
+        while True:
+            group = self._plan_group()
+            if not group:
+                return
+            logits, prefill_s = self.runner.prefill(
+                [(req, pages, adm.start) for req, adm, pages in group])
+            for (req, adm, pages), first in zip(group, logits, strict=True):
+                self._start(req, adm, pages, first, prefill_s, events)
+
+    def _plan_group(self) -> list[tuple[LiveRequest, scheduler.Admission, list[int]]]:
+        """Requests to prefill in the same calls, in the scheduler's order, seated and with
+        their pages committed and written. The group stops at the first request that finds
+        no slot or no room, or that shares an uncached full page with a member: that one
+        waits for the next group, to reuse the member's pages once they are cached."""
         sched, ec = self.scheduler, self.engine_config
-        while sched.waiting:
+        group = []
+        while sched.waiting and (not group or self.runner.invariant):
             with self.timers("host_s"):
                 req = sched.pick(lambda r: len(scheduler.match(self.pool, r,
                                                                ec.prefix_cache).nodes))
-            free = sched.free_slots()
-            if len(free) < req.request.n or not self._try_admit(req, free, events):
-                return
+                free = sched.free_slots()
+                if len(free) < req.request.n:
+                    break
+                adm = scheduler.plan_admission(req, self.pool, self.draft_pool,
+                                               ec.prefix_cache, ec.partial_page_copy)
+                if adm is None:
+                    break
+                if ec.prefix_cache and _shares_uncached(req, adm.reuse, group,
+                                                        self.pool.cache_config.page_size):
+                    adm.abort()
+                    break
+                pages = adm.target.commit()
+                sched.seat(req, free)
+            adm.target.write(pages)
+            if adm.target.copy_from is not None:
+                self.counters["partial_copies"] += 1
+            group.append((req, adm, pages))
+        return group
 
-    def _try_admit(self, req: LiveRequest, free_slots: list[int], events) -> bool:
+    def _start(self, req: LiveRequest, adm: scheduler.Admission, pages: list[int],
+               logits, prefill_s: float, events: list[StreamEvent]) -> None:
+        """After its prefill: caches the prompt, prefills the draft, samples each sample's
+        first token, records the admission and streams."""
         ec = self.engine_config
-        with self.timers("host_s"):
-            adm = scheduler.plan_admission(req, self.pool, self.draft_pool, ec.prefix_cache,
-                                           ec.partial_page_copy)
-            if adm is None:
-                return False
-            pages = adm.target.commit()
-        adm.target.write(pages)
-        if adm.target.copy_from is not None:
-            self.counters["partial_copies"] += 1
-        logits, prefill_s = self.runner.prefill(req, pages, adm.start)
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if adm.draft is None else \
             self.runner.prefill_draft(req, adm.draft)
@@ -95,7 +120,6 @@ class Rounds:
             seq.logits = [logits] if req.request.return_logits else []
             seq.done = (req.request.max_new_tokens == 1 or seq.last == req.request.stop_token)
             seq.draft_length, seq.prev = len(req.tokens), -1
-        self.scheduler.seat(req, free_slots)
         for seq in req.seqs:
             if seq.done:
                 self._release_seq(seq)
@@ -105,7 +129,6 @@ class Rounds:
             req.stats.setdefault("draft_reused_tokens", draft_reused)
         if self._emit(req, events):
             self._retire_if_done(req)
-        return True
 
     # -- pages ---------------------------------------------------------------------------------
     def _grow(self, seq: Seq, tokens: int) -> bool:
@@ -233,3 +256,20 @@ class Rounds:
         if "prompt_tokens" in req.stats:
             self.operator_log.append(req.operator_miss)
         del self.live[req.id]
+
+
+def _shares_uncached(req: LiveRequest, reused: int, group, page_size: int) -> bool:
+    """Whether `req` has a full page past its `reused` cached pages equal (tokens, salt,
+    namespace) to one a member of `group` is about to write."""
+    for other, _, _ in group:
+        if other.namespace != req.namespace:
+            continue
+        common = 0
+        for i in range(min(len(req.tokens), len(other.tokens)) // page_size):
+            span = slice(i * page_size, (i + 1) * page_size)
+            if req.tokens[span] != other.tokens[span] or req.salts[i] != other.salts[i]:
+                break
+            common += 1
+        if common > reused:
+            return True
+    return False

@@ -19,7 +19,7 @@ from kvjax.cache.trie import history_digests
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
-from kvjax.decode.prefill import prefill
+from kvjax.decode.prefill import PrefillRow, prefill, prefill_rows
 from kvjax.decode.sampling import sample
 from kvjax.engine.requests import LiveRequest, Request, Seq, salts_per_page
 from kvjax.engine.scheduler import PoolPlan
@@ -59,15 +59,27 @@ class StepRunner:
         self.timers = timers
 
     # -- admission -----------------------------------------------------------------------------
-    def prefill(self, req: LiveRequest, pages: list[int], start: int) -> tuple[np.ndarray, float]:
-        """Prefills tokens[start:] in fixed chunks; returns (last token's logits [V], s)."""
+    @property
+    def invariant(self) -> bool:
+        """Whether a token's bits depend on its own history alone: invariant numerics on
+        one device. (On a mesh the rows are split over `data` and `model`'s partial
+        products are summed in an order XLA picks: not claimed, so there the engine keeps
+        the rules of fast numerics.) Then admitted prompts share prefill calls and pages
+        written by decode or verification enter the trie."""
+        return self.model.config.numerics == "invariant" and self.model.shardings is None
+
+    def prefill(self, admitted: list[tuple[LiveRequest, list[int], int]]
+                ) -> tuple[list[np.ndarray], float]:
+        """Prefills each (request, pages, start)'s tokens[start:] in fixed chunks, all in
+        the same calls; returns (each one's last token logits [V], seconds)."""
         m, pool = self.model, self.pool
+        rows = [PrefillRow(req.tokens, pages, start, req.request.position_base,
+                           req.adapter_index) for req, pages, start in admitted]
         before = self.timers["prefill_s"]
         with self.timers("prefill_s"):
-            logits, pool.cache = prefill(m.params, m.config, pool.cache, pool.cache_config,
-                                         req.tokens, pages, start, req.request.position_base,
-                                         m.lora, req.adapter_index, m.shardings)
-            logits = np.asarray(logits)
+            logits, pool.cache = prefill_rows(m.params, m.config, pool.cache,
+                                              pool.cache_config, rows, m.lora, m.shardings)
+            logits = [np.asarray(x) for x in logits]
         return logits, self.timers["prefill_s"] - before
 
     def cache_prompt(self, req: LiveRequest, pages: list[int]) -> int:
@@ -82,9 +94,9 @@ class StepRunner:
     def cache_history(self, seq: Seq) -> None:
         """Inserts the full pages of a sample's cached history (its prompt and its answer so
         far, written by prefill, decode or verification) into the target's trie and the
-        draft's. Only under invariant numerics, where those pages hold the bits a prefill of
-        the same history writes; otherwise a decode-written page differs in the last bits."""
-        if not self.engine_config.prefix_cache or self.model.config.numerics != "invariant":
+        draft's. Only when `invariant`, where those pages hold the bits a prefill of the
+        same history writes; otherwise a decode-written page differs in the last bits."""
+        if not self.engine_config.prefix_cache or not self.invariant:
             return
         req, ps = seq.req, self.pool.cache_config.page_size
         history = (req.tokens + seq.generated)[: seq.length]
