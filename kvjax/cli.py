@@ -137,6 +137,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "arrivals":
+        from kvjax.bench import arrivals as bench_arrivals
+
+        return bench_arrivals.main(args)
     if args.which == "numerics":
         from kvjax.bench import numerics as bench_numerics
 
@@ -235,9 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "transformers generate), spec (speculative "
                                          "decoding operating point), tiles (row-invariant "
                                          "matmul tiles: bits and cost), numerics (fast vs "
-                                         "invariant numerics)")
+                                         "invariant numerics), arrivals (decode latency "
+                                         "while a long prompt is prefilled)")
     bench.add_argument("which", nargs="?",
-                       choices=("decode", "prefix", "peer", "spec", "tiles", "numerics"),
+                       choices=("decode", "prefix", "peer", "spec", "tiles", "numerics",
+                                "arrivals"),
                        default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -268,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
     bench.add_argument("--passes", type=int, default=3,
                        help="(numerics) alternating passes over fast and invariant")
+    bench.add_argument("--arrival-len", type=int, default=2048,
+                       help="(arrivals) the long prompt's tokens")
+    bench.add_argument("--after", type=int, default=16,
+                       help="(arrivals) rounds are timed until the newcomer has this many tokens")
     spec = bench.add_argument_group("spec")
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")
@@ -285,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         args.out = args.out or f"results/bench_{args.which}.json"
         args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3,
-                                  "tiles": 7, "numerics": 3}[args.which]
+                                  "tiles": 7, "numerics": 3,
+                                  "arrivals": 3}[args.which]
         args.slots = args.slots or (1 if args.which == "spec" else 8)
     try:
         return args.func(args)

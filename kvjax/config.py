@@ -161,6 +161,9 @@ class EngineConfig:
     eviction: str = "lru"  # a name in kvjax.cache.trie.EVICTION_POLICIES: lru, lfu, fifo
     schedule: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
     decode_steps: int = 16  # on-device decode steps between scheduling rounds
+    # prefill calls (one chunk of each prompt being prefilled) a round may run while other
+    # sequences decode; 0: prefill every admitted prompt to the end first
+    prefill_calls_per_round: int = 1
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
@@ -174,6 +177,8 @@ class EngineConfig:
     def __post_init__(self):
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.prefill_calls_per_round >= 0, "prefill_calls_per_round",
+                 f"must be >= 0, got {self.prefill_calls_per_round}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
         _choice(self.attention, "attention", ("auto", "reference", "pallas_gpu", "pallas_tpu"))

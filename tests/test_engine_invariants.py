@@ -77,11 +77,14 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def refcounts_match_the_holders(self):
-        for alloc, trie, pages_of, _, _ in self.pools():
+        for i, (alloc, trie, pages_of, _, _) in enumerate(self.pools()):
             holders = collections.Counter(trie.pages())
             for req in self.eng.rounds.live.values():
                 for seq in req.seqs:
                     holders.update(pages_of(seq)[0])
+            for entry in self.eng.rounds.prefilling:  # prompts still being prefilled
+                held = entry.adm.draft.held if i and entry.adm.draft else []
+                holders.update(held if i else entry.pages)
             for page in range(NUM_PAGES):
                 assert alloc.refcount(page) == holders[page], page
             assert alloc.num_free == NUM_PAGES - len(holders)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvjax import Engine, EngineConfig, Request, SamplingConfig
 from kvjax.decode import steps
+from kvjax.engine.rounds import Rounds
 
 LENGTHS = [3, 9, 14, 22, 17, 6, 30, 11]  # 8 prompts, most crossing 4-token pages
 SAMPLED = SamplingConfig(temperature=0.8, top_p=0.9, top_k=20)
@@ -150,3 +151,53 @@ def test_compiles_stay_bounded(p):
     before = steps.trace_counts()
     run()
     assert steps.trace_counts() == before
+
+
+def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6):
+    """A short request decodes; a long one arrives after the first round."""
+    e = engine(p, cache=cache, max_slots=4, decode_steps=2)
+    a_req, b_req = (Request(tokens=t, max_new_tokens=n, return_logits=True) for t, n in
+                    zip(random_tokens(21, [5, b_len], CONFIG.vocab_size), [a_new, b_new]))
+    a = e.submit(a_req)
+    e.step()
+    b = e.submit(b_req)
+    return e, a, b, a_req, b_req
+
+
+def test_a_long_prompt_is_prefilled_between_decode_calls(p):
+    """One 8-token chunk of the 60-token prompt per round while the short request decodes:
+    the short one gets tokens every round (it is not stalled for the 8 calls), and both get
+    their alone bits."""
+    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8))
+    rounds_before_b = 0
+    while not e.rounds.live[b].seqs[0].generated:
+        events = e.step()
+        assert any(ev.request_id == a for ev in events)  # a decodes every round
+        rounds_before_b += 1
+    assert rounds_before_b == 60 // 8 + 1  # its 8 chunks, one per round
+    done = e.run()
+    alone = engine(p, max_slots=1, prefix_cache=False)
+    assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))
+
+
+def test_preempting_or_cancelling_a_prompt_being_prefilled_loses_nothing(p, monkeypatch):
+    """The decoding request outgrows a tight cache while the long prompt is half
+    prefilled: the younger one is preempted (pages back, its draft plan none), recomputed
+    later with its alone bits; a cancelled half-prefilled prompt returns every page."""
+    dropped = []
+    drop = Rounds._drop_prefill
+    monkeypatch.setattr(Rounds, "_drop_prefill",
+                        lambda self, req: dropped.append(req.id) or drop(self, req))
+    tight = with_cache(prefill_chunk=8, num_pages=24)
+    e, a, b, a_req, b_req = _long_prompt_arrives(p, tight, a_new=40, b_len=80, b_new=8)
+    done = e.run()
+    assert dropped == [b] and done[b].stats["preemptions"] == 1
+    alone = engine(p, max_slots=1, prefix_cache=False)
+    assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))
+    assert e.allocator.num_free == tight.num_pages - e.trie.num_nodes
+    e, a, b, _, _ = _long_prompt_arrives(p, with_cache(prefill_chunk=8))
+    e.step()
+    assert e.rounds.live[b].prefilling
+    e.cancel(b)
+    assert e.run()[b].status == "cancelled"
+    assert e.allocator.num_free == CACHE.num_pages - e.trie.num_nodes

@@ -32,12 +32,13 @@ class PrefillRow:
 
 
 def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
-                 rows: list[PrefillRow], lora: dict | None = None,
-                 sharding=None) -> tuple[list[jax.Array | None], PagedKVCache]:
-    """Prefills every row's tokens[start:]; returns (each row's last token logits [V], or
-    None when it had nothing to prefill, and the cache). Donates `cache` (through
-    `steps.extend`; `sharding` as there). The rows are padded to a power of two; a row
-    whose tokens are done rides along with no new token (it writes and attends nothing)."""
+                 rows: list[PrefillRow], lora: dict | None = None, sharding=None,
+                 calls: int | None = None) -> tuple[list[jax.Array | None], PagedKVCache]:
+    """Prefills every row's tokens[start:] (or its first `calls` chunks); returns (each
+    row's last token logits [V], or None when its last token was not in these calls, and
+    the cache). Donates `cache` (through `steps.extend`; `sharding` as there). The rows are
+    padded to a power of two; a row whose tokens are done rides along with no new token
+    (it writes and attends nothing)."""
     chunk, n = cache_config.prefill_chunk, len(rows)
     b = bucket(n)
     table = page_table([r.pages for r in rows], b, cache_config.block_pages)
@@ -49,7 +50,8 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
     if lora is not None:
         ids = np.zeros(b, np.int32)
         ids[:n] = [r.adapter_index for r in rows]
-    calls = max(-(-(len(r.tokens) - r.start) // chunk) for r in rows)
+    needed = max(-(-(len(r.tokens) - r.start) // chunk) for r in rows)
+    calls = needed if calls is None else min(calls, needed)
     out: list[jax.Array | None] = [None] * n
     for c in range(calls):
         tokens = np.zeros((b, chunk), np.int32)

@@ -129,6 +129,7 @@ class LiveRequest:
     operator_miss: tuple[str | None, tuple[str, ...]] = (None, ())  # metrics() only
     gammas: list[int] = dataclasses.field(default_factory=list)  # γ of each decode call
     calls: int = 0  # decode calls since its (latest) admission
+    prefilling: bool = False  # seated, its prompt not fully prefilled yet
 
     @property
     def replaying(self) -> bool:

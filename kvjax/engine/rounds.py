@@ -9,13 +9,26 @@ and recorded (`results.py`, `stats.py`). Host code: plain Python + numpy.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from kvjax.config import EngineConfig, ModelConfig
+from kvjax.decode.prefill import PrefillRow
 from kvjax.engine import results, scheduler
 from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent
 from kvjax.engine.runner import StepRunner
 from kvjax.engine.stats import Timers, record_admission
 from kvjax.speculative.plugin import finish_request_stats
+
+
+@dataclasses.dataclass(eq=False)
+class Prefill:
+    """A seated request whose prompt is being prefilled, chunk by chunk."""
+
+    req: LiveRequest
+    adm: scheduler.Admission
+    pages: list[int]
+    row: PrefillRow  # its next chunk starts at row.start
+    seconds: float = 0.0  # prefill calls it took part in
 
 
 class Rounds:
@@ -35,6 +48,7 @@ class Rounds:
         self.counters = collections.Counter()
         self.timers = timers
         self.stats_log: list[dict] = []
+        self.prefilling: list[Prefill] = []  # seated, prompt not fully prefilled yet
         self.operator_log: list[tuple[str | None, tuple[str, ...]]] = []  # (cause, fields)
 
     def enqueue(self, req: LiveRequest) -> None:
@@ -59,52 +73,77 @@ class Rounds:
 
     # -- admission -----------------------------------------------------------------------------
     def _admit(self, events: list[StreamEvent]) -> None:
-        """Admits waiting requests while slots and pages allow: plans a group, prefills it
-        (together under invariant numerics, else one per group), starts each member."""
+        """Admits waiting requests while slots and pages allow and prefills them in fixed
+        chunks: each call takes one chunk of every prompt being prefilled (of the first one
+        only when a token's bits may depend on its batch). While other sequences decode,
+        at most `prefill_calls_per_round` calls run before their decode call (0: no limit),
+        so a long prompt does not stall them; when none decodes, prefill runs to the end."""
+        limit, calls = self.engine_config.prefill_calls_per_round, 0
         while True:
-            group = self._plan_group()
-            if not group:
+            self._plan_group()
+            if not self.prefilling:
                 return
-            logits, prefill_s = self.runner.prefill(
-                [(req, pages, adm.start) for req, adm, pages in group])
-            for (req, adm, pages), first in zip(group, logits, strict=True):
-                self._start(req, adm, pages, first, prefill_s, events)
+            if limit and calls >= limit and self._decoding():
+                return
+            rows = self.prefilling if self.runner.invariant else self.prefilling[:1]
+            logits, seconds = self.runner.prefill_call([e.row for e in rows])
+            calls += 1
+            for entry, last in zip(list(rows), logits, strict=True):
+                entry.seconds += seconds
+                if last is not None:  # its last chunk: the prompt is cached
+                    self.prefilling.remove(entry)
+                    entry.req.prefilling = False
+                    self._start(entry, last, events)
 
-    def _plan_group(self) -> list[tuple[LiveRequest, scheduler.Admission, list[int]]]:
-        """Requests to prefill in the same calls, in the scheduler's order, seated and with
-        their pages committed and written. The group stops at the first request that finds
-        no slot or no room, or that shares an uncached full page with a member: that one
-        waits for the next group, to reuse the member's pages once they are cached."""
+    def _decoding(self) -> bool:
+        return any(not s.req.prefilling for s in self.scheduler.running)
+
+    def _plan_group(self) -> None:
+        """Adds waiting requests to `prefilling` in the scheduler's order, seated and with
+        their pages committed and written. Stops at the first request that finds no slot or
+        no room, or that shares an uncached full page with one being prefilled: that one
+        waits, to reuse the page once it is cached. When a token's bits may depend on its
+        batch, a request is added only when none is being prefilled."""
         sched, ec = self.scheduler, self.engine_config
-        group = []
-        while sched.waiting and (not group or self.runner.invariant):
+        while sched.waiting and (not self.prefilling or self.runner.invariant):
             with self.timers("host_s"):
                 req = sched.pick(lambda r: len(scheduler.match(self.pool, r,
                                                                ec.prefix_cache).nodes))
                 free = sched.free_slots()
                 if len(free) < req.request.n:
-                    break
+                    return
                 adm = scheduler.plan_admission(req, self.pool, self.draft_pool,
                                                ec.prefix_cache, ec.partial_page_copy)
                 if adm is None:
-                    break
-                if ec.prefix_cache and _shares_uncached(req, adm.reuse, group,
+                    return
+                if ec.prefix_cache and _shares_uncached(req, adm.reuse, self.prefilling,
                                                         self.pool.cache_config.page_size):
                     adm.abort()
-                    break
+                    return
                 pages = adm.target.commit()
                 sched.seat(req, free)
             adm.target.write(pages)
             if adm.target.copy_from is not None:
                 self.counters["partial_copies"] += 1
-            group.append((req, adm, pages))
-        return group
+            req.prefilling = True
+            self.prefilling.append(Prefill(req, adm, pages, PrefillRow(
+                req.tokens, pages, adm.start, req.request.position_base, req.adapter_index)))
 
-    def _start(self, req: LiveRequest, adm: scheduler.Admission, pages: list[int],
-               logits, prefill_s: float, events: list[StreamEvent]) -> None:
+    def _drop_prefill(self, req: LiveRequest) -> None:
+        """Ends a prefill before its last chunk (preemption, cancellation): its pages and
+        the draft plan's references go back."""
+        entry = next(e for e in self.prefilling if e.req is req)
+        self.prefilling.remove(entry)
+        req.prefilling = False
+        self.pool.release(entry.pages)
+        if entry.adm.draft is not None:
+            entry.adm.draft.abort()
+
+    def _start(self, entry: Prefill, logits, events: list[StreamEvent]) -> None:
         """After its prefill: caches the prompt, prefills the draft, samples each sample's
         first token, records the admission and streams."""
         ec = self.engine_config
+        req, adm, pages, prefill_s = entry.req, entry.adm, entry.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if adm.draft is None else \
             self.runner.prefill_draft(req, adm.draft)
@@ -160,6 +199,8 @@ class Rounds:
         self.scheduler.waiting.appendleft(req)
 
     def _release(self, req: LiveRequest, cache: bool = True) -> None:
+        if req.prefilling:
+            self._drop_prefill(req)
         for seq in req.seqs:
             self._release_seq(seq, cache)
 
@@ -185,8 +226,8 @@ class Rounds:
             gamma = spec.next_gamma() if replay is None else replay
         budgets = {}
         for seq in self.scheduler.decode_order():
-            if seq.slot is None or seq.done:
-                continue  # preempted while growing another sequence
+            if seq.slot is None or seq.done or seq.req.prefilling:
+                continue  # preempted while growing another sequence, or not prefilled yet
             if spec is not None and seq.req.replaying and seq.req.gammas[seq.req.calls] != gamma:
                 continue  # recomputing under another γ: it waits for a call with its own
             budget = min(ec.decode_steps, seq.req.request.max_new_tokens - len(seq.generated))
@@ -258,10 +299,11 @@ class Rounds:
         del self.live[req.id]
 
 
-def _shares_uncached(req: LiveRequest, reused: int, group, page_size: int) -> bool:
+def _shares_uncached(req: LiveRequest, reused: int, prefilling: list[Prefill],
+                     page_size: int) -> bool:
     """Whether `req` has a full page past its `reused` cached pages equal (tokens, salt,
-    namespace) to one a member of `group` is about to write."""
-    for other, _, _ in group:
+    namespace) to one a request being prefilled is about to write."""
+    for other in (e.req for e in prefilling):
         if other.namespace != req.namespace:
             continue
         common = 0

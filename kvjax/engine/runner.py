@@ -68,18 +68,19 @@ class StepRunner:
         written by decode or verification enter the trie."""
         return self.model.config.numerics == "invariant" and self.model.shardings is None
 
-    def prefill(self, admitted: list[tuple[LiveRequest, list[int], int]]
-                ) -> tuple[list[np.ndarray], float]:
-        """Prefills each (request, pages, start)'s tokens[start:] in fixed chunks, all in
-        the same calls; returns (each one's last token logits [V], seconds)."""
+    def prefill_call(self, rows: list[PrefillRow]) -> tuple[list[np.ndarray | None], float]:
+        """One prefill call: the next chunk of every row, together (advances each row's
+        start). Returns (the last token logits [V] of each row this call finished, else
+        None; seconds)."""
         m, pool = self.model, self.pool
-        rows = [PrefillRow(req.tokens, pages, start, req.request.position_base,
-                           req.adapter_index) for req, pages, start in admitted]
         before = self.timers["prefill_s"]
         with self.timers("prefill_s"):
             logits, pool.cache = prefill_rows(m.params, m.config, pool.cache,
-                                              pool.cache_config, rows, m.lora, m.shardings)
-            logits = [np.asarray(x) for x in logits]
+                                              pool.cache_config, rows, m.lora, m.shardings,
+                                              calls=1)
+            logits = [None if x is None else np.asarray(x) for x in logits]
+        for row in rows:
+            row.start = min(row.start + pool.cache_config.prefill_chunk, len(row.tokens))
         return logits, self.timers["prefill_s"] - before
 
     def cache_prompt(self, req: LiveRequest, pages: list[int]) -> int:
@@ -90,6 +91,7 @@ class StepRunner:
             unbounded = trie.unbounded_blocks(req.namespace, req.tokens, req.salts)
             trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
         return unbounded
+
 
     def cache_history(self, seq: Seq) -> None:
         """Inserts the full pages of a sample's cached history (its prompt and its answer so

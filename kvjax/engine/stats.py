@@ -39,7 +39,7 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
     cause, operator_cause = match.cause, match.operator_cause
     if reuse < len(match.nodes):
         cause = operator_cause = None  # all cached; the last page is recomputed for logits
-    if req.stats:
+    if "prompt_tokens" in req.stats:
         req.stats["recomputed_tokens"] += n_tok - start
         req.stats["prefill_s"] += prefill_s
         return
@@ -55,7 +55,7 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
         "miss_fields": match.fields if cause == "namespace" else [],
         "prefill_s": prefill_s,
         "unbounded_reused_tokens": max(unbounded, start),
-        "preemptions": 0,
+        "preemptions": req.stats.get("preemptions", 0),  # while its prompt was prefilled
         "recomputed_tokens": 0,
         "ttft_s": time.perf_counter() - req.submitted,
     }
