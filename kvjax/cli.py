@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--slots", type=int, default=None,
                         help="engine batch slots (default 8 prefix, 1 spec)")
     prefix.add_argument("--num-pages", type=int, default=2048)
+    prefix.add_argument("--workloads", default="system_prompt,multi_turn,few_shot",
+                        help="(prefix) which workloads to run, comma-separated")
     peer = bench.add_argument_group("peer")
     peer.add_argument("--prompt-len", type=int, default=512, help="(peer, spec)")
     peer.add_argument("--gen-tokens", type=int, default=128, help="(peer, spec)")
@@ -278,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(arrivals) the long prompt's tokens")
     bench.add_argument("--after", type=int, default=16,
                        help="(arrivals) rounds are timed until the newcomer has this many tokens")
+    bench.add_argument("--steady", type=int, default=4,
+                       help="(arrivals) rounds timed before the arrival")
     spec = bench.add_argument_group("spec")
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")

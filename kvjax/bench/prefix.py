@@ -94,12 +94,15 @@ def main(args) -> int:
     config = load_config(args.config, args.set)
     model = config.model
     cache = dataclasses.replace(config.cache, num_pages=args.num_pages)
-    engine_config = EngineConfig(cache=cache, max_slots=args.slots, decode_steps=8)
+    engine_config = EngineConfig(cache=cache, max_slots=args.slots, decode_steps=8,
+                                 numerics=config.engine.numerics)
     params = init_params(model, seed=0)
     emit(f"bench prefix: {args.config}: {model.num_layers} layers, d_model {model.d_model}; "
           f"page_size {cache.page_size}, prefill_chunk {cache.prefill_chunk}, "
-          f"{cache.num_pages} pages, {args.slots} slots")
-    loads = _workloads(args, model.vocab_size, cache.page_size)
+          f"{cache.num_pages} pages, {args.slots} slots, numerics {engine_config.numerics}")
+    wanted = args.workloads.split(",")
+    loads = {k: v for k, v in _workloads(args, model.vocab_size, cache.page_size).items()
+             if k in wanted}
     rows = []
     for name, workload in loads.items():
         # Warm-up: one untimed run compiles every shape (page-table widths, slots) it uses.
