@@ -157,7 +157,8 @@ def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6):
     """A short request decodes; a long one arrives after the first round."""
     e = engine(p, cache=cache, max_slots=4, decode_steps=2)
     a_req, b_req = (Request(tokens=t, max_new_tokens=n, return_logits=True) for t, n in
-                    zip(random_tokens(21, [5, b_len], CONFIG.vocab_size), [a_new, b_new]))
+                    zip(random_tokens(21, [5, b_len], CONFIG.vocab_size), [a_new, b_new],
+                        strict=True))
     a = e.submit(a_req)
     e.step()
     b = e.submit(b_req)

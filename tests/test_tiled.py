@@ -4,6 +4,7 @@ which block size (inside the probed class) computes it."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -15,6 +16,7 @@ from helpers import small_model
 from kvjax import backend
 from kvjax.model.tiled import (
     RowInvariantDot,
+    check_products,
     check_rows,
     invariant_block,
     invariant_matmul,
@@ -111,6 +113,26 @@ def test_check_rows_probes_the_models_shapes():
     wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61,
                        row_block=64)
     assert "q" in check_rows(wide)
+
+
+def test_the_engine_takes_the_largest_block_the_backend_keeps_invariant():
+    """A configured block the probe rejects gives way to the next smaller one that passes,
+    before anything is built (the block is in the model config and the cache identity)."""
+    import warnings
+
+    from kvjax import Engine, EngineConfig, init_params
+
+    wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61,
+                       row_block=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: a block that holds was found
+        engine = Engine(init_params(wide), wide, EngineConfig())
+    block = engine.config.row_block
+    assert block < 64 and engine.numerics_problems == []
+    assert check_products(engine.config) == []  # measured: 32
+    assert block == 32 or check_products(dataclasses.replace(engine.config, row_block=32))
+    assert engine.pool.fingerprint != Engine(init_params(wide), wide, EngineConfig(
+        numerics="fast")).pool.fingerprint
 
 
 def test_the_xla_flag_is_added_only_where_allowed(monkeypatch):

@@ -61,7 +61,7 @@ from kvjax.engine.stats import Timers, aggregate
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.lora import stack_adapters
-from kvjax.model.tiled import check_rows
+from kvjax.model.tiled import check_backend, check_products
 from kvjax.speculative.plugin import Speculator
 
 
@@ -75,7 +75,13 @@ class Engine:
         if not config.causal:
             raise NonCausalCacheError()
         self.engine_config = ec = engine_config or EngineConfig()
-        self.config = config = dataclasses.replace(config, numerics=ec.numerics)
+        configs = [config] + ([] if draft is None else [draft[1]])
+        block, self.numerics_problems = numerics_block(configs, ec.numerics)
+        config, draft_config = (dataclasses.replace(c, numerics=ec.numerics, row_block=block)
+                                for c in configs + configs[:1])
+        if draft is not None:
+            draft = (draft[0], draft_config)
+        self.config = config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.cache_config = ec.cache
@@ -110,26 +116,10 @@ class Engine:
             self.model.shardings = self.sharding.steps(draft_plan)
             for note in self.sharding.notes + ([] if draft_plan is None else draft_plan.notes):
                 warnings.warn(f"kvjax mesh: {note}", stacklevel=2)
-        self.numerics_problems = self._check_numerics()
         self.runner = StepRunner(self.model, self.pool, ec, self.spec, self._timers)
         self.rounds = Rounds(config, ec, self.runner, self._timers, tokenizer)
         self.scheduler = self.rounds.scheduler
         self.load_params(params)  # last: the runner reads the weights from self.model
-
-    def _check_numerics(self) -> list[str]:
-        """Under invariant numerics, probes the running backend over the model's (and the
-        draft's) own product shapes (`kvjax.model.tiled.check_rows`, cached per shape) and
-        warns when a row's bits would change with the batch: what fails is listed."""
-        if self.engine_config.numerics != "invariant":
-            return []
-        configs = [self.config] + ([] if self.spec is None or self.spec.config is None
-                                   else [self.spec.config])
-        problems = sorted({p for c in configs for p in check_rows(c)})
-        if problems:
-            warnings.warn(f"kvjax numerics='invariant' does not hold on this backend for: "
-                          f"{'; '.join(problems)}. A request's bits may change with its batch.",
-                          RuntimeWarning, stacklevel=3)
-        return problems
 
     # -- read-only views ----------------------------------------------------------------------
     @property
@@ -312,3 +302,26 @@ class Engine:
         self.rounds.enqueue(req)
         return req.id
 
+
+def numerics_block(configs: list[ModelConfig], numerics: str) -> tuple[int, list[str]]:
+    """The row block for `configs` (the target's, the draft's): under invariant numerics
+    the largest of `row_block`, 32, 16, 8, 4, 2 whose rows the running backend keeps invariant
+    over every product shape of every config (`kvjax.model.tiled.check_products`, cached
+    per shape), and what still fails, with the backend check (a warning names it). The
+    block is part of the model config, hence of the cache identity."""
+    block = configs[0].row_block
+    if numerics != "invariant":
+        return block, []
+    found = {}
+    for candidate in [block] + [b for b in (32, 16, 8, 4, 2) if b < block]:
+        found[candidate] = sorted({p for c in configs for p in
+                                   check_products(dataclasses.replace(c, row_block=candidate))})
+        if not found[candidate]:
+            block = candidate
+            break
+    problems = found[block] + check_backend()  # none passed: the configured block's
+    if problems:
+        warnings.warn(f"kvjax numerics='invariant' does not hold on this backend for: "
+                      f"{'; '.join(problems)}. A request's bits may change with its batch.",
+                      RuntimeWarning, stacklevel=3)
+    return block, problems

@@ -195,14 +195,23 @@ def _probe_dot(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
     return True
 
 
-def check_rows(config) -> list[str]:
+def check_products(config) -> list[str]:
     """The token-row products of `config` whose rows do not get the same bits alone as in
-    a block of three and in a loop of blocks, on the running backend (cached per shape):
-    empty when invariant numerics hold for them. Also names XLA CPU's fusion emitters when
-    they are on (see `kvjax.backend`), which break invariance inside loops."""
-    problems = [name for name, (shape, contract) in _dot_shapes(config).items()
-                if not _probe_dot(shape, contract, config.row_block, jax.default_backend())]
+    a block of three and in a loop of blocks of `config.row_block` rows, on the running
+    backend (cached per shape): empty when the products are invariant."""
+    return [name for name, (shape, contract) in _dot_shapes(config).items()
+            if not _probe_dot(shape, contract, config.row_block, jax.default_backend())]
+
+
+def check_backend() -> list[str]:
+    """Names XLA CPU's fusion emitters when they are on (see `kvjax.backend`): they break
+    invariance inside loops, where no product probe sees it."""
     if jax.default_backend() == "cpu" and not backend.fusion_emitters_off():
-        problems.append("XLA CPU fusion emitters (set XLA_FLAGS="
-                        f"{backend.FUSION_FLAG}=false before JAX starts)")
-    return problems
+        return ["XLA CPU fusion emitters (set XLA_FLAGS="
+                f"{backend.FUSION_FLAG}=false before JAX starts)"]
+    return []
+
+
+def check_rows(config) -> list[str]:
+    """`check_products` and `check_backend`: empty when invariant numerics hold."""
+    return check_products(config) + check_backend()

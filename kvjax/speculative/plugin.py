@@ -10,8 +10,6 @@ and keeps the statistics.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
@@ -40,7 +38,6 @@ class Speculator:
                 raise ConfigError("spec.drafter", "the model drafter needs "
                                   "draft=(draft_params, draft_config)")
             params, draft_config = draft
-            draft_config = dataclasses.replace(draft_config, numerics=engine_config.numerics)
             if not draft_config.causal:
                 raise NonCausalCacheError()
             if draft_config.vocab_size != config.vocab_size:
