@@ -2,9 +2,9 @@
 bitwise those it gets alone, whatever else the engine does: the batch around it and
 `max_slots`, the prefill chunk, `decode_steps`, the schedule, the prefix cache (pages written
 by prefill, by decode or by a verification), preemption, the page size at one attention
-block. Greedy and sampled requests share each run. (Speculative vs plain:
-tests/test_engine_spec.py; the row-invariant pieces: test_tiled.py and
-test_invariant_attention.py.)"""
+block, and how prefill calls interleave with decode calls. Greedy and sampled requests
+share each run. (Speculative vs plain: tests/test_engine_spec.py; the row-invariant pieces:
+test_tiled.py and test_invariant_attention.py.)"""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def alone(p):
     dict(max_slots=8), dict(max_slots=2), dict(max_slots=16),
     dict(cache=with_cache(prefill_chunk=8)), dict(cache=with_cache(prefill_chunk=32)),
     dict(decode_steps=1), dict(decode_steps=16), dict(schedule="lpm"),
-    dict(prefix_cache=False)], ids=str)
+    dict(prefix_cache=False), dict(prefill_calls_per_round=0)], ids=str)
 def test_a_request_gets_the_same_bits_whatever_the_knobs(p, alone, knobs):
     assert_same(engine(p, **knobs).generate(requests()), alone)
 

@@ -1,13 +1,14 @@
 """The serving engine: prefix reuse on admission, continuous batching, exact by construction.
 
-One scheduling round: admit waiting requests into free batch slots (prefix match, allocate,
-prefill only the unmatched suffix, sample the first token, cache the prompt's full pages),
-then decode every running sequence `decode_steps` tokens on device, then retire finished
-requests. The parts: `requests` (validation, rendering, a live request's state),
-`scheduler` (queue, slots, admission plan, preemption order), `runner` (the device calls),
-`kvjax.cache.pool` (pages: one `PagePool` for the target, one for the draft), `rounds`
-(one scheduling round over them), `results` and `stats`; this facade builds the parts and
-is the public API.
+One scheduling round: admit waiting requests into free batch slots (prefix match, allocate)
+and prefill their unmatched suffixes in fixed chunks (prompts sharing calls under invariant
+numerics; while others decode, at most `prefill_calls_per_round` calls per round); a prompt
+whose last chunk is done samples its first token and caches its full pages; then every
+running sequence decodes `decode_steps` tokens on device, and finished requests retire.
+The parts: `requests` (validation, rendering, a live request's state), `scheduler` (queue,
+slots, admission plan, preemption order), `runner` (the device calls), `kvjax.cache.pool`
+(pages: one `PagePool` for the target, one for the draft), `rounds` (one scheduling round
+over them), `results` and `stats`; this facade builds the parts and is the public API.
 
 Exactness (`EngineConfig.numerics="invariant"`, the default): every token's arithmetic
 has shapes that do not depend on the step around it (row-blocked products, row-tiled
@@ -77,10 +78,10 @@ class Engine:
         self.engine_config = ec = engine_config or EngineConfig()
         configs = [config] + ([] if draft is None else [draft[1]])
         block, self.numerics_problems = numerics_block(configs, ec.numerics)
-        config, draft_config = (dataclasses.replace(c, numerics=ec.numerics, row_block=block)
-                                for c in configs + configs[:1])
+        config, *draft_config = (dataclasses.replace(c, numerics=ec.numerics, row_block=block)
+                                 for c in configs)
         if draft is not None:
-            draft = (draft[0], draft_config)
+            draft = (draft[0], draft_config[0])
         self.config = config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
