@@ -183,7 +183,7 @@ def test_a_long_prompt_is_prefilled_between_decode_calls(p):
 
 def test_preempting_or_cancelling_a_prompt_being_prefilled_loses_nothing(p, monkeypatch):
     """The decoding request outgrows a tight cache while the long prompt is half
-    prefilled: the younger one is preempted (pages back, its draft plan none), recomputed
+    prefilled: the younger one is preempted (its pages back), recomputed
     later with its alone bits; a cancelled half-prefilled prompt returns every page."""
     dropped = []
     drop = Rounds._drop_prefill

@@ -158,5 +158,6 @@ def test_the_engine_warns_when_invariance_does_not_hold(monkeypatch):
     with pytest.warns(RuntimeWarning, match="fusion emitters"):
         engine = Engine(params(), CONFIG, EngineConfig(cache=CACHE))
     assert engine.numerics_problems
+    assert not engine.runner.invariant  # so it keeps the fast rules: cache on == off holds
     assert Engine(params(), CONFIG, EngineConfig(cache=CACHE, numerics="fast")) \
         .numerics_problems == []

@@ -117,7 +117,8 @@ class Engine:
             self.model.shardings = self.sharding.steps(draft_plan)
             for note in self.sharding.notes + ([] if draft_plan is None else draft_plan.notes):
                 warnings.warn(f"kvjax mesh: {note}", stacklevel=2)
-        self.runner = StepRunner(self.model, self.pool, ec, self.spec, self._timers)
+        self.runner = StepRunner(self.model, self.pool, ec, self.spec, self._timers,
+                                 probe_ok=not self.numerics_problems)
         self.rounds = Rounds(config, ec, self.runner, self._timers, tokenizer)
         self.scheduler = self.rounds.scheduler
         self.load_params(params)  # last: the runner reads the weights from self.model

@@ -27,6 +27,7 @@ class Prefill:
     req: LiveRequest
     adm: scheduler.Admission
     pages: list[int]
+    draft_pages: list[int]  # committed with the target's, prefilled after its last chunk
     row: PrefillRow  # its next chunk starts at row.start
     seconds: float = 0.0  # prefill calls it took part in
 
@@ -121,23 +122,26 @@ class Rounds:
                     adm.abort()
                     return
                 pages = adm.target.commit()
+                draft_pages = [] if adm.draft is None else adm.draft.commit()
                 sched.seat(req, free)
             adm.target.write(pages)
+            if adm.draft is not None:
+                adm.draft.write(draft_pages)
             if adm.target.copy_from is not None:
                 self.counters["partial_copies"] += 1
             req.prefilling = True
-            self.prefilling.append(Prefill(req, adm, pages, PrefillRow(
+            self.prefilling.append(Prefill(req, adm, pages, draft_pages, PrefillRow(
                 req.tokens, pages, adm.start, req.request.position_base, req.adapter_index)))
 
     def _drop_prefill(self, req: LiveRequest) -> None:
-        """Ends a prefill before its last chunk (preemption, cancellation): its pages and
-        the draft plan's references go back."""
+        """Ends a prefill before its last chunk (preemption, cancellation): its pages go
+        back, in the target's pool and the draft's."""
         entry = next(e for e in self.prefilling if e.req is req)
         self.prefilling.remove(entry)
         req.prefilling = False
         self.pool.release(entry.pages)
-        if entry.adm.draft is not None:
-            entry.adm.draft.abort()
+        if entry.draft_pages:
+            self.draft_pool.release(entry.draft_pages)
 
     def _start(self, entry: Prefill, logits, events: list[StreamEvent]) -> None:
         """After its prefill: caches the prompt, prefills the draft, samples each sample's
@@ -146,7 +150,7 @@ class Rounds:
         req, adm, pages, prefill_s = entry.req, entry.adm, entry.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if adm.draft is None else \
-            self.runner.prefill_draft(req, adm.draft)
+            self.runner.prefill_draft(req, adm.draft, entry.draft_pages)
         first = self.runner.first_tokens(req, logits)
         for j, seq in enumerate(req.seqs):
             seq.pages, seq.draft_pages = list(pages), list(draft_pages)
@@ -258,7 +262,8 @@ class Rounds:
         call of its first run, or None. Sampled speculative tokens depend on where rounds
         start, so a request regenerates what it streamed only under the same γ per call
         (adaptive γ may have moved since)."""
-        replaying = [s.req for s in self.scheduler.running if s.req.replaying]
+        replaying = [s.req for s in self.scheduler.running
+                     if s.req.replaying and not s.req.prefilling]
         if not replaying:
             return None
         oldest = min(replaying, key=lambda r: r.admitted_order)

@@ -51,12 +51,13 @@ class StepRunner:
     """Runs the target's (and the draft's) device steps over the engine's pools."""
 
     def __init__(self, model: TargetModel, pool: PagePool, engine_config: EngineConfig,
-                 speculator, timers: Timers):
+                 speculator, timers: Timers, probe_ok: bool = True):
         self.model = model
         self.pool = pool
         self.engine_config = engine_config
         self.spec = speculator  # a `kvjax.speculative.plugin.Speculator`, or None
         self.timers = timers
+        self.probe_ok = probe_ok  # the start-up probe found invariant numerics holding
 
     # -- admission -----------------------------------------------------------------------------
     @property
@@ -64,9 +65,11 @@ class StepRunner:
         """Whether a token's bits depend on its own history alone: invariant numerics on
         one device. (On a mesh the rows are split over `data` and `model`'s partial
         products are summed in an order XLA picks: not claimed, so there the engine keeps
-        the rules of fast numerics.) Then admitted prompts share prefill calls and pages
-        written by decode or verification enter the trie."""
-        return self.model.config.numerics == "invariant" and self.model.shardings is None
+        the rules of fast numerics, and so it does where the start-up probe failed.) Then
+        admitted prompts share prefill calls and pages written by decode or verification
+        enter the trie."""
+        return (self.model.config.numerics == "invariant" and self.model.shardings is None
+                and self.probe_ok)
 
     def prefill_call(self, rows: list[PrefillRow]) -> tuple[list[np.ndarray | None], float]:
         """One prefill call: the next chunk of every row, together (advances each row's
@@ -111,12 +114,11 @@ class StepRunner:
                 draft.trie.insert(draft.namespace(req.request.position_base),
                                   history[: seq.draft_length], salts, digests, seq.draft_pages)
 
-    def prefill_draft(self, req: LiveRequest, plan: PoolPlan) -> tuple[list[int], int]:
-        """Commits the draft's plan, prefills its prompt and caches its full pages. Returns
-        (pages, reused tokens)."""
+    def prefill_draft(self, req: LiveRequest, plan: PoolPlan, pages: list[int]
+                      ) -> tuple[list[int], int]:
+        """Prefills the draft's prompt into `pages` (its plan's, committed and written) and
+        caches its full pages. Returns (pages, reused tokens)."""
         spec, pool = self.spec, plan.pool
-        pages = plan.commit()
-        plan.write(pages)
         start = len(plan.reused) * pool.cache_config.page_size
         with self.timers("draft_prefill_s"):
             _, pool.cache = prefill(spec.params, spec.config, pool.cache, pool.cache_config,
