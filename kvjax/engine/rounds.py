@@ -26,9 +26,8 @@ class Prefill:
 
     req: LiveRequest
     adm: scheduler.Admission
-    pages: list[int]
     draft_pages: list[int]  # committed with the target's, prefilled after its last chunk
-    row: PrefillRow  # its next chunk starts at row.start
+    row: PrefillRow  # its pages; its next chunk starts at row.start
     seconds: float = 0.0  # prefill calls it took part in
 
 
@@ -130,7 +129,7 @@ class Rounds:
             if adm.target.copy_from is not None:
                 self.counters["partial_copies"] += 1
             req.prefilling = True
-            self.prefilling.append(Prefill(req, adm, pages, draft_pages, PrefillRow(
+            self.prefilling.append(Prefill(req, adm, draft_pages, PrefillRow(
                 req.tokens, pages, adm.start, req.request.position_base, req.adapter_index)))
 
     def _drop_prefill(self, req: LiveRequest) -> None:
@@ -139,7 +138,7 @@ class Rounds:
         entry = next(e for e in self.prefilling if e.req is req)
         self.prefilling.remove(entry)
         req.prefilling = False
-        self.pool.release(entry.pages)
+        self.pool.release(entry.row.pages)
         if entry.draft_pages:
             self.draft_pool.release(entry.draft_pages)
 
@@ -147,7 +146,7 @@ class Rounds:
         """After its prefill: caches the prompt, prefills the draft, samples each sample's
         first token, records the admission and streams."""
         ec = self.engine_config
-        req, adm, pages, prefill_s = entry.req, entry.adm, entry.pages, entry.seconds
+        req, adm, pages, prefill_s = entry.req, entry.adm, entry.row.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if adm.draft is None else \
             self.runner.prefill_draft(req, adm.draft, entry.draft_pages)

@@ -155,12 +155,11 @@ def invariant_block(d: int, f: int, blocks: Sequence[int] = BLOCKS, seed: int = 
 
 def model_shapes(config) -> dict[str, tuple[int, int]]:
     """The (d, f) of every token-row matmul of a `ModelConfig`'s layers and head."""
-    c = config
-    return {"q": (c.d_model, c.num_heads * c.head_dim),
-            "k/v": (c.d_model, c.num_kv_heads * c.head_dim),
-            "o": (c.num_heads * c.head_dim, c.d_model),
-            "mlp up": (c.d_model, c.d_ff), "mlp down": (c.d_ff, c.d_model),
-            "head": (c.d_model, c.vocab_size)}
+    out = {}
+    for name, (shape, contract) in _dot_shapes(config).items():
+        d = math.prod(shape[a] for a in contract)
+        out[name] = (d, math.prod(shape) // d)
+    return out
 
 
 def _dot_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
