@@ -14,8 +14,8 @@ from kvjax.config import (
     ModelConfig,
     SamplingConfig,
     SpecConfig,
-    load_config,
 )
+from kvjax.config_files import load_config
 from kvjax.decode.generate import GenerateResult, generate
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent

@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from kvjax.config import ConfigError, ModelConfig, load_config
+from kvjax.config import ConfigError, ModelConfig
+from kvjax.config_files import load_config
 
 
 def _generate(args: argparse.Namespace) -> int:

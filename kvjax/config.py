@@ -1,4 +1,5 @@
-"""Frozen configuration dataclasses, TOML loading and `--set a.b=c` overrides.
+"""Frozen configuration dataclasses (TOML loading and `--set a.b=c` overrides:
+`kvjax.config_files`).
 
 Every config is a frozen (hashable) dataclass, so it can be a static argument of a jitted
 function; variants are made with `dataclasses.replace`. Validation happens on construction
@@ -9,16 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
-import types
-import typing
-from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 class ConfigError(ValueError):
@@ -39,6 +31,10 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+# the token-row products whose row blocks `ModelConfig.row_blocks` sets
+ROW_PRODUCTS = ("q", "k/v", "o", "mlp up", "mlp down", "head", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +67,13 @@ class ModelConfig:
     # token's bits depend on its own history alone (see kvjax.model.tiled)
     numerics: str = "fast"
     row_block: int = 32
+    # per product, the row block the engine's start-up probe chose ((name, block) pairs for
+    # ROW_PRODUCTS; 0 = one product of any row count, which the probe found invariant up to
+    # the engine's largest call); a product not named uses row_block
+    row_blocks: tuple[tuple[str, int], ...] = ()
+    # products whose kernels the steps take stored transposed, each one product of any row
+    # count (block 0): see kvjax.model.layout
+    transposed: tuple[str, ...] = ()
 
     def __post_init__(self):
         for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff",
@@ -92,10 +95,26 @@ class ModelConfig:
         _choice(self.dtype, "dtype", ("float32", "bfloat16"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
         _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")
+        object.__setattr__(self, "row_blocks", tuple(tuple(p) for p in self.row_blocks))
+        for name, block in self.row_blocks:
+            _choice(name, "row_blocks", ROW_PRODUCTS)
+            _require(block == 0 or block >= 2, "row_blocks",
+                     f"{name}: a block is 0 or >= 2, got {block}")
+        object.__setattr__(self, "transposed", tuple(self.transposed))
+        for name in self.transposed:
+            _choice(name, "transposed", ROW_PRODUCTS[:-1])
+            _require(self.block(name) == 0, "transposed", f"{name}: a transposed kernel is "
+                     f"one product of any row count (row block 0)")
+            _require(name != "head" or not self.tie_embeddings, "transposed",
+                     "a tied head is the embedding [V, D], stored transposed already")
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",
                  f"must be None or >= 1, got {self.sliding_window}")
+
+    def block(self, product: str) -> int:
+        """The row block of one of ROW_PRODUCTS (see `row_blocks`)."""
+        return dict(self.row_blocks).get(product, self.row_block)
 
     @property
     def group_size(self) -> int:
@@ -173,6 +192,10 @@ class EngineConfig:
     # request's bits independent of everything but its own history; "fast" shares only
     # prefill-written pages
     numerics: str = "invariant"
+    # invariant numerics: store a product's kernel transposed where that lets one product of
+    # any row count replace a loop of 32-row blocks (kvjax.model.layout): faster prefill,
+    # slower decode of a few rows (README "Invariant numerics" has the costs)
+    transposed_kernels: bool = True
 
     def __post_init__(self):
         for key in ("max_slots", "decode_steps", "evicted_record"):
@@ -262,108 +285,6 @@ class Config:
     engine: EngineConfig = EngineConfig()
     train: TrainConfig = TrainConfig()
     spec: SpecConfig = SpecConfig()
-
-
-_SECTIONS: dict[str, type] = typing.get_type_hints(Config)
-
-
-def check_type(value: Any, annotation: Any, key: str) -> Any:
-    """Checks a TOML value against a field annotation; returns it (lists become tuples)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return check_type(value, option, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
-    if origin is tuple:
-        _require(isinstance(value, (list, tuple)), key, f"expected a list, got {value!r}")
-        (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
-        return tuple(check_type(v, item, key) for v in value)
-    if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
-        return build(annotation, value, key)
-    if annotation is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        _require(ok, key, f"expected a number, got {value!r}")
-        return float(value)
-    if annotation is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        _require(ok, key, f"expected an integer, got {value!r}")
-        return value
-    _require(isinstance(value, annotation), key,
-             f"expected {annotation.__name__}, got {value!r}")
-    return value
-
-
-def build(cls: type, table: dict[str, Any], section: str = ""):
-    """Builds dataclass `cls` from a TOML table, naming the bad key on any error."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    prefix = f"{section}." if section else ""
-    kwargs = {}
-    for key, value in table.items():
-        if key not in names:
-            raise ConfigError(f"{prefix}{key}",
-                              f"unknown key (known: {', '.join(sorted(names))})")
-        kwargs[key] = check_type(value, hints[key], f"{prefix}{key}")
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        if section and not e.key.startswith(f"{section}."):
-            raise e.under(section) from None
-        raise
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parses `a.b=value`; the value is read as TOML, or taken as a plain string."""
-    if "=" not in text:
-        raise ConfigError(text, "an override must look like section.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip().split("."), value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
-    """Returns a copy of a nested TOML dict with each `a.b=value` override applied."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for text in overrides:
-        path, value = parse_override(text)
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(".".join(path), f"{part} is not a table")
-        node[path[-1]] = value
-    return out
-
-
-def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Builds a `Config` from a nested dict (a parsed TOML file)."""
-    sections = {}
-    for name, table in raw.items():
-        if name not in _SECTIONS:
-            raise ConfigError(name, f"unknown section (known: {', '.join(sorted(_SECTIONS))})")
-        if not isinstance(table, dict):
-            raise ConfigError(name, "must be a table")
-        sections[name] = build(_SECTIONS[name], table, name)
-    return Config(**sections)
-
-
-def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Config:
-    """Loads a TOML config file and applies `section.key=value` overrides."""
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
-    return config_from_dict(apply_overrides(raw, overrides))
 
 
 MESH_AXES = ("data", "model")

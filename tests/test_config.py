@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvjax import CacheConfig, ConfigError, ModelConfig, load_config
-from kvjax.config import config_from_dict
+from kvjax.config_files import config_from_dict
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,3 +70,19 @@ def test_defaults_and_replace():
     assert config.group_size == 3
     assert CacheConfig(page_size=4, attn_block=16).block_pages == 4
     hash(config)  # frozen configs are static jit arguments
+
+
+def test_row_blocks_and_transposed_products_read_from_toml_and_are_checked():
+    """`model.row_blocks` is a list of [product, block] pairs (fixed-length items checked
+    item by item); a wrong length, an unknown product or a transposed product that is not
+    one whole product is an error naming the key."""
+    model = config_from_dict({"model": {"numerics": "invariant", "transposed": ["q"],
+                                        "row_blocks": [["q", 0], ["o", 16]]}}).model
+    assert model.row_blocks == (("q", 0), ("o", 16)) and model.transposed == ("q",)
+    assert model.block("o") == 16 and model.block("mlp up") == model.row_block
+    for bad, key in [({"row_blocks": [["q", 0, 1]]}, "expected 2 items"),
+                     ({"row_blocks": [["z", 0]]}, "'z' is not one of"),
+                     ({"row_blocks": [["q", 1]]}, "a block is 0 or >= 2"),
+                     ({"transposed": ["o"]}, "row block 0")]:
+        with pytest.raises(ConfigError, match=key):
+            config_from_dict({"model": bad})

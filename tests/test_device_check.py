@@ -17,7 +17,8 @@ import pytest
 from kvjax import memory
 from kvjax.bench import device_check, device_measure
 from kvjax.bench.device_check import TINY_MODEL
-from kvjax.config import CacheConfig, load_config
+from kvjax.config import CacheConfig
+from kvjax.config_files import load_config
 from kvjax.engine.engine import Engine
 from kvjax.lab import timing as lab_timing
 from kvjax.model.transformer import init_params

@@ -45,9 +45,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     def pools(self):
         """(allocator, trie, a sequence's (pages, cached length), model config, params) per
-        page pool."""
+        page pool: the engine's own (its numerics' forms, its kernels as it stores them)."""
         return [(self.eng.allocator, self.eng.trie, lambda seq: (seq.pages, seq.length),
-                 CONFIG, P)]
+                 self.eng.config, self.eng.model.params)]
 
     @rule(prefix=st.integers(0, len(SYSTEM)), suffix=st.lists(st.integers(0, 5), max_size=9),
           max_new=st.integers(1, 12), n=st.integers(1, 2), tenant=st.sampled_from([None, "t"]),
@@ -131,7 +131,7 @@ class SpecEngineMachine(EngineMachine):
         draft = self.eng.draft_pool
         return super().pools() + [(draft.allocator, draft.trie,
                                    lambda seq: (seq.draft_pages, seq.draft_length),
-                                   DRAFT, DRAFT_P)]
+                                   self.eng.spec.config, self.eng.spec.params)]
 
 
 SETTINGS = dict(stateful_step_count=30, deadline=None, derandomize=True, database=None,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvjax.cli import main
-from kvjax.config import ConfigError, load_config
+from kvjax.config import ConfigError
+from kvjax.config_files import load_config
 from kvjax.lab import registry as experiments
 from kvjax.lab import results, runner
 from kvjax.lab.results import deterministic

@@ -59,6 +59,18 @@ def test_a_request_gets_the_same_bits_whatever_the_knobs(p, alone, knobs):
     assert_same(engine(p, **knobs).generate(requests()), alone)
 
 
+def test_row_blocks_keep_the_promise_without_transposed_kernels(p):
+    """Kernels in Flax's layout (`transposed_kernels=False`): the products the probe cannot
+    run as one product (here q, o and the down projection) run in 32-row blocks, and a
+    request still gets its alone bits across slots, chunks and decode steps (other bits
+    than the transposed layout's: another config, another cache identity)."""
+    solo = engine(p, max_slots=1, prefix_cache=False, transposed_kernels=False)
+    assert solo.config.transposed == () and solo.config.block("q") == 32
+    alone = [solo.generate([r])[0] for r in requests()]
+    for knobs in (dict(max_slots=8), dict(cache=with_cache(prefill_chunk=32), decode_steps=16)):
+        assert_same(engine(p, transposed_kernels=False, **knobs).generate(requests()), alone)
+
+
 def test_pages_written_by_decode_serve_later_requests_bitwise(p, alone):
     """A warm second pass reuses every full page of each request's prompt (and, with a
     longer prompt, of its answer): logits as alone."""

@@ -4,7 +4,6 @@ which block size (inside the probed class) computes it."""
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import jax
@@ -15,12 +14,17 @@ from helpers import small_model
 
 from kvjax import backend
 from kvjax.model.tiled import (
+    PROBED,
+    Calls,
     RowInvariantDot,
+    _probe_whole,
     check_products,
     check_rows,
+    choose_blocks,
     invariant_block,
     invariant_matmul,
     model_shapes,
+    probe_counts,
     row_classes,
 )
 
@@ -28,7 +32,7 @@ BENCH_LIKE = [(512, 1408), (1408, 512), (576, 192)]  # bench MLP up/down, SmolLM
 TOL = 5e-4  # max |invariant - float64| measured 4.6e-5 on values up to 96
 
 
-@pytest.mark.parametrize("block", [2, 8, 32])
+@pytest.mark.parametrize("block", [0, 2, 8, 32])
 def test_invariant_matmul_computes_the_product(block):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 37, 512)).astype(np.float32)  # [B, T, D]: 111 rows
@@ -115,24 +119,54 @@ def test_check_rows_probes_the_models_shapes():
     assert "q" in check_rows(wide)
 
 
-def test_the_engine_takes_the_largest_block_the_backend_keeps_invariant():
-    """A configured block the probe rejects gives way to the next smaller one that passes,
-    before anything is built (the block is in the model config and the cache identity)."""
+def test_the_engine_takes_the_cheapest_form_the_backend_keeps_invariant():
+    """Per product, before anything is built (the choice is in the model config and the
+    cache identity): one product of any row count where the probe finds the rows invariant
+    (with the kernel stored transposed where only that holds), else the largest block that
+    holds. Measured on XLA CPU: the 512-wide q projection's rows change from 33 rows in one
+    plain product and at a 64-row block, and hold at every count stored transposed."""
     import warnings
 
     from kvjax import Engine, EngineConfig, init_params
 
     wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61,
                        row_block=64)
+    engines = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning: a block that holds was found
-        engine = Engine(init_params(wide), wide, EngineConfig())
-    block = engine.config.row_block
-    assert block < 64 and engine.numerics_problems == []
-    assert check_products(engine.config) == []  # measured: 32
-    assert block == 32 or check_products(dataclasses.replace(engine.config, row_block=32))
-    assert engine.pool.fingerprint != Engine(init_params(wide), wide, EngineConfig(
-        numerics="fast")).pool.fingerprint
+        warnings.simplefilter("error")  # no warning: a form that holds was found
+        for transposed in (True, False):
+            engines[transposed] = Engine(init_params(wide), wide,
+                                         EngineConfig(transposed_kernels=transposed))
+    stored, blocks = engines[True].config, engines[False].config
+    assert "q" in stored.transposed and stored.block("q") == 0
+    assert blocks.transposed == () and 2 <= blocks.block("q") < 64  # measured: 32
+    for engine in engines.values():
+        assert engine.numerics_problems == []
+        assert check_products(engine.config, PROBED._replace(keys=16)) == []
+    fingerprints = {e.pool.fingerprint for e in engines.values()} | {Engine(
+        init_params(wide), wide, EngineConfig(numerics="fast")).pool.fingerprint}
+    assert len(fingerprints) == 3
+
+
+def test_choose_blocks_takes_one_product_then_transposed_then_blocks():
+    """On the bench model's MLP shapes (XLA CPU, measured): the 1408 -> 512 down projection
+    holds as one plain product, the 512 -> 1408 up projection only stored transposed, and
+    with transposition off it falls back to 32-row blocks; a plain one-product probe of the
+    up projection fails (the probe can say no)."""
+    model = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=1408, vocab_size=61)
+    calls = Calls(rows=256, head_rows=16, queries=32, keys=16)
+    blocks, transposed, failed = choose_blocks(model, calls)
+    assert dict(blocks)["mlp down"] == 0 and "mlp down" not in transposed
+    assert dict(blocks)["mlp up"] == 0 and "mlp up" in transposed and failed == []
+    blocks, transposed, _ = choose_blocks(model, calls, transpose=False)
+    assert dict(blocks)["mlp up"] == 32 and transposed == ()
+    assert not _probe_whole((512, 1408), (0,), 256, jax.default_backend())
+    assert _probe_whole((512, 1408), (0,), 256, jax.default_backend(), True)
+
+
+def test_probe_counts_straddle_every_power_of_two():
+    assert probe_counts(64) == [3, 5, 9, 17, 33, 64]
+    assert probe_counts(100) == [3, 5, 9, 17, 33, 65, 100]
 
 
 def test_the_xla_flag_is_added_only_where_allowed(monkeypatch):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.config import config_from_dict
+from kvjax.config_files import config_from_dict
 from kvjax.io import load
 from kvjax.train import data
 from kvjax.train.loop import train

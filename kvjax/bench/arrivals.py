@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from kvjax.config import EngineConfig, load_config
+from kvjax.config import EngineConfig
+from kvjax.config_files import load_config
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import Request
 from kvjax.lab.report import emit, markdown_table, write_results

@@ -17,7 +17,8 @@ import numpy as np
 from kvjax import memory
 from kvjax.cache.dense import init_dense_cache
 from kvjax.cache.paged import BatchInfo, init_cache
-from kvjax.config import CacheConfig, ModelConfig, load_config
+from kvjax.config import CacheConfig, ModelConfig
+from kvjax.config_files import load_config
 from kvjax.decode import steps
 from kvjax.decode.sampling import sample
 from kvjax.lab.report import emit, markdown_table, write_results

@@ -36,7 +36,8 @@ from kvjax.bench.device_measure import (
     random_params,
 )
 from kvjax.bench.device_report import summary
-from kvjax.config import CacheConfig, ModelConfig, load_config
+from kvjax.config import CacheConfig, ModelConfig
+from kvjax.config_files import load_config
 from kvjax.lab.report import emit, environment, refuse
 from kvjax.model.kernels import BACKENDS, resolve_backend
 

@@ -1,12 +1,16 @@
 """The cost of invariant numerics (`kvjax bench numerics`): the same steps under
-`numerics="fast"` and `"invariant"`, side by side, alternating in passes.
+`numerics="fast"`, `"invariant"` (the engine's default forms: kernels stored transposed
+where that makes a product invariant as one dot) and invariant with Flax's kernel layout
+(`transposed_kernels=False`: 32-row blocks where one dot is not invariant), side by side,
+alternating in passes. Each invariant point takes the forms the engine's start-up probe
+chooses for the config's engine settings.
 
 For the config's model: ms per token of the on-device decode loop at batch 1 and 8
 (context 512, 32 steps), a 1,024-token prefill at two chunk sizes, and 8 prompts of 128
 tokens prefilled one sequence per call vs as one [8, 128] call (which only invariant numerics
 make bitwise equal to the one-by-one prefill; the bench checks it). Each figure is the median
-over passes of medians of `--reps` timed calls after warm-up; the passes alternate the two
-modes so that machine drift hits both alike.
+over passes of medians of `--reps` timed calls after warm-up; the passes alternate the
+modes so that machine drift hits them alike.
 """
 
 from __future__ import annotations
@@ -14,17 +18,23 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+import jax
 import numpy as np
 
 from kvjax.cache.paged import BatchInfo, init_cache
-from kvjax.config import CacheConfig, load_config
+from kvjax.config import CacheConfig
+from kvjax.config_files import load_config
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
+from kvjax.engine.engine import numerics_blocks
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import filled_with_noise, median_seconds
+from kvjax.model.layout import store
 from kvjax.model.transformer import init_params
 
-MODES = ("fast", "invariant")
+MODES = ("fast", "invariant", "blocks")  # blocks: invariant, kernels in Flax's layout
+SETTINGS = {"fast": dict(numerics="fast"), "invariant": dict(numerics="invariant"),
+            "blocks": dict(numerics="invariant", transposed_kernels=False)}
 CONTEXT, DECODE_STEPS, PREFILL, CHUNKS, PROMPTS, PROMPT_LEN = 512, 32, 1024, (64, 256), 8, 128
 
 
@@ -32,7 +42,8 @@ class _Point:
     """One model and cache in one mode, with its timed workloads."""
 
     def __init__(self, model, params, cache_cfg: CacheConfig):
-        self.model, self.params, self.cache_cfg = model, params, cache_cfg
+        self.model, self.cache_cfg = model, cache_cfg
+        self.params = jax.device_put(store(params, model.transposed))
         self.cache = filled_with_noise(init_cache(model, cache_cfg))
 
     def decode(self, batch: int) -> float:
@@ -87,7 +98,12 @@ def main(args) -> int:
     base = config.model
     params = init_params(base)
     cache_cfg = config.cache  # holds 8 x 544 tokens, a 1,024-token prompt, 8 x 128 tokens
-    points = {m: _Point(dataclasses.replace(base, numerics=m), params, cache_cfg) for m in MODES}
+    engine = dataclasses.replace(config.engine, cache=cache_cfg)
+    points = {m: _Point(numerics_blocks([base], dataclasses.replace(engine, **SETTINGS[m]),
+                                        0)[0], params, cache_cfg) for m in MODES}
+    for m in MODES[1:]:
+        emit(f"{m}: row blocks (0: one product) {dict(points[m].model.row_blocks)}, "
+             f"stored transposed {points[m].model.transposed}")
     workloads = {f"decode batch {b}, ms/token": (lambda p, b=b: p.decode(b), DECODE_STEPS)
                  for b in (1, 8)}
     workloads |= {f"prefill {PREFILL} tokens, chunk {c}, ms": (lambda p, c=c: p.prefill(c), 1)
@@ -108,9 +124,11 @@ def main(args) -> int:
     rows = [{"workload": name, **{m: statistics.median(times[name, m]) for m in MODES}}
             for name in workloads]
     for r in rows:
-        r["invariant_over_fast"] = r["invariant"] / r["fast"]
+        for m in MODES[1:]:
+            r[f"{m}_over_fast"] = r[m] / r["fast"]
         emit(f"{r['workload']}: fast {r['fast']:.1f}, invariant {r['invariant']:.1f} "
-             f"({r['invariant_over_fast']:.2f}x)")
+             f"({r['invariant_over_fast']:.2f}x), blocks {r['blocks']:.1f} "
+             f"({r['blocks_over_fast']:.2f}x)")
     emit(f"8 prompts in one call == one per call, bitwise: {bitwise}")
     write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
                   overrides=args.set, batched_prefill_bitwise=bitwise)
@@ -122,4 +140,6 @@ COLUMNS = [
     ("fast", lambda r: f"{r['fast']:.1f}"),
     ("invariant", lambda r: f"{r['invariant']:.1f}"),
     ("invariant / fast", lambda r: f"{r['invariant_over_fast']:.2f}x"),
+    ("invariant, Flax layout", lambda r: f"{r['blocks']:.1f}"),
+    ("Flax layout / fast", lambda r: f"{r['blocks_over_fast']:.2f}x"),
 ]

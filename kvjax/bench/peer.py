@@ -16,7 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kvjax.config import CacheConfig, load_config
+from kvjax.config import CacheConfig
+from kvjax.config_files import load_config
 from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import KVPool, generate
 from kvjax.io.hf import hf_config, load_hf

@@ -17,7 +17,8 @@ import dataclasses
 import statistics
 import time
 
-from kvjax.config import EngineConfig, load_config
+from kvjax.config import EngineConfig
+from kvjax.config_files import load_config
 from kvjax.engine.engine import Engine
 from kvjax.lab import workloads
 from kvjax.lab.report import emit, markdown_table, write_results

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import load_config
+from kvjax.config_files import load_config
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import median_seconds
 from kvjax.model.tiled import (

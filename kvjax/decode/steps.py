@@ -20,6 +20,7 @@ from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.decode.sampling import sample
 from kvjax.model.kernels import AttentionKernel
+from kvjax.model.layout import unstored
 from kvjax.model.transformer import Cache, Transformer
 from kvjax.sharding.rules import StepShardings, maybe_constrain_cache, maybe_replicated
 
@@ -36,8 +37,10 @@ def note_trace(step: str) -> None:
     _TRACES[step] += 1
 
 
-def model_variables(params: dict, lora: dict | None) -> dict:
-    """The variable collections for `Transformer.apply`: params, and LoRA adapters if any."""
+def model_variables(params, lora: dict | None, config: ModelConfig) -> dict:
+    """The variable collections for `Transformer.apply`: params (in their canonical layout:
+    see `kvjax.model.layout`), and LoRA adapters if any."""
+    params = unstored(params, config.transposed)
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
@@ -61,7 +64,8 @@ def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
     logits_at = jnp.maximum(batch.num_new - 1, 0) if last_only else None
     cache = maybe_constrain_cache(sharding, cache)
     logits, cache = Transformer(config, sharding).apply(
-        model_variables(params, lora), tokens, positions, cache, batch, adapter_ids, logits_at)
+        model_variables(params, lora, config), tokens, positions, cache, batch, adapter_ids,
+        logits_at)
     return maybe_replicated(sharding, logits), maybe_constrain_cache(sharding, cache)
 
 
@@ -96,7 +100,6 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
     out_tokens = jnp.full((b, max_steps), -1, jnp.int32)
     out_logits = jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32)
     model = Transformer(config, sharding, kernel)
-    variables = model_variables(params, lora)
 
     def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits)
         return (state[0] < max_steps) & ~jnp.all(state[4])
@@ -107,8 +110,10 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
         batch = BatchInfo(page_table=page_table, lengths=lengths,
                           num_new=active.astype(jnp.int32), position_offset=position_offset)
         positions = model_positions(batch, 1)
-        logits, cache = model.apply(variables, last[:, None], positions, cache, batch,
-                                    adapter_ids)
+        # the variables inside the loop: a stored kernel's transposed view must sit beside
+        # its product for XLA to fold it (hoisted, it would be copied into a plain layout)
+        logits, cache = model.apply(model_variables(params, lora, config), last[:, None],
+                                    positions, cache, batch, adapter_ids)
         cache = maybe_constrain_cache(sharding, cache)
         logits = logits[:, 0]  # [B, V]
         offset = 0 if position_offset is None else position_offset

@@ -45,6 +45,7 @@ from kvjax.cache.identity import CacheNamespace, adapter_identity, model_fingerp
 from kvjax.cache.pool import PagePool
 from kvjax.cache.trie import history_digests
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from kvjax.decode.batching import bucket
 from kvjax.decode.sampling import sequence_keys
 from kvjax.engine.requests import (
     LiveRequest,
@@ -61,8 +62,9 @@ from kvjax.engine.runner import StepRunner, TargetModel
 from kvjax.engine.stats import Timers, aggregate
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
+from kvjax.model.layout import store
 from kvjax.model.lora import stack_adapters
-from kvjax.model.tiled import check_backend, check_products
+from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
 from kvjax.speculative.plugin import Speculator
 
 
@@ -77,9 +79,8 @@ class Engine:
             raise NonCausalCacheError()
         self.engine_config = ec = engine_config or EngineConfig()
         configs = [config] + ([] if draft is None else [draft[1]])
-        block, self.numerics_problems = numerics_block(configs, ec.numerics)
-        config, *draft_config = (dataclasses.replace(c, numerics=ec.numerics, row_block=block)
-                                 for c in configs)
+        gamma = 0 if draft is None and spec is None else (spec or SpecConfig()).gamma
+        config, *draft_config, self.numerics_problems = numerics_blocks(configs, ec, gamma)
         if draft is not None:
             draft = (draft[0], draft_config[0])
         self.config = config
@@ -163,8 +164,8 @@ class Engine:
             raise RuntimeError(f"load_params with {len(live)} live requests: finish or "
                                f"cancel them first")
         # Host arrays would be copied at every step: weights live on the device(s).
-        self.model.params = (jax.device_put(params) if self.sharding is None
-                             else self.sharding.place_params(params))
+        self.model.params = (jax.device_put(store(params, self.config.transposed))
+                              if self.sharding is None else self.sharding.place_params(params))
         self.pool.fingerprint = model_fingerprint(self.config, params)
 
     def namespace(self, request: Request) -> CacheNamespace:
@@ -305,25 +306,33 @@ class Engine:
         return req.id
 
 
-def numerics_block(configs: list[ModelConfig], numerics: str) -> tuple[int, list[str]]:
-    """The row block for `configs` (the target's, the draft's): under invariant numerics
-    the largest of `row_block`, 32, 16, 8, 4, 2 whose rows the running backend keeps invariant
-    over every product shape of every config (`kvjax.model.tiled.check_products`, cached
-    per shape), and what still fails, with the backend check (a warning names it). The
-    block is part of the model config, hence of the cache identity."""
-    block = configs[0].row_block
-    if numerics != "invariant":
-        return block, []
-    found = {}
-    for candidate in [block] + [b for b in (32, 16, 8, 4, 2) if b < block]:
-        found[candidate] = sorted({p for c in configs for p in
-                                   check_products(dataclasses.replace(c, row_block=candidate))})
-        if not found[candidate]:
-            block = candidate
-            break
-    problems = found[block] + check_backend()  # none passed: the configured block's
+def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) -> list:
+    """`configs` (the target's, the draft's) with the engine's numerics and, under invariant
+    numerics, each product's row block (`kvjax.model.tiled.choose_blocks`, probed per shape
+    on the running backend and cached) for the engine's largest calls: `bucket(max_slots)`
+    sequences of up to max(prefill_chunk, gamma + 1) tokens each (logits for gamma + 1 of
+    them: prefill keeps the last token's), attention over blocks of `attn_block` keys, and
+    never less than `kvjax.model.tiled.PROBED`, so that the choice (and so a request's
+    bits) does not change with max_slots, the chunk or gamma inside those bounds. Then what
+    still fails, with the backend check (a warning names it). The blocks are part of the
+    model config, hence of the cache identity."""
+    out = [dataclasses.replace(c, numerics=ec.numerics) for c in configs]
+    if ec.numerics != "invariant":
+        return [*out, []]
+    queries, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
+    calls = Calls(rows=max(seqs * queries, PROBED.rows),
+                  head_rows=max(seqs * (gamma + 1), PROBED.head_rows),
+                  queries=max(queries, PROBED.queries),
+                  keys=ec.cache.block_pages * ec.cache.page_size)
+    problems = []
+    for i, c in enumerate(out):
+        blocks, transposed, failed = choose_blocks(
+            c, calls, transpose=ec.transposed_kernels and ec.mesh is None)
+        out[i] = dataclasses.replace(c, row_blocks=blocks, transposed=transposed)
+        problems += [p for p in failed if p not in problems]
+    problems += check_backend()
     if problems:
         warnings.warn(f"kvjax numerics='invariant' does not hold on this backend for: "
                       f"{'; '.join(problems)}. A request's bits may change with its batch.",
                       RuntimeWarning, stacklevel=3)
-    return block, problems
+    return [*out, problems]

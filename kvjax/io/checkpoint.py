@@ -15,7 +15,8 @@ from pathlib import Path
 import jax
 
 from kvjax.cache.identity import model_fingerprint
-from kvjax.config import ConfigError, ModelConfig, build
+from kvjax.config import ConfigError, ModelConfig
+from kvjax.config_files import build
 from kvjax.io.hf import CheckpointError
 from kvjax.model.transformer import param_shapes
 

@@ -43,7 +43,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from kvjax import sharding
-from kvjax.config import ConfigError, build, check_type, parse_override
+from kvjax.config import ConfigError
+from kvjax.config_files import build, check_type, parse_override
 from kvjax.lab import registry as experiments
 from kvjax.lab import results
 from kvjax.lab.progress import Progress

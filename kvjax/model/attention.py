@@ -65,8 +65,10 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     share the call, the one property of a row that changes them on XLA CPU (a batched
     product's row bits held across batch counts and row counts 2..32 at every attention
     shape measured; T * G rows in one product changed them from 64 rows at H = 16,
-    S = 32). None: one product of all T * G rows (fastest). The softmax normaliser is a
-    fixed-order sum (`tree_sum`).
+    S = 32). 0: one product of all T * G rows, at least two (for shapes where the backend
+    keeps the rows invariant at every count, `kvjax.model.tiled.choose_blocks`). None: one
+    product of all T * G rows (fastest; a lone row is not padded). The softmax normaliser
+    is a fixed-order sum (`tree_sum`).
 
     Args:
       q: [B, T, N, H], queries at positions `batch.lengths + t`.
@@ -76,7 +78,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     kv = cache.k.shape[1]
     g = n // kv
     rows = t * g
-    tile = rows if row_tile is None else max(2, min(row_tile, rows))
+    tile = rows if row_tile is None else max(2, min(row_tile or rows, rows))
     nt = -(-rows // tile)  # tiles of `tile` query rows, the last one padded
     block_pages = cache.block_pages
     block_len = block_pages * cache.page_size

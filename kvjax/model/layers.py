@@ -16,10 +16,13 @@ from kvjax.model.tiled import RowInvariantDot, tree_sum
 EMBED_INIT = nn.initializers.normal(stddev=0.02)
 
 
-def row_dot(config: ModelConfig) -> RowInvariantDot | None:
-    """The `dot_general` of the model's token-row products: row-invariant blocks under
-    `numerics="invariant"`, XLA's own choice (None) otherwise."""
-    return RowInvariantDot(config.row_block) if config.numerics == "invariant" else None
+def row_dot(config: ModelConfig, product: str) -> RowInvariantDot | None:
+    """The `dot_general` of one of the model's token-row products (a name in
+    `kvjax.config.ROW_PRODUCTS`): row-invariant blocks under `numerics="invariant"`,
+    XLA's own choice (None) otherwise."""
+    if config.numerics != "invariant":
+        return None
+    return RowInvariantDot(config.block(product))
 
 
 def row_mean(x: jax.Array) -> jax.Array:
@@ -86,8 +89,9 @@ class MLP(nn.Module):
         cfg = self.config
 
         def dense(inputs: jax.Array, features: int, name: str) -> jax.Array:
+            product = "mlp down" if name == "down" else "mlp up"
             y = nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
-                         dot_general=row_dot(cfg), name=name)(inputs)
+                         dot_general=row_dot(cfg, product), name=name)(inputs)
             return add_lora(self, name, inputs, y, adapter_ids, invariant=cfg.numerics ==
                             "invariant")
 

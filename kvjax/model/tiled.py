@@ -22,12 +22,14 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend
+from kvjax.model import layout
 
 BLOCKS = (2, 4, 8, 16, 32, 64, 128, 256)  # the block sizes `invariant_block` considers
 
@@ -56,11 +58,13 @@ def row_softmax(x: jax.Array) -> jax.Array:
 def row_blocks(fn: Callable[[jax.Array], jax.Array], rows: jax.Array, block: int) -> jax.Array:
     """fn over `rows` [M, ...] with every call between 2 and `block` rows: a single row is
     padded to two, up to `block` rows are one call, more a loop (`lax.map`) over
-    `block`-row calls, the last zero-padded. fn must act on each row alone (a product of
-    rows with weights, say); then a row's bits are those of a call of its own size class."""
+    `block`-row calls, the last zero-padded. Block 0: one call of any M >= 2 (for a
+    product whose rows the backend keeps invariant at every row count, see
+    `choose_blocks`). fn must act on each row alone (a product of rows with weights, say);
+    then a row's bits are those of a call of its own size class."""
     m = rows.shape[0]
     pad = [(0, 0)] * (rows.ndim - 1)
-    if m <= block:
+    if block == 0 or m <= block:
         return fn(jnp.pad(rows, [(0, max(2 - m, 0)), *pad]))[:m]
     n = -(-m // block)
     blocks = jnp.pad(rows, [(0, n * block - m), *pad]).reshape(n, block, *rows.shape[1:])
@@ -178,28 +182,169 @@ def _dot_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
 @functools.lru_cache(maxsize=64)
 def _probe_dot(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
                backend: str) -> bool:
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal(w_shape).astype(np.float32))
-    x_shape = tuple(w_shape[a] for a in contract)
+    """A product in blocks of `block` rows: rows alone == in a block of three == in a loop
+    of blocks."""
     n = 2 * block + 3
-    x = jnp.asarray(rng.standard_normal((n, *x_shape)).astype(np.float32))
+    return _rows_agree(w_shape, contract, block, (3, n))
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_whole(w_shape: tuple[int, ...], contract: tuple[int, ...], max_rows: int,
+                 backend: str, stored: bool = False) -> bool:
+    """A product as one dot of any row count: rows alone == at every probed count up to
+    `max_rows`; `stored`: with the kernel stored transposed (`kvjax.model.layout`)."""
+    return _rows_agree(w_shape, contract, 0, probe_counts(max_rows), stored)
+
+
+def probe_counts(max_rows: int) -> list[int]:
+    """The row counts a whole-product probe tries: 3, 5, 9, 17, 33, ... (2^k + 1, just past
+    each power of two, where kernels change their tiling) and `max_rows`, compared with 2
+    rows: a class boundary goes unseen only if it flips back before the next count."""
+    counts, k = [], 1
+    while (1 << k) + 1 < max_rows:
+        counts.append((1 << k) + 1)
+        k += 1
+    return counts + [max(max_rows, 2)]
+
+
+def _rows_agree(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
+                counts: Sequence[int], stored: bool = False) -> bool:
+    """Rows 0, 2 and the last of `RowInvariantDot(block)` products of each count in
+    `counts` have the bits of the same rows computed alone. `stored`: the kernel (whose
+    contracted axes lead) arrives stored transposed and the product takes the canonical
+    view, as a step does (`kvjax.model.layout`)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    x_shape = tuple(w_shape[a] for a in contract)
+    x = jnp.asarray(rng.standard_normal((max(counts), *x_shape)).astype(np.float32))
     dims = (tuple(range(1, 1 + len(contract))), contract)
-    dot = jax.jit(lambda r: RowInvariantDot(block)(r, w, (dims, ((), ()))))
-    alone = [np.asarray(dot(x[i:i + 1]))[0] for i in (0, 2, n - 1)]
-    for m, rows in ((3, (0, 2)), (n, (0, 2, n - 1))):
-        out = np.asarray(dot(x[:m]))
-        for i in rows:
-            if not np.array_equal(out[i], alone[(0, 2, n - 1).index(i)]):
+    inputs = len(contract)
+    if stored:
+        w = layout.to_stored(w, inputs)
+    w = jnp.asarray(w)
+
+    @jax.jit
+    def dot(r, w):
+        w = layout.from_stored(w, inputs) if stored else w
+        return RowInvariantDot(block)(r, w, (dims, ((), ())))
+
+    alone = {}
+    for m in counts:
+        out = np.asarray(dot(x[:m], w))
+        for i in {0, min(2, m - 1), m - 1}:
+            if i not in alone:
+                alone[i] = np.asarray(dot(x[i:i + 1], w))[0]
+            if not np.array_equal(out[i], alone[i]):
                 return False
     return True
 
 
-def check_products(config) -> list[str]:
-    """The token-row products of `config` whose rows do not get the same bits alone as in
-    a block of three and in a loop of blocks of `config.row_block` rows, on the running
-    backend (cached per shape): empty when the products are invariant."""
-    return [name for name, (shape, contract) in _dot_shapes(config).items()
-            if not _probe_dot(shape, contract, config.row_block, jax.default_backend())]
+@functools.lru_cache(maxsize=32)
+def _probe_attention(kv_heads: int, head_dim: int, keys: int, max_rows: int,
+                     backend: str) -> bool:
+    """Paged attention's two products (`kvjax.model.attention`: a KV head's query rows
+    against a block of `keys` keys, then their probabilities against the values) as one
+    product of any row count: a row's bits alone == among every probed count of rows, and
+    among three sequences."""
+    rng = np.random.default_rng(0)
+    n = max(max_rows, 2)
+    q = jnp.asarray(rng.standard_normal((3, kv_heads, 1, n, head_dim)).astype(np.float32))
+    p = jnp.asarray(rng.random((3, kv_heads, 1, n, keys)).astype(np.float32))
+    k = jnp.asarray(rng.standard_normal((3, kv_heads, 1, keys, head_dim)).astype(np.float32))
+
+    @jax.jit
+    def both(q, p, k):  # [B, K, 1, R, S] scores and [B, K, 1, R, H] mixed values
+        return (jnp.einsum("BKnRH,BKnSH->BKnRS", q, k), jnp.einsum("BKnRS,BKnSH->BKnRH", p, k))
+
+    def rows(m: int, lo: int = 0, seqs: int = 3) -> list[np.ndarray]:
+        return [np.asarray(a) for a in both(q[:seqs, :, :, lo:m], p[:seqs, :, :, lo:m],
+                                            k[:seqs])]
+
+    pair = rows(2, seqs=1)
+    for m in probe_counts(max_rows):
+        last = rows(m, m - 2, seqs=1)
+        for out, two, end in zip(rows(m), pair, last, strict=True):
+            if not (np.array_equal(out[:1, :, :, :2], two)
+                    and np.array_equal(out[:1, :, :, m - 1], end[:, :, :, 1])):
+                return False
+    return True
+
+
+class Calls(NamedTuple):
+    """The largest calls a whole-product probe must cover: `rows` tokens in a call (every
+    layer product), `head_rows` rows of logits, `queries` tokens of one sequence against
+    attention blocks of `keys` keys."""
+
+    rows: int
+    head_rows: int
+    queries: int
+    keys: int
+
+    def of(self, product: str) -> int:
+        return self.head_rows if product == "head" else self.rows
+
+
+# the least the engine's probe covers (keys: unused), whatever its knobs ask for
+PROBED = Calls(rows=2048, head_rows=256, queries=512, keys=0)
+
+
+def check_products(config, calls: Calls | None = None) -> list[str]:
+    """The token-row products of `config` whose rows do not keep their bits on the running
+    backend (cached per shape): each product at its `config.block(name)` (a block: alone,
+    in a block of three and in a loop of blocks; 0: at every probed row count up to
+    `calls`' bound; attention: a KV head's query rows of `calls.queries` tokens against
+    `calls.keys` keys). Empty when all hold."""
+    backend_name = jax.default_backend()
+    failed = []
+    for name, (shape, contract) in _dot_shapes(config).items():
+        block = config.block(name)
+        ok = (_probe_whole(shape, contract, _rows_bound(calls.of(name)), backend_name,
+                           name in config.transposed) if block == 0
+              else _probe_dot(shape, contract, block, backend_name))
+        if not ok:
+            failed.append(name)
+    if config.block("attention") == 0 and not _probe_attention(
+            config.num_kv_heads, config.head_dim, calls.keys,
+            _rows_bound(calls.queries * config.group_size), backend_name):
+        failed.append("attention")
+    return failed
+
+
+def _rows_bound(rows: int) -> int:
+    """The row count a whole-product probe goes up to for calls of `rows`: the next power of
+    two, at least 64 (one probe serves every engine whose calls fit under it)."""
+    return max(64, 1 << max(rows - 1, 0).bit_length())
+
+
+def choose_blocks(config, calls: Calls, transpose: bool = True,
+                  candidates: Sequence[int] = (32, 16, 8, 4, 2)):
+    """Per token-row product of `config` (attention included), the cheapest row block the
+    running backend keeps invariant in `calls`: 0 (one product of any row count) when that
+    holds; else, with `transpose`, 0 with the kernel stored transposed when that holds
+    (`kvjax.model.layout`; not the tied head, which is); else the largest of
+    `config.row_block` and `candidates` that does (attention falls back to tiles of
+    `row_block`, which the invariance tests check). Returns (`ModelConfig.row_blocks`,
+    `ModelConfig.transposed`, the products no block holds for)."""
+    backend_name = jax.default_backend()
+    blocks, transposed, failed = [], [], []
+    for name, (shape, contract) in _dot_shapes(config).items():
+        rows = _rows_bound(calls.of(name))
+        if _probe_whole(shape, contract, rows, backend_name):
+            blocks.append((name, 0))
+            continue
+        if transpose and contract[0] == 0 and _probe_whole(shape, contract, rows,
+                                                           backend_name, True):
+            blocks.append((name, 0))
+            transposed.append(name)
+            continue
+        tried = [config.row_block] + [b for b in candidates if b < config.row_block]
+        good = [b for b in tried if _probe_dot(shape, contract, b, backend_name)][:1]
+        blocks.append((name, good[0] if good else config.row_block))
+        failed += [] if good else [name]
+    whole = _probe_attention(config.num_kv_heads, config.head_dim, calls.keys,
+                             _rows_bound(calls.queries * config.group_size), backend_name)
+    blocks.append(("attention", 0 if whole else config.row_block))
+    return tuple(blocks), tuple(transposed), failed
 
 
 def check_backend() -> list[str]:
@@ -211,6 +356,6 @@ def check_backend() -> list[str]:
     return []
 
 
-def check_rows(config) -> list[str]:
+def check_rows(config, calls: Calls | None = None) -> list[str]:
     """`check_products` and `check_backend`: empty when invariant numerics hold."""
-    return check_products(config) + check_backend()
+    return check_products(config, calls) + check_backend()

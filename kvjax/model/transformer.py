@@ -50,7 +50,8 @@ class Attention(nn.Module):
 
         def project(heads: int, name: str) -> jax.Array:  # [B, T, D] -> [B, T, heads, H]
             y = nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.dtype,
-                                dot_general=row_dot(cfg), name=name)(x)
+                                dot_general=row_dot(cfg, "q" if name == "q" else "k/v"),
+                                name=name)(x)
             return add_lora(self, name, x, y, adapter_ids, invariant=invariant)
 
         q, k, v = project(cfg.num_heads, "q"), project(cfg.num_kv_heads, "k"), \
@@ -68,7 +69,7 @@ class Attention(nn.Module):
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, cfg.sliding_window)
         y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
-                            dot_general=row_dot(cfg), name="o")(out)
+                            dot_general=row_dot(cfg, "o"), name="o")(out)
         return add_lora(self, "o", out, y, adapter_ids, in_dims=2, invariant=invariant), cache
 
     def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo) -> jax.Array:
@@ -79,7 +80,8 @@ class Attention(nn.Module):
         invariant = self.config.numerics == "invariant"
         if kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or invariant:
             return paged_attention_reference(q, cache, self.layer, batch, window,
-                                             self.config.row_block if invariant else None)
+                                             self.config.block("attention") if invariant
+                                             else None)
         if self.sharding is None:
             return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
                                           kernel.interpret, window=window)
@@ -144,7 +146,7 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)
-        dot = row_dot(cfg)
+        dot = row_dot(cfg, "head")
         if cfg.tie_embeddings and dot is not None:  # x [B, T, D] . embedding [V, D]
             logits = dot(x, embed.embedding.astype(x.dtype), (((2,), (1,)), ((), ())))
         elif cfg.tie_embeddings:

@@ -23,6 +23,7 @@ import numpy as np
 from kvjax.cache.paged import BatchInfo, init_cache, model_positions
 from kvjax.config import CacheConfig
 from kvjax.decode.batching import page_table, pages_for
+from kvjax.decode.steps import model_variables
 from kvjax.model.transformer import Transformer
 
 STEPS = 16
@@ -41,7 +42,8 @@ def _steps(params: tuple, configs: tuple, caches: tuple, tokens: tuple, batches:
         caches = list(caches)
         for i, model in enumerate(models):
             for _ in range(repeats[i]):
-                logits, caches[i] = model.apply({"params": params[i]}, tokens[i], positions[i],
+                variables = model_variables(params[i], None, configs[i])
+                logits, caches[i] = model.apply(variables, tokens[i], positions[i],
                                                 caches[i], batches[i])
                 acc = acc + logits.sum()  # every logit is used: none is skipped
         return tuple(caches), acc

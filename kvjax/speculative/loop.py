@@ -43,13 +43,13 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
                  keys, offset, temperature, top_k, top_p, gamma, sharding=None):
     """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft_lengths)."""
     model = Transformer(config, sharding)
-    variables = {"params": params}
+    variables = partial(steps.model_variables, params, None, config)  # called in the loop
     lag = (draft_lengths < lengths) & active
     num_new = jnp.where(active, 1 + lag, 0).astype(jnp.int32)
     fed = jnp.where(lag[:, None], jnp.stack([prev, last], 1),
                     jnp.stack([last, jnp.zeros_like(last)], 1))  # [B, 2]
     batch = BatchInfo(table, draft_lengths, num_new, offset)
-    logits, cache = model.apply(variables, fed, model_positions(batch, 2), cache, batch, None,
+    logits, cache = model.apply(variables(), fed, model_positions(batch, 2), cache, batch, None,
                                 jnp.maximum(num_new - 1, 0))
     draft_lengths = draft_lengths + num_new
     base = 0 if offset is None else offset
@@ -78,7 +78,7 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
         on = active.astype(jnp.int32)
         batch = BatchInfo(table, draft_lengths, on, offset)
         fed = drafts[:, i - 1:i]  # [B, 1]
-        logits, cache = model.apply(variables, fed, model_positions(batch, 1), cache, batch,
+        logits, cache = model.apply(variables(), fed, model_positions(batch, 1), cache, batch,
                                     None)
         drafts, q = draw(i, logits[:, 0], drafts, q)
         return cache, draft_lengths + on, drafts, q
@@ -121,7 +121,7 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
     rows = jnp.arange(b)
     cols = jnp.arange(g1)[None, :]
     model = Transformer(config, sharding)
-    variables = steps.model_variables(params, lora)
+    variables = partial(steps.model_variables, params, lora, config)  # called in the loop
     base = 0 if position_offset is None else position_offset
     all_greedy = jnp.all(temperature == 0)
     zeros_b = jnp.zeros((b,), jnp.int32)
@@ -159,7 +159,7 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
         fed = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, G + 1]
         batch = BatchInfo(page_table, lengths, jnp.where(active, 1 + num_draft, 0),
                           position_offset)
-        logits, s["cache"] = model.apply(variables, fed, model_positions(batch, g1),
+        logits, s["cache"] = model.apply(variables(), fed, model_positions(batch, g1),
                                          s["cache"], batch, adapter_ids)  # [B, G + 1, V]
         s["cache"] = maybe_constrain_cache(sharding, s["cache"])
 

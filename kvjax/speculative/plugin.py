@@ -18,6 +18,7 @@ from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table
 from kvjax.errors import NonCausalCacheError
+from kvjax.model.layout import store
 from kvjax.sharding.plan import ShardingPlan
 from kvjax.speculative.gamma import GammaPolicy
 from kvjax.speculative.loop import spec_loop
@@ -44,8 +45,8 @@ class Speculator:
                 raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
                                   f"the target's {config.vocab_size}")
             self.sharding = None if mesh is None else ShardingPlan(mesh, draft_config)
-            self.params = (jax.device_put(params) if self.sharding is None
-                           else self.sharding.place_params(params))
+            self.params = (jax.device_put(store(params, draft_config.transposed))
+                           if self.sharding is None else self.sharding.place_params(params))
             self.config = draft_config
             self.pool = PagePool.for_engine(draft_config, engine_config, hash_fn,
                                             self.sharding)

@@ -156,7 +156,7 @@ def is_trained(config_path: str, out_dir: str, overrides=()) -> bool:
 
     A checkpoint of another model config there is a CheckpointError, never a silent swap.
     """
-    from kvjax.config import load_config
+    from kvjax.config_files import load_config
 
     return _finished(load_config(config_path, overrides), out_dir, config_path, overrides)
 
@@ -179,7 +179,7 @@ def trained(config_path: str, out_dir: str, overrides=(), log=print) -> tuple:
 
     `overrides` (`section.key=value`) make a shorter setting, e.g. `train.steps=60`.
     """
-    from kvjax.config import load_config
+    from kvjax.config_files import load_config
 
     path = Path(out_dir) / "ckpt" / "model"
     config = load_config(config_path, overrides)
