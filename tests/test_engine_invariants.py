@@ -83,7 +83,7 @@ class EngineMachine(RuleBasedStateMachine):
                 for seq in req.seqs:
                     holders.update(pages_of(seq)[0])
             for entry in self.eng.rounds.prefilling:  # prompts still being prefilled
-                holders.update(entry.draft_pages if i else entry.row.pages)
+                holders.update(entry.draft.pages if i else entry.row.pages)
             for page in range(NUM_PAGES):
                 assert alloc.refcount(page) == holders[page], page
             assert alloc.num_free == NUM_PAGES - len(holders)

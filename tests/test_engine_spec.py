@@ -11,8 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, params
-from helpers import gather_sequence, prefill, small_model, tol
+from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, params, with_cache
+from helpers import gather_sequence, prefill, random_tokens, small_model, tol
 
 import kvjax
 from kvjax import CacheConfig, Engine, EngineConfig, SamplingConfig
@@ -367,3 +367,28 @@ def test_bad_spec_input_is_refused_and_the_engine_keeps_serving(target, draft):
                                           attn_block=8))
     with pytest.raises(InvalidRequestError, match="pages"):  # 18 tokens + γ 8 > 6 pages
         small.submit(Request(tokens=[1] * 8, max_new_tokens=10))
+
+
+def test_the_draft_prompt_is_prefilled_chunk_by_chunk_with_the_targets(sharp_target, draft):
+    """A long prompt arriving while another request decodes: each prefill round writes one
+    chunk of the target's prompt and one of the draft's (not the draft's whole prompt after
+    the target's last chunk), and the greedy tokens equal plain decoding's."""
+    spec = SpecConfig(gamma=3)
+    e = spec_engine(sharp_target, spec, (draft, DRAFT), cache=with_cache(prefill_chunk=8),
+                    max_slots=2)
+    short, long = (Request(tokens=t, max_new_tokens=12) for t in
+                   random_tokens(9, [5, 40], CONFIG.vocab_size))
+    a = e.submit(short)
+    e.step()
+    b = e.submit(long)
+    starts = []
+    for _ in range(8):  # 40 tokens in 8-token chunks, one chunk call per round
+        e.step()
+        entry = next((x for x in e.rounds.prefilling if x.req.id == b), None)
+        if entry is not None:
+            starts.append((entry.row.start, entry.draft.start))
+    assert starts and all(t == d for t, d in starts), starts  # in step, chunk by chunk
+    assert [t for t, _ in starts] == list(range(8, 40, 8))[: len(starts)]
+    done = e.run()
+    plain = spec_engine(sharp_target, None, cache=with_cache(prefill_chunk=8), max_slots=2)
+    assert [done[a].tokens, done[b].tokens] == [r.tokens for r in plain.generate([short, long])]

@@ -101,3 +101,14 @@ def test_stored_kernels_give_the_plain_layouts_values():
     np.testing.assert_allclose(np.asarray(out["stored"]), np.asarray(out["plain"]),
                                rtol=0, atol=2e-5)
     assert set(KERNELS) == set(EVERY)
+
+
+def test_the_engine_shows_the_weights_as_loaded():
+    from kvjax import Engine, EngineConfig
+
+    config = small_model()
+    params = sharp_params(config)
+    engine = Engine(params, config, EngineConfig())
+    assert engine.config.transposed  # this backend stores some kernels transposed
+    assert isinstance(engine.model.params, Stored)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, engine.params, params)

@@ -3,7 +3,10 @@
 A random Llama of the bench shape is built with transformers, saved as safetensors and
 loaded by kvjax (`load_hf`), so both run the very same float32 weights on the same CPU.
 For batch 1 and 8: prefill time of a 512-token prompt, decode tokens/s for 128 new tokens,
-end-to-end time, and whether the greedy tokens agree. Medians after a warm-up.
+end-to-end time, and whether the greedy tokens agree. Medians after a warm-up. kvjax runs
+`generate` under the config's `engine.numerics` (default invariant, with the forms the
+engine would choose: the prompts of a batch share prefill calls); `--set
+engine.numerics=fast` for one prompt per call.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from kvjax.config import CacheConfig
 from kvjax.config_files import load_config
 from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import KVPool, generate
+from kvjax.engine.engine import numerics_blocks
 from kvjax.io.hf import hf_config, load_hf
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import median_timed
+from kvjax.model.layout import store
 
 
 def _hf_model(model_cfg, folder: Path, seed: int):
@@ -45,20 +50,25 @@ def main(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    model_cfg = load_config(args.config, args.set).model
+    cfg = load_config(args.config, args.set)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = _hf_model(model_cfg, Path(tmp), seed=0)
+        hf = _hf_model(cfg.model, Path(tmp), seed=0)
         config, params = load_hf(tmp)
+    cache = CacheConfig(page_size=16, num_pages=1, prefill_chunk=256, attn_block=256)
+    # the engine's numerics (default invariant: the prompts share prefill calls), its forms
+    ec = dataclasses.replace(cfg.engine, cache=cache)
+    config, problems = numerics_blocks([config], ec, 0)
+    params = jax.device_put(store(params, config.transposed))
     emit(f"bench peer: {config.num_layers} layers, d_model {config.d_model}, "
-          f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32; "
+          f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32, "
+          f"numerics {config.numerics}{' ' + str(problems) if problems else ''}; "
           f"torch {torch.__version__} ({args.threads} threads), jax {jax.__version__}")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, config.vocab_size, size=(batch, args.prompt_len))
         pages = batch * pages_for(args.prompt_len + args.gen_tokens, 16)
-        pool = KVPool(config, CacheConfig(page_size=16, num_pages=pages, prefill_chunk=256,
-                                          attn_block=256))
+        pool = KVPool(config, dataclasses.replace(cache, num_pages=pages))
         lists = [list(map(int, p)) for p in prompts]
 
         def kv_run(n, lists=lists, pool=pool):
@@ -96,7 +106,7 @@ def main(args) -> int:
               f"({row['speedup_end_to_end']:.2f}x); identical greedy sequences "
               f"{row['identical_sequences']}/{batch}")
     write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
-                  torch=torch.__version__, threads=args.threads)
+                  torch=torch.__version__, threads=args.threads, numerics=config.numerics)
     return 0
 
 

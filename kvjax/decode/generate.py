@@ -1,5 +1,10 @@
 """`generate()`: validate, allocate pages, prefill in fixed chunks, decode on device, free.
 
+Under `ModelConfig(numerics="invariant")` the prompts are prefilled together, and the
+parameters must be stored as the config says (`kvjax.model.layout.store(params,
+config.transposed)`; the engine's start-up choice of forms is
+`kvjax.engine.engine.numerics_blocks`).
+
 The pages come from a `KVPool` (`kvjax.cache.pool.PagePool`, the engine's pool class).
 
 Host code: builds numpy batch descriptions and calls the jitted steps in `steps.py`.
@@ -19,7 +24,7 @@ from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
-from kvjax.decode.prefill import prefill
+from kvjax.decode.prefill import PrefillRow, prefill, prefill_rows
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import sample, sampling_arrays, sequence_keys
 from kvjax.errors import InvalidRequestError
@@ -32,14 +37,28 @@ class GenerateResult:
     stats: dict
 
 
-def _prefill(params, config: ModelConfig, pool: KVPool, prompt: list[int],
-             pages: list[int]) -> jax.Array:
-    """Prefills one sequence into the pool; returns its last token's logits [V]."""
-    logits, pool.cache = prefill(params, config, pool.cache, pool.cache_config, prompt, pages)
-    return logits
+def prefill_prompts(params, config: ModelConfig, pool: KVPool, prompts: list[list[int]],
+                    rows: list[list[int]]) -> jax.Array:
+    """Prefills the prompts into their pages; returns their last tokens' logits [n, V].
+
+    Under invariant numerics all prompts share each chunk call (a token's bits do not
+    depend on the rows around it); under fast numerics one prompt per call, in the cache's
+    one chunk shape, so that a prompt's bits do not depend on the others."""
+    if config.numerics == "invariant":
+        logits, pool.cache = prefill_rows(params, config, pool.cache, pool.cache_config,
+                                          [PrefillRow(p, r) for p, r in zip(prompts, rows,
+                                                                            strict=True)])
+        return jnp.stack(logits)
+    out = []
+    for prompt, pages in zip(prompts, rows, strict=True):
+        logits, pool.cache = prefill(params, config, pool.cache, pool.cache_config, prompt,
+                                     pages)
+        out.append(logits)
+    return jnp.stack(out)
 
 
 _sample_jit = jax.jit(sample)
+
 
 
 def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
@@ -91,8 +110,7 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
     lengths[:n] = [len(p) for p in prompts]
 
     t0 = time.perf_counter()
-    first_logits = jnp.stack([_prefill(params, config, pool, p, r)
-                              for p, r in zip(prompts, rows, strict=True)])
+    first_logits = prefill_prompts(params, config, pool, prompts, rows)
     first_logits = jnp.pad(first_logits, ((0, slots - n), (0, 0)))
     first = _sample_jit(first_logits, keys, lengths, **knobs)
     first = np.asarray(first)

@@ -62,7 +62,7 @@ from kvjax.engine.runner import StepRunner, TargetModel
 from kvjax.engine.stats import Timers, aggregate
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
-from kvjax.model.layout import store
+from kvjax.model.layout import Stored, store, unstored
 from kvjax.model.lora import stack_adapters
 from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
 from kvjax.speculative.plugin import Speculator
@@ -127,7 +127,10 @@ class Engine:
     # -- read-only views ----------------------------------------------------------------------
     @property
     def params(self):
-        return self.model.params
+        """The weights as loaded: the canonical tree (the steps may hold some kernels
+        stored transposed, `kvjax.model.layout`)."""
+        held = self.model.params
+        return unstored(held, held.products) if isinstance(held, Stored) else held
 
     @property
     def cache(self):

@@ -26,8 +26,9 @@ class Prefill:
 
     req: LiveRequest
     adm: scheduler.Admission
-    draft_pages: list[int]  # committed with the target's, prefilled after its last chunk
     row: PrefillRow  # its pages; its next chunk starts at row.start
+    draft: PrefillRow | None  # the draft's, committed with the target's, prefilled alongside
+    draft_reused: int = 0  # tokens of the draft's prompt it reused
     seconds: float = 0.0  # prefill calls it took part in
 
 
@@ -86,7 +87,8 @@ class Rounds:
             if limit and calls >= limit and self._decoding():
                 return
             rows = self.prefilling if self.runner.invariant else self.prefilling[:1]
-            logits, seconds = self.runner.prefill_call([e.row for e in rows])
+            logits, seconds = self.runner.prefill_call(
+                [e.row for e in rows], [e.draft for e in rows if e.draft is not None])
             calls += 1
             for entry, last in zip(list(rows), logits, strict=True):
                 entry.seconds += seconds
@@ -129,27 +131,37 @@ class Rounds:
             if adm.target.copy_from is not None:
                 self.counters["partial_copies"] += 1
             req.prefilling = True
-            self.prefilling.append(Prefill(req, adm, draft_pages, PrefillRow(
-                req.tokens, pages, adm.start, req.request.position_base, req.adapter_index)))
+            base = req.request.position_base
+            draft = None if adm.draft is None else PrefillRow(
+                req.tokens, draft_pages,
+                len(adm.draft.reused) * adm.draft.pool.cache_config.page_size, base)
+            self.prefilling.append(Prefill(
+                req, adm, PrefillRow(req.tokens, pages, adm.start, base, req.adapter_index),
+                draft, 0 if draft is None else draft.start))
 
     def _drop_prefill(self, req: LiveRequest) -> None:
-        """Ends a prefill before its last chunk (preemption, cancellation): its pages go
-        back, in the target's pool and the draft's."""
+        """Ends a prefill before its last chunk (preemption, cancellation): the full pages
+        its chunks wrote enter the tries (they hold what any prefill of that prefix writes,
+        so a recompute reuses them), then its pages go back, in the target's pool and the
+        draft's."""
         entry = next(e for e in self.prefilling if e.req is req)
         self.prefilling.remove(entry)
         req.prefilling = False
+        if self.engine_config.prefix_cache:
+            self.runner.cache_written(req, entry.row, entry.draft)
         self.pool.release(entry.row.pages)
-        if entry.draft_pages:
-            self.draft_pool.release(entry.draft_pages)
+        if entry.draft is not None:
+            self.draft_pool.release(entry.draft.pages)
 
     def _start(self, entry: Prefill, logits, events: list[StreamEvent]) -> None:
-        """After its prefill: caches the prompt, prefills the draft, samples each sample's
-        first token, records the admission and streams."""
+        """After its prefill: caches the prompt, finishes the draft's prefill (chunks it has
+        left when it reused less than the target), samples each sample's first token,
+        records the admission and streams."""
         ec = self.engine_config
         req, adm, pages, prefill_s = entry.req, entry.adm, entry.row.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
-        draft_pages, draft_reused = ([], 0) if adm.draft is None else \
-            self.runner.prefill_draft(req, adm.draft, entry.draft_pages)
+        draft_pages, draft_reused = ([], 0) if entry.draft is None else \
+            (self.runner.prefill_draft(req, entry.draft), entry.draft_reused)
         first = self.runner.first_tokens(req, logits)
         for j, seq in enumerate(req.seqs):
             seq.pages, seq.draft_pages = list(pages), list(draft_pages)

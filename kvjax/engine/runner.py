@@ -19,10 +19,9 @@ from kvjax.cache.trie import history_digests
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
-from kvjax.decode.prefill import PrefillRow, prefill, prefill_rows
+from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.decode.sampling import sample
 from kvjax.engine.requests import LiveRequest, Request, Seq, salts_per_page
-from kvjax.engine.scheduler import PoolPlan
 from kvjax.engine.stats import Timers
 
 _sample = jax.jit(sample)
@@ -71,10 +70,11 @@ class StepRunner:
         return (self.model.config.numerics == "invariant" and self.model.shardings is None
                 and self.probe_ok)
 
-    def prefill_call(self, rows: list[PrefillRow]) -> tuple[list[np.ndarray | None], float]:
-        """One prefill call: the next chunk of every row, together (advances each row's
-        start). Returns (the last token logits [V] of each row this call finished, else
-        None; seconds)."""
+    def prefill_call(self, rows: list[PrefillRow], draft_rows: list[PrefillRow] = ()
+                     ) -> tuple[list[np.ndarray | None], float]:
+        """One prefill call: the next chunk of every row, together, then of every draft row
+        with tokens left (advances each row's start). Returns (the last token logits [V] of
+        each row this call finished, else None; seconds of the target's call)."""
         m, pool = self.model, self.pool
         before = self.timers["prefill_s"]
         with self.timers("prefill_s"):
@@ -82,9 +82,17 @@ class StepRunner:
                                               pool.cache_config, rows, m.lora, m.shardings,
                                               calls=1)
             logits = [None if x is None else np.asarray(x) for x in logits]
-        for row in rows:
-            row.start = min(row.start + pool.cache_config.prefill_chunk, len(row.tokens))
-        return logits, self.timers["prefill_s"] - before
+        seconds = self.timers["prefill_s"] - before
+        _advance(rows, pool.cache_config.prefill_chunk)
+        left = [r for r in draft_rows if r.start < len(r.tokens)]
+        if left:
+            spec, draft = self.spec, self.spec.pool
+            with self.timers("draft_prefill_s"):
+                _, draft.cache = prefill_rows(spec.params, spec.config, draft.cache,
+                                              draft.cache_config, left,
+                                              sharding=spec.step_shardings, calls=1)
+            _advance(left, draft.cache_config.prefill_chunk)
+        return logits, seconds
 
     def cache_prompt(self, req: LiveRequest, pages: list[int]) -> int:
         """Inserts the prompt's full pages into the trie; returns how many of its blocks an
@@ -95,6 +103,18 @@ class StepRunner:
             trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
         return unbounded
 
+
+    def cache_written(self, req: LiveRequest, row: PrefillRow, draft: PrefillRow | None
+                      ) -> None:
+        """Inserts the full pages a prompt's prefill has written so far (up to each row's
+        start) into the target's trie and the draft's."""
+        with self.timers("host_s"):
+            self.pool.trie.insert(req.namespace, req.tokens[:row.start], req.salts,
+                                  req.digests, row.pages)
+            if draft is not None:
+                pool = self.spec.pool
+                pool.trie.insert(pool.namespace(req.request.position_base),
+                                 req.tokens[:draft.start], req.salts, req.digests, draft.pages)
 
     def cache_history(self, seq: Seq) -> None:
         """Inserts the full pages of a sample's cached history (its prompt and its answer so
@@ -114,20 +134,20 @@ class StepRunner:
                 draft.trie.insert(draft.namespace(req.request.position_base),
                                   history[: seq.draft_length], salts, digests, seq.draft_pages)
 
-    def prefill_draft(self, req: LiveRequest, plan: PoolPlan, pages: list[int]
-                      ) -> tuple[list[int], int]:
-        """Prefills the draft's prompt into `pages` (its plan's, committed and written) and
-        caches its full pages. Returns (pages, reused tokens)."""
-        spec, pool = self.spec, plan.pool
-        start = len(plan.reused) * pool.cache_config.page_size
-        with self.timers("draft_prefill_s"):
-            _, pool.cache = prefill(spec.params, spec.config, pool.cache, pool.cache_config,
-                                    req.tokens, pages, start, req.request.position_base,
-                                    sharding=spec.step_shardings)
+    def prefill_draft(self, req: LiveRequest, row: PrefillRow) -> list[int]:
+        """Prefills what is left of the draft's prompt (its row's pages, committed and
+        written) and caches its full pages. Returns the pages."""
+        spec, pool = self.spec, self.spec.pool
+        if row.start < len(row.tokens):
+            with self.timers("draft_prefill_s"):
+                _, pool.cache = prefill_rows(spec.params, spec.config, pool.cache,
+                                             pool.cache_config, [row],
+                                             sharding=spec.step_shardings)
+            row.start = len(row.tokens)
         if self.engine_config.prefix_cache:
             pool.trie.insert(pool.namespace(req.request.position_base), req.tokens, req.salts,
-                             req.digests, pages)
-        return pages, start
+                             req.digests, row.pages)
+        return row.pages
 
     @staticmethod
     def first_tokens(req: LiveRequest, logits: np.ndarray) -> np.ndarray:
@@ -202,3 +222,9 @@ class StepRunner:
             self.pool.truncate(seq.pages, seq.length)
             if self.spec.pool is not None:
                 self.spec.pool.truncate(seq.draft_pages, seq.draft_length)
+
+
+def _advance(rows: list[PrefillRow], chunk: int) -> None:
+    """Moves each row's start past the chunk a prefill call just wrote."""
+    for row in rows:
+        row.start = min(row.start + chunk, len(row.tokens))

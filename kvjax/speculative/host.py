@@ -24,7 +24,7 @@ from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, free_past, page_table, pages_for
-from kvjax.decode.generate import _prefill
+from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sample, sampling_arrays, sequence_keys
 from kvjax.errors import InvalidRequestError
@@ -84,7 +84,7 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
                 np.full(1, sampling.top_p, np.float32))
     histories, lengths, outs = [list(x) for x in prompts], [len(x) for x in prompts], []
     for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
-        logits = _prefill(params, config, pool, prompt, row)[None]
+        logits = prefill_prompts(params, config, pool, [prompt], [row])
         first = int(_sample(logits, keys[i:i + 1], np.array([len(prompt)], np.int32), t, k, p_)[0])
         outs.append([first])
     while True:
