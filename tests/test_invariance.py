@@ -242,3 +242,13 @@ def test_generate_prefills_prompts_together_with_their_alone_bits(p):
     fast = generate(p, CONFIG, prompts, 6, cache=cache, return_logits=True)
     for a, b in zip(fast.logits, together.logits, strict=True):
         np.testing.assert_allclose(a[:1], b[:1], rtol=0, atol=5e-5)
+
+
+def test_per_request_prefill_seconds_add_up_to_the_engines(p):
+    """Prompts sharing a prefill call are each charged their share of it: the requests'
+    `prefill_s` add up to the engine's (they were each charged the whole call)."""
+    e = engine(p)
+    results = e.generate(requests())
+    total = e.metrics()["prefill_s"]
+    assert total > 0
+    assert sum(r.stats["prefill_s"] for r in results) == pytest.approx(total, rel=1e-9)

@@ -29,7 +29,7 @@ class Prefill:
     row: PrefillRow  # its pages; its next chunk starts at row.start
     draft: PrefillRow | None  # the draft's, committed with the target's, prefilled alongside
     draft_reused: int = 0  # tokens of the draft's prompt it reused
-    seconds: float = 0.0  # prefill calls it took part in
+    seconds: float = 0.0  # its shares of the prefill calls it took part in
 
 
 class Rounds:
@@ -86,12 +86,12 @@ class Rounds:
                 return
             if limit and calls >= limit and self._decoding():
                 return
-            rows = self.prefilling if self.runner.invariant else self.prefilling[:1]
+            rows = list(self.prefilling if self.runner.invariant else self.prefilling[:1])
             logits, seconds = self.runner.prefill_call(
                 [e.row for e in rows], [e.draft for e in rows if e.draft is not None])
             calls += 1
-            for entry, last in zip(list(rows), logits, strict=True):
-                entry.seconds += seconds
+            for entry, last in zip(rows, logits, strict=True):
+                entry.seconds += seconds / len(rows)  # its share of the call (one row each)
                 if last is not None:  # its last chunk: the prompt is cached
                     self.prefilling.remove(entry)
                     entry.req.prefilling = False
