@@ -252,3 +252,22 @@ def test_per_request_prefill_seconds_add_up_to_the_engines(p):
     total = e.metrics()["prefill_s"]
     assert total > 0
     assert sum(r.stats["prefill_s"] for r in results) == pytest.approx(total, rel=1e-9)
+
+
+def test_a_prompt_prefilled_while_nothing_decodes_takes_wider_calls(p, alone, monkeypatch):
+    """Nothing decoding: a lone 30-token prompt takes one call of 8 x 16 tokens instead of
+    two 16-token calls (max_slots 8, chunk 16), two prompts 64 tokens each per call, and
+    they keep their alone bits (computed in 16-token calls)."""
+    from kvjax.engine.runner import StepRunner
+
+    widths = []
+    width = StepRunner.call_width
+    monkeypatch.setattr(StepRunner, "call_width",
+                        lambda self, rows, widen: widths.append(width(self, rows, widen))
+                        or widths[-1])
+    e = engine(p)
+    assert_same(e.generate([requests()[6]]), [alone[6]])
+    assert widths == [128]
+    widths.clear()
+    assert_same(e.generate(requests()[:2]), alone[:2])
+    assert widths == [64]

@@ -33,13 +33,15 @@ class PrefillRow:
 
 def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
                  rows: list[PrefillRow], lora: dict | None = None, sharding=None,
-                 calls: int | None = None) -> tuple[list[jax.Array | None], PagedKVCache]:
+                 calls: int | None = None, width: int | None = None
+                 ) -> tuple[list[jax.Array | None], PagedKVCache]:
     """Prefills every row's tokens[start:] (or its first `calls` chunks); returns (each
     row's last token logits [V], or None when its last token was not in these calls, and
     the cache). Donates `cache` (through `steps.extend`; `sharding` as there). The rows are
     padded to a power of two; a row whose tokens are done rides along with no new token
-    (it writes and attends nothing)."""
-    chunk, n = cache_config.prefill_chunk, len(rows)
+    (it writes and attends nothing). `width`: tokens per row per call (default the cache's
+    chunk; another width changes a token's bits unless the numerics are invariant)."""
+    chunk, n = width or cache_config.prefill_chunk, len(rows)
     b = bucket(n)
     table = page_table([r.pages for r in rows], b, cache_config.block_pages)
     offsets = None

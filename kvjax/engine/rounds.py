@@ -78,7 +78,8 @@ class Rounds:
         chunks: each call takes one chunk of every prompt being prefilled (of the first one
         only when a token's bits may depend on its batch). While other sequences decode,
         at most `prefill_calls_per_round` calls run before their decode call (0: no limit),
-        so a long prompt does not stall them; when none decodes, prefill runs to the end."""
+        so a long prompt does not stall them; when none decodes, prefill runs to the end,
+        in wider chunks when fewer prompts share a call (`StepRunner.call_width`)."""
         limit, calls = self.engine_config.prefill_calls_per_round, 0
         while True:
             self._plan_group()
@@ -88,7 +89,8 @@ class Rounds:
                 return
             rows = list(self.prefilling if self.runner.invariant else self.prefilling[:1])
             logits, seconds = self.runner.prefill_call(
-                [e.row for e in rows], [e.draft for e in rows if e.draft is not None])
+                [e.row for e in rows], [e.draft for e in rows if e.draft is not None],
+                widen=not self._decoding())  # wider calls stall no one
             calls += 1
             for entry, last in zip(rows, logits, strict=True):
                 entry.seconds += seconds / len(rows)  # its share of the call (one row each)

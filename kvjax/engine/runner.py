@@ -18,7 +18,7 @@ from kvjax.cache.pool import PagePool
 from kvjax.cache.trie import history_digests
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.batching import page_table
+from kvjax.decode.batching import bucket, page_table
 from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.decode.sampling import sample
 from kvjax.engine.requests import LiveRequest, Request, Seq, salts_per_page
@@ -70,29 +70,44 @@ class StepRunner:
         return (self.model.config.numerics == "invariant" and self.model.shardings is None
                 and self.probe_ok)
 
-    def prefill_call(self, rows: list[PrefillRow], draft_rows: list[PrefillRow] = ()
-                     ) -> tuple[list[np.ndarray | None], float]:
+    def prefill_call(self, rows: list[PrefillRow], draft_rows: list[PrefillRow] = (),
+                     widen: bool = False) -> tuple[list[np.ndarray | None], float]:
         """One prefill call: the next chunk of every row, together, then of every draft row
-        with tokens left (advances each row's start). Returns (the last token logits [V] of
-        each row this call finished, else None; seconds of the target's call)."""
+        with tokens left (advances each row's start). `widen` (invariant numerics only,
+        where the width changes no bit): fewer rows take wider chunks, up to the tokens of
+        `bucket(max_slots)` full rows, so a lone prompt does not crawl through one-row
+        calls. Returns (the last token logits [V] of each row this call finished, else
+        None; seconds of the target's call)."""
         m, pool = self.model, self.pool
+        width = self.call_width(len(rows), widen)
         before = self.timers["prefill_s"]
         with self.timers("prefill_s"):
             logits, pool.cache = prefill_rows(m.params, m.config, pool.cache,
                                               pool.cache_config, rows, m.lora, m.shardings,
-                                              calls=1)
+                                              calls=1, width=width)
             logits = [None if x is None else np.asarray(x) for x in logits]
         seconds = self.timers["prefill_s"] - before
-        _advance(rows, pool.cache_config.prefill_chunk)
+        _advance(rows, width)
         left = [r for r in draft_rows if r.start < len(r.tokens)]
         if left:
             spec, draft = self.spec, self.spec.pool
+            width = self.call_width(len(left), widen)
             with self.timers("draft_prefill_s"):
                 _, draft.cache = prefill_rows(spec.params, spec.config, draft.cache,
                                               draft.cache_config, left,
-                                              sharding=spec.step_shardings, calls=1)
-            _advance(left, draft.cache_config.prefill_chunk)
+                                              sharding=spec.step_shardings, calls=1,
+                                              width=width)
+            _advance(left, width)
         return logits, seconds
+
+    def call_width(self, rows: int, widen: bool) -> int:
+        """Tokens per row of a prefill call of `rows` rows: the cache's chunk, or when
+        widened under invariant numerics the chunk x bucket(max_slots) / bucket(rows), so
+        that every call holds the same number of tokens (one shape per row bucket)."""
+        chunk = self.pool.cache_config.prefill_chunk
+        if not (widen and self.invariant):
+            return chunk
+        return chunk * max(1, bucket(self.engine_config.max_slots) // bucket(rows))
 
     def cache_prompt(self, req: LiveRequest, pages: list[int]) -> int:
         """Inserts the prompt's full pages into the trie; returns how many of its blocks an
