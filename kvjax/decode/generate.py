@@ -60,7 +60,6 @@ def prefill_prompts(params, config: ModelConfig, pool: KVPool, prompts: list[lis
 _sample_jit = jax.jit(sample)
 
 
-
 def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
              sampling: SamplingConfig | None = None,
              cache: CacheConfig | KVPool | None = None, return_logits: bool = False,

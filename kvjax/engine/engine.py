@@ -78,8 +78,10 @@ class Engine:
         if not config.causal:
             raise NonCausalCacheError()
         self.engine_config = ec = engine_config or EngineConfig()
+        if draft is not None and spec is None:
+            spec = SpecConfig()
         configs = [config] + ([] if draft is None else [draft[1]])
-        gamma = 0 if draft is None and spec is None else (spec or SpecConfig()).gamma
+        gamma = 0 if spec is None else spec.gamma
         config, *draft_config, self.numerics_problems = numerics_blocks(configs, ec, gamma)
         if draft is not None:
             draft = (draft[0], draft_config[0])
@@ -100,8 +102,6 @@ class Engine:
         self._next_id = 0
         self._timers = Timers()
         self._backlog: list[StreamEvent] = []
-        if draft is not None and spec is None:
-            spec = SpecConfig()
         self.spec = None if spec is None else Speculator(spec, draft, config, ec, hash_fn, mesh)
         self.draft_pool = None if self.spec is None else self.spec.pool
         if self.spec is not None and spec.adaptive and not self.spec.calibrated \

@@ -28,7 +28,6 @@ class Prefill:
     adm: scheduler.Admission
     row: PrefillRow  # its pages; its next chunk starts at row.start
     draft: PrefillRow | None  # the draft's, committed with the target's, prefilled alongside
-    draft_reused: int = 0  # tokens of the draft's prompt it reused
     seconds: float = 0.0  # its shares of the prefill calls it took part in
 
 
@@ -135,11 +134,10 @@ class Rounds:
             req.prefilling = True
             base = req.request.position_base
             draft = None if adm.draft is None else PrefillRow(
-                req.tokens, draft_pages,
-                len(adm.draft.reused) * adm.draft.pool.cache_config.page_size, base)
+                req.tokens, draft_pages, _reused_tokens(adm.draft), base)
             self.prefilling.append(Prefill(
                 req, adm, PrefillRow(req.tokens, pages, adm.start, base, req.adapter_index),
-                draft, 0 if draft is None else draft.start))
+                draft))
 
     def _drop_prefill(self, req: LiveRequest) -> None:
         """Ends a prefill before its last chunk (preemption, cancellation): the full pages
@@ -163,7 +161,7 @@ class Rounds:
         req, adm, pages, prefill_s = entry.req, entry.adm, entry.row.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if entry.draft is None else \
-            (self.runner.prefill_draft(req, entry.draft), entry.draft_reused)
+            (self.runner.prefill_draft(req, entry.draft), _reused_tokens(adm.draft))
         first = self.runner.first_tokens(req, logits)
         for j, seq in enumerate(req.seqs):
             seq.pages, seq.draft_pages = list(pages), list(draft_pages)
@@ -333,3 +331,8 @@ def _shares_uncached(req: LiveRequest, reused: int, prefilling: list[Prefill],
         if common > reused:
             return True
     return False
+
+
+def _reused_tokens(plan: scheduler.PoolPlan) -> int:
+    """Tokens of the prompt a pool's plan reuses (its whole cached pages)."""
+    return len(plan.reused) * plan.pool.cache_config.page_size

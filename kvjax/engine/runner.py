@@ -118,7 +118,6 @@ class StepRunner:
             trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
         return unbounded
 
-
     def cache_written(self, req: LiveRequest, row: PrefillRow, draft: PrefillRow | None
                       ) -> None:
         """Inserts the full pages a prompt's prefill has written so far (up to each row's
@@ -127,9 +126,16 @@ class StepRunner:
             self.pool.trie.insert(req.namespace, req.tokens[:row.start], req.salts,
                                   req.digests, row.pages)
             if draft is not None:
-                pool = self.spec.pool
-                pool.trie.insert(pool.namespace(req.request.position_base),
-                                 req.tokens[:draft.start], req.salts, req.digests, draft.pages)
+                self._draft_insert(req, req.tokens[:draft.start], req.salts, req.digests,
+                                   draft.pages)
+
+    def _draft_insert(self, req: LiveRequest, tokens: list[int], salts, digests,
+                      pages: list[int]) -> None:
+        """Inserts the full pages of `tokens` held in `pages` into the draft's trie, under
+        the request's draft namespace."""
+        pool = self.spec.pool
+        pool.trie.insert(pool.namespace(req.request.position_base), tokens, salts, digests,
+                         pages)
 
     def cache_history(self, seq: Seq) -> None:
         """Inserts the full pages of a sample's cached history (its prompt and its answer so
@@ -144,10 +150,9 @@ class StepRunner:
             salts = salts_per_page(req.request, len(history), ps)
             digests = history_digests(history, ps)
             self.pool.trie.insert(req.namespace, history, salts, digests, seq.pages)
-            draft = None if self.spec is None else self.spec.pool
-            if draft is not None and seq.draft_pages:
-                draft.trie.insert(draft.namespace(req.request.position_base),
-                                  history[: seq.draft_length], salts, digests, seq.draft_pages)
+            if self.spec is not None and self.spec.pool is not None and seq.draft_pages:
+                self._draft_insert(req, history[: seq.draft_length], salts, digests,
+                                   seq.draft_pages)
 
     def prefill_draft(self, req: LiveRequest, row: PrefillRow) -> list[int]:
         """Prefills what is left of the draft's prompt (its row's pages, committed and
@@ -160,8 +165,7 @@ class StepRunner:
                                              sharding=spec.step_shardings)
             row.start = len(row.tokens)
         if self.engine_config.prefix_cache:
-            pool.trie.insert(pool.namespace(req.request.position_base), req.tokens, req.salts,
-                             req.digests, row.pages)
+            self._draft_insert(req, req.tokens, req.salts, req.digests, row.pages)
         return row.pages
 
     @staticmethod

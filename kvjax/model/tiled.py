@@ -298,14 +298,11 @@ def check_products(config, calls: Calls | None = None) -> list[str]:
     failed = []
     for name, (shape, contract) in _dot_shapes(config).items():
         block = config.block(name)
-        ok = (_probe_whole(shape, contract, _rows_bound(calls.of(name)), backend_name,
-                           name in config.transposed) if block == 0
-              else _probe_dot(shape, contract, block, backend_name))
+        ok = (_whole(shape, contract, calls.of(name), backend_name, name in config.transposed)
+              if block == 0 else _probe_dot(shape, contract, block, backend_name))
         if not ok:
             failed.append(name)
-    if config.block("attention") == 0 and not _probe_attention(
-            config.num_kv_heads, config.head_dim, calls.keys,
-            _rows_bound(calls.queries * config.group_size), backend_name):
+    if config.block("attention") == 0 and not _attention_whole(config, calls, backend_name):
         failed.append("attention")
     return failed
 
@@ -314,6 +311,18 @@ def _rows_bound(rows: int) -> int:
     """The row count a whole-product probe goes up to for calls of `rows`: the next power of
     two, at least 64 (one probe serves every engine whose calls fit under it)."""
     return max(64, 1 << max(rows - 1, 0).bit_length())
+
+
+def _whole(shape: tuple[int, ...], contract: tuple[int, ...], rows: int, backend_name: str,
+           stored: bool = False) -> bool:
+    """`_probe_whole` for calls of up to `rows` rows."""
+    return _probe_whole(shape, contract, _rows_bound(rows), backend_name, stored)
+
+
+def _attention_whole(config, calls: Calls, backend_name: str) -> bool:
+    """`_probe_attention` for `config`'s heads in `calls`."""
+    return _probe_attention(config.num_kv_heads, config.head_dim, calls.keys,
+                            _rows_bound(calls.queries * config.group_size), backend_name)
 
 
 def choose_blocks(config, calls: Calls, transpose: bool = True,
@@ -328,12 +337,12 @@ def choose_blocks(config, calls: Calls, transpose: bool = True,
     backend_name = jax.default_backend()
     blocks, transposed, failed = [], [], []
     for name, (shape, contract) in _dot_shapes(config).items():
-        rows = _rows_bound(calls.of(name))
-        if _probe_whole(shape, contract, rows, backend_name):
+        rows = calls.of(name)
+        if _whole(shape, contract, rows, backend_name):
             blocks.append((name, 0))
             continue
-        if transpose and contract[0] == 0 and _probe_whole(shape, contract, rows,
-                                                           backend_name, True):
+        if transpose and contract[0] == 0 and _whole(shape, contract, rows, backend_name,
+                                                     True):
             blocks.append((name, 0))
             transposed.append(name)
             continue
@@ -341,8 +350,7 @@ def choose_blocks(config, calls: Calls, transpose: bool = True,
         good = [b for b in tried if _probe_dot(shape, contract, b, backend_name)][:1]
         blocks.append((name, good[0] if good else config.row_block))
         failed += [] if good else [name]
-    whole = _probe_attention(config.num_kv_heads, config.head_dim, calls.keys,
-                             _rows_bound(calls.queries * config.group_size), backend_name)
+    whole = _attention_whole(config, calls, backend_name)
     blocks.append(("attention", 0 if whole else config.row_block))
     return tuple(blocks), tuple(transposed), failed
 
