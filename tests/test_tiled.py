@@ -195,3 +195,18 @@ def test_the_engine_warns_when_invariance_does_not_hold(monkeypatch):
     assert not engine.runner.invariant  # so it keeps the fast rules: cache on == off holds
     assert Engine(params(), CONFIG, EngineConfig(cache=CACHE, numerics="fast")) \
         .numerics_problems == []
+
+
+def test_the_engine_probes_calls_as_wide_as_it_makes(monkeypatch):
+    """The start-up probe covers the widest prefill call the engine runs: a lone prompt
+    given all of a call's tokens (chunk x bucket(max_slots) queries against the cache)."""
+    from kvjax import EngineConfig
+    from kvjax.config import CacheConfig
+    from kvjax.engine import engine as engine_module
+
+    seen = []
+    monkeypatch.setattr(engine_module, "choose_blocks",
+                        lambda config, calls, transpose: seen.append(calls) or ((), (), []))
+    ec = EngineConfig(cache=CacheConfig(prefill_chunk=128), max_slots=6)
+    engine_module.numerics_blocks([small_model()], ec, 0)
+    assert seen[0].queries >= 128 * 8 and seen[0].rows >= 128 * 8

@@ -314,7 +314,8 @@ def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) ->
     numerics, each product's row block (`kvjax.model.tiled.choose_blocks`, probed per shape
     on the running backend and cached) for the engine's largest calls: `bucket(max_slots)`
     sequences of up to max(prefill_chunk, gamma + 1) tokens each (logits for gamma + 1 of
-    them: prefill keeps the last token's), attention over blocks of `attn_block` keys, and
+    them: prefill keeps the last token's), or one prompt with all of a call's tokens
+    (a widened prefill call), attention over blocks of `attn_block` keys, and
     never less than `kvjax.model.tiled.PROBED`, so that the choice (and so a request's
     bits) does not change with max_slots, the chunk or gamma inside those bounds. Then what
     still fails, with the backend check (a warning names it). The blocks are part of the
@@ -322,10 +323,12 @@ def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) ->
     out = [dataclasses.replace(c, numerics=ec.numerics) for c in configs]
     if ec.numerics != "invariant":
         return [*out, []]
-    queries, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
-    calls = Calls(rows=max(seqs * queries, PROBED.rows),
+    width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
+    calls = Calls(rows=max(seqs * width, PROBED.rows),
                   head_rows=max(seqs * (gamma + 1), PROBED.head_rows),
-                  queries=max(queries, PROBED.queries),
+                  # a widened prefill call (`StepRunner.call_width`) gives one prompt all of
+                  # a call's tokens
+                  queries=max(seqs * ec.cache.prefill_chunk, gamma + 1, PROBED.queries),
                   keys=ec.cache.block_pages * ec.cache.page_size)
     problems = []
     for i, c in enumerate(out):
