@@ -87,7 +87,7 @@ def test_the_transposed_view_folds_into_its_product_in_every_step():
 
 def test_stored_kernels_give_the_plain_layouts_values():
     """The same prefill logits as the plain parameters under fast numerics, within float32
-    rounding of a different summation order (measured 1.9e-6; tolerance 2e-5)."""
+    rounding of a different summation order (measured 4.8e-6; tolerance 5e-5)."""
     config = model()
     params = sharp_params(config)
     fast = dataclasses.replace(config, numerics="fast", row_blocks=(), transposed=())
@@ -99,7 +99,7 @@ def test_stored_kernels_give_the_plain_layouts_values():
                          ("plain", fast, params)]:
         out[name], _ = steps.extend(p, cfg, init_cache(cfg, CACHE), tokens, batch)
     np.testing.assert_allclose(np.asarray(out["stored"]), np.asarray(out["plain"]),
-                               rtol=0, atol=2e-5)
+                               rtol=0, atol=5e-5)
     assert set(KERNELS) == set(EVERY)
 
 
