@@ -183,6 +183,10 @@ class EngineConfig:
     # prefill calls (one chunk of each prompt being prefilled) a round may run while other
     # sequences decode; 0: prefill every admitted prompt to the end first
     prefill_calls_per_round: int = 1
+    # invariant numerics, no speculation: while others decode, the decode call prefills the
+    # prompts in the same steps (packed steps: each step takes every prompt's next
+    # ceil(prefill_chunk / decode_steps) tokens), instead of separate prefill calls
+    packed_prefill: bool = True
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)

@@ -165,9 +165,9 @@ def test_compiles_stay_bounded(p):
     assert steps.trace_counts() == before
 
 
-def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6):
+def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6, **knobs):
     """A short request decodes; a long one arrives after the first round."""
-    e = engine(p, cache=cache, max_slots=4, decode_steps=2)
+    e = engine(p, cache=cache, max_slots=4, decode_steps=2, **knobs)
     a_req, b_req = (Request(tokens=t, max_new_tokens=n, return_logits=True) for t, n in
                     zip(random_tokens(21, [5, b_len], CONFIG.vocab_size), [a_new, b_new],
                         strict=True))
@@ -177,17 +177,29 @@ def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6):
     return e, a, b, a_req, b_req
 
 
-def test_a_long_prompt_is_prefilled_between_decode_calls(p):
-    """One 8-token chunk of the 60-token prompt per round while the short request decodes:
-    the short one gets tokens every round (it is not stalled for the 8 calls), and both get
-    their alone bits."""
-    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8))
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "calls"])
+def test_a_long_prompt_is_prefilled_while_others_decode(p, monkeypatch, packed):
+    """About one 8-token chunk of the 60-token prompt per round while the short request
+    decodes: packed, inside the decode calls' steps (4 tokens beside each of the 2 decode
+    steps; no prefill call at all), else in one prefill call per round. The short one gets
+    tokens every round (it is not stalled for the 8 chunks), and both get their alone
+    bits."""
+    from kvjax.engine.runner import StepRunner
+
+    calls = []
+    prefill_call = StepRunner.prefill_call
+    monkeypatch.setattr(StepRunner, "prefill_call",
+                        lambda self, *a, **k: calls.append(1) or prefill_call(self, *a, **k))
+    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8),
+                                                 packed_prefill=packed)
+    calls.clear()  # a's own prefill
     rounds_before_b = 0
     while not e.rounds.live[b].seqs[0].generated:
         events = e.step()
         assert any(ev.request_id == a for ev in events)  # a decodes every round
         rounds_before_b += 1
     assert rounds_before_b == 60 // 8 + 1  # its 8 chunks, one per round
+    assert len(calls) == (0 if packed else 8)
     done = e.run()
     alone = engine(p, max_slots=1, prefix_cache=False)
     assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))
@@ -246,12 +258,20 @@ def test_generate_prefills_prompts_together_with_their_alone_bits(p):
 
 def test_per_request_prefill_seconds_add_up_to_the_engines(p):
     """Prompts sharing a prefill call are each charged their share of it: the requests'
-    `prefill_s` add up to the engine's (they were each charged the whole call)."""
+    `prefill_s` add up to the engine's (they were each charged the whole call). A prompt
+    prefilled inside decode calls (packed) is charged its tokens' share of each call,
+    which moves from the engine's decode_s to its prefill_s."""
     e = engine(p)
     results = e.generate(requests())
     total = e.metrics()["prefill_s"]
     assert total > 0
     assert sum(r.stats["prefill_s"] for r in results) == pytest.approx(total, rel=1e-9)
+    e, a, b, *_ = _long_prompt_arrives(p, with_cache(prefill_chunk=8))
+    before = e.metrics()["prefill_s"]  # a's own prefill call
+    done = e.run()
+    packed = done[b].stats["prefill_s"]
+    assert 0 < packed == pytest.approx(e.metrics()["prefill_s"] - before, rel=1e-9)
+    assert done[a].stats["prefill_s"] + packed == pytest.approx(e.metrics()["prefill_s"])
 
 
 def test_a_prompt_prefilled_while_nothing_decodes_takes_wider_calls(p, alone, monkeypatch):

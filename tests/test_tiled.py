@@ -198,8 +198,9 @@ def test_the_engine_warns_when_invariance_does_not_hold(monkeypatch):
 
 
 def test_the_engine_probes_calls_as_wide_as_it_makes(monkeypatch):
-    """The start-up probe covers the widest prefill call the engine runs: a lone prompt
-    given all of a call's tokens (chunk x bucket(max_slots) queries against the cache)."""
+    """The start-up probe covers the widest calls the engine runs: a lone prompt given all
+    of a call's tokens (chunk x bucket(max_slots) queries against the cache), and a packed
+    decode step (a token per slot beside every prompt's slice)."""
     from kvjax import EngineConfig
     from kvjax.config import CacheConfig
     from kvjax.engine import engine as engine_module
@@ -210,3 +211,7 @@ def test_the_engine_probes_calls_as_wide_as_it_makes(monkeypatch):
     ec = EngineConfig(cache=CacheConfig(prefill_chunk=128), max_slots=6)
     engine_module.numerics_blocks([small_model()], ec, 0)
     assert seen[0].queries >= 128 * 8 and seen[0].rows >= 128 * 8
+    # a packed decode step: a token per slot beside 8 prompts' 512-token slices
+    ec = EngineConfig(cache=CacheConfig(prefill_chunk=512), max_slots=6, decode_steps=1)
+    engine_module.numerics_blocks([small_model()], ec, 0)
+    assert seen[1].rows >= 6 + 8 * 512 and seen[1].head_rows >= 6 + 8

@@ -6,10 +6,12 @@ Seven requests decode (short prompts, long answers) on the config's model; then 
 per-token latency in a round is the round's wall time over the tokens it got. Reported over
 `--steady` rounds before the arrival and the rounds from the arrival until the newcomer has
 its first `--after` tokens: the running requests' median (and steady-state median), p99
-and worst per-token latency, and the newcomer's time to first token,
-with `prefill_calls_per_round` 1 (prefill interleaved with decode calls) beside 0 (the
-whole prompt prefilled before the next decode call). One untimed run compiles first; the
-settings alternate over `--reps` runs; the figures are medians over runs.
+and worst per-token latency, and the newcomer's time to first token, for three ways to
+prefill while others decode: packed (the decode call's steps prefill the prompt beside the
+decode tokens, `packed_prefill`, the default), one prefill call per round between decode
+calls (`prefill_calls_per_round` 1), and the whole prompt before the next decode call (0).
+One untimed run compiles first; the settings alternate over `--reps` runs; the figures are
+medians over runs.
 """
 
 from __future__ import annotations
@@ -70,24 +72,27 @@ def main(args) -> int:
     model = config.model
     params = init_params(model, seed=0)
     base = EngineConfig(cache=config.cache, max_slots=RUNNING + 1)
-    settings = {calls: dataclasses.replace(base, prefill_calls_per_round=calls)
-                for calls in (1, 0)}
+    settings = {"packed": base} | {
+        f"calls {calls}": dataclasses.replace(base, packed_prefill=False,
+                                              prefill_calls_per_round=calls)
+        for calls in (1, 0)}
     emit(f"bench arrivals: {args.config}: {RUNNING} requests decoding, a "
          f"{args.arrival_len}-token prompt arrives; chunk {config.cache.prefill_chunk}, "
          f"decode_steps {base.decode_steps}, numerics {base.numerics}")
-    _scenario(params, model, settings[1], args)  # compiles every shape both settings use
-    runs = {calls: [] for calls in settings}
+    for ec in settings.values():  # compiles every shape the settings use
+        _scenario(params, model, ec, args)
+    runs = {name: [] for name in settings}
     for rep in range(args.reps):
-        for calls, ec in settings.items():
-            runs[calls].append(_scenario(params, model, ec, args, seed=rep))
-            r = runs[calls][-1]
-            emit(f"rep {rep + 1}: prefill_calls_per_round={calls}: per-token steady "
+        for name, ec in settings.items():
+            runs[name].append(_scenario(params, model, ec, args, seed=rep))
+            r = runs[name][-1]
+            emit(f"rep {rep + 1}: {name}: per-token steady "
                  f"{r['steady_ms']:.1f} ms, p50 {r['p50_ms']:.1f}, p99 {r['p99_ms']:.1f}, "
                  f"worst {r['max_ms']:.1f}; TTFT {r['ttft_s']:.2f} s")
     rows = []
-    for calls, rs in runs.items():
+    for name, rs in runs.items():
         row = {key: statistics.median(r[key] for r in rs) for key in rs[0]}
-        rows.append({"prefill_calls_per_round": calls, **row,
+        rows.append({"prefill": name, **row,
                      "p99_over_p50": row["p99_ms"] / row["p50_ms"],
                      "max_over_steady": row["max_ms"] / row["steady_ms"]})
     write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
@@ -96,7 +101,7 @@ def main(args) -> int:
 
 
 COLUMNS = [
-    ("prefill_calls_per_round", lambda r: str(r["prefill_calls_per_round"])),
+    ("prefill while others decode", lambda r: r["prefill"]),
     ("running: per-token ms, steady", lambda r: f"{r['steady_ms']:.1f}"),
     ("p50", lambda r: f"{r['p50_ms']:.1f}"),
     ("p99", lambda r: f"{r['p99_ms']:.1f}"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 from functools import partial
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -69,6 +70,44 @@ def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
     return maybe_replicated(sharding, logits), maybe_constrain_cache(sharding, cache)
 
 
+@flax.struct.dataclass
+class Fill:
+    """Prompts prefilled inside a decode loop (packed steps): every step takes the next slice
+    of up to F tokens of each prompt beside the decoding sequences' tokens, in one call.
+
+    Legend: Bp prompts (padded rows have count 0), F tokens per step, P pages per prompt.
+    """
+
+    tokens: jax.Array  # int32[Bp, S, F]: prompt b's tokens for step s
+    page_table: jax.Array  # int32[Bp, P]
+    start: jax.Array  # int32[Bp]: tokens cached before the call
+    count: jax.Array  # int32[Bp]: tokens this call prefills (at most S * F)
+    position_offset: jax.Array  # int32[Bp]
+    adapter_ids: jax.Array | None = None  # int32[Bp], with LoRA
+
+
+def _fill_step(fill: Fill, step: jax.Array, batch: BatchInfo, last: jax.Array,
+               adapter_ids: jax.Array | None):
+    """One packed step's inputs: the decode rows' tokens `last` [B] and the prompts' slice
+    for `step`, one token per row [R, 1]; their positions, adapters, the two groups' batch
+    descriptions and shapes, and the head's rows (each decode row, each prompt's last token
+    of the slice). Returns (tokens, positions, adapter_ids, batches, groups, logits_at,
+    finishing int bool[Bp]: the prompt's last token is in this slice)."""
+    b, (bp, _, f) = last.shape[0], fill.tokens.shape
+    left = fill.count - step * f  # [Bp] tokens still to prefill
+    num_new = jnp.clip(left, 0, f)
+    fbatch = BatchInfo(page_table=fill.page_table, lengths=fill.start + step * f,
+                       num_new=num_new, position_offset=fill.position_offset)
+    tokens = jnp.concatenate([last, fill.tokens[:, step].reshape(-1)])[:, None]
+    positions = jnp.concatenate([model_positions(batch, 1)[:, 0],
+                                 model_positions(fbatch, f).reshape(-1)])[:, None]
+    ids = None if adapter_ids is None else jnp.concatenate(
+        [adapter_ids, jnp.repeat(fill.adapter_ids, f)])
+    at = jnp.concatenate([jnp.arange(b), b + jnp.arange(bp) * f + jnp.maximum(num_new - 1, 0)])
+    finishing = (left > 0) & (left <= f)
+    return tokens, positions, ids, (batch, fbatch), ((b, 1), (bp, f)), at, finishing
+
+
 @partial(jax.jit,
          static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel"),
          donate_argnames=("cache",))
@@ -78,12 +117,17 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
                 stop_token: jax.Array, max_steps: int, return_logits: bool = False,
                 position_offset: jax.Array | None = None, lora: dict | None = None,
                 adapter_ids: jax.Array | None = None, sharding: StepShardings | None = None,
-                kernel: AttentionKernel | None = None):
+                kernel: AttentionKernel | None = None, fill: Fill | None = None):
     """Decodes up to `max_steps` tokens per sequence on device, sampling inside the loop.
 
     Donates `cache`. Sequence b feeds `last[b]` (not yet cached, at position `lengths[b]`),
     then keeps sampling until it has produced `budget[b]` tokens or sampled `stop_token[b]`
-    (-1: none). The loop ends as soon as every sequence is done.
+    (-1: none). The loop ends as soon as every sequence is done (and `fill` is written).
+
+    `fill` (see `Fill`) prefills prompts in the same steps: each step is one packed call of
+    the decode tokens and every prompt's next slice (`Transformer`'s `groups`). Under
+    invariant numerics a token's bits do not depend on what shares its step, so the decode
+    rows and the prompts' pages and logits are those of separate calls.
 
     Args:
       page_table: int32[B, P]; lengths, last, budget: int32[B]; keys: uint32[B, 2];
@@ -92,7 +136,8 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
       kernel: the decode-attention kernel (None: the reference).
     Returns:
       tokens int32[B, S] (-1 past the end), logits float32[B, S, V] or None, the cache,
-      and the final lengths int32[B].
+      the final lengths int32[B]; with `fill`, also each prompt's last token logits
+      [Bp, V] (zeros for a prompt this call does not finish).
     """
     note_trace("decode_loop")
     b = last.shape[0]
@@ -101,19 +146,28 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
     out_logits = jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32)
     model = Transformer(config, sharding, kernel)
 
-    def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits)
-        return (state[0] < max_steps) & ~jnp.all(state[4])
+    def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits, _)
+        filling = False if fill is None else jnp.any(fill.count > state[0] * fill.tokens.shape[2])
+        return (state[0] < max_steps) & (~jnp.all(state[4]) | filling)
 
     def body(state):
-        step, cache, lengths, last, done, out_tokens, out_logits = state
+        step, cache, lengths, last, done, out_tokens, out_logits, fill_logits = state
         active = ~done
         batch = BatchInfo(page_table=page_table, lengths=lengths,
                           num_new=active.astype(jnp.int32), position_offset=position_offset)
-        positions = model_positions(batch, 1)
         # the variables inside the loop: a stored kernel's transposed view must sit beside
         # its product for XLA to fold it (hoisted, it would be copied into a plain layout)
-        logits, cache = model.apply(model_variables(params, lora, config), last[:, None],
-                                    positions, cache, batch, adapter_ids)
+        variables = model_variables(params, lora, config)
+        if fill is None:
+            logits, cache = model.apply(variables, last[:, None], model_positions(batch, 1),
+                                        cache, batch, adapter_ids)
+        else:
+            tokens, positions, ids, batches, groups, at, finishing = _fill_step(
+                fill, step, batch, last, adapter_ids)
+            logits, cache = model.apply(variables, tokens, positions, cache, batches, ids, at,
+                                        groups)
+            fill_logits = jnp.where(finishing[:, None], logits[b:, 0], fill_logits)
+            logits = logits[:b]
         cache = maybe_constrain_cache(sharding, cache)
         logits = logits[:, 0]  # [B, V]
         offset = 0 if position_offset is None else position_offset
@@ -124,12 +178,15 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
         lengths = lengths + active.astype(jnp.int32)
         done = done | (step + 1 >= budget) | (nxt == stop_token)
         return (step + 1, cache, lengths, jnp.where(active, nxt, last), done, out_tokens,
-                out_logits)
+                out_logits, fill_logits)
 
     done = budget <= 0
+    fill_logits = jnp.zeros((0 if fill is None else fill.count.shape[0], vocab), jnp.float32)
     state = (jnp.int32(0), maybe_constrain_cache(sharding, cache), lengths, last, done,
-             out_tokens, out_logits)
-    _, cache, lengths, _, _, out_tokens, out_logits = jax.lax.while_loop(cond, body, state)
+             out_tokens, out_logits, fill_logits)
+    _, cache, lengths, _, _, out_tokens, out_logits, fill_logits = jax.lax.while_loop(
+        cond, body, state)
     out_tokens, out_logits, lengths = maybe_replicated(sharding, (out_tokens, out_logits, lengths))
     cache = maybe_constrain_cache(sharding, cache)
-    return out_tokens, (out_logits if return_logits else None), cache, lengths
+    out = out_tokens, (out_logits if return_logits else None), cache, lengths
+    return out if fill is None else (*out, fill_logits)

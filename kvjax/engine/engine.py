@@ -324,8 +324,10 @@ def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) ->
     if ec.numerics != "invariant":
         return [*out, []]
     width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
-    calls = Calls(rows=max(seqs * width, PROBED.rows),
-                  head_rows=max(seqs * (gamma + 1), PROBED.head_rows),
+    # a packed decode step (`EngineConfig.packed_prefill`) holds a decode token per slot
+    # beside up to `bucket(max_slots)` prompts' slices, and a head row for each
+    calls = Calls(rows=max(seqs * (width + 1), PROBED.rows),
+                  head_rows=max(seqs * max(gamma + 1, 2), PROBED.head_rows),
                   # a widened prefill call (`StepRunner.call_width`) gives one prompt all of
                   # a call's tokens
                   queries=max(seqs * ec.cache.prefill_chunk, gamma + 1, PROBED.queries),

@@ -179,10 +179,17 @@ class StepRunner:
 
     # -- decode --------------------------------------------------------------------------------
     def decode(self, live: list[Seq], budgets: dict[int, int], gamma: int,
-               occupied: list[Seq | None]) -> None:
+               occupied: list[Seq | None], fill: list[PrefillRow] = ()
+               ) -> tuple[list[np.ndarray | None], float]:
         """One decode (or speculative) call over the slots of `live`; appends each sample's
         new tokens and, after a verification, releases pages past the kept history. The
-        page table holds every occupied slot's pages (`occupied`: the slots), live or not."""
+        page table holds every occupied slot's pages (`occupied`: the slots), live or not.
+
+        `fill` (plain decoding only): prompts the same call prefills in packed steps (see
+        `packed_fill`; advances each row's start). Returns, as `prefill_call` does, each
+        fill row's last token logits [V] if this call finished it, and the seconds of the
+        call charged to prefill (its share of the call's tokens, moved from decode_s to
+        prefill_s)."""
         m, pool, ec = self.model, self.pool, self.engine_config
         pool.flush_poison()
         slots = ec.max_slots
@@ -204,13 +211,17 @@ class StepRunner:
         table = page_table(rows, slots, pool.cache_config.block_pages)
         want_logits = any(s.req.request.return_logits for s in live)
         adapter_ids = adapters if m.lora is not None else None
+        packed, fill_tokens = self.packed_fill(list(fill))
+        before = self.timers["decode_s"]
         with self.timers("decode_s"):
             if self.spec is None:
-                out, logits, pool.cache, new_lengths = steps.decode_loop(
+                out, logits, pool.cache, new_lengths, *fill_logits = steps.decode_loop(
                     m.params, m.config, pool.cache, table, lengths, last, budget, keys,
                     *knobs(requests), stops, max_steps=ec.decode_steps,
                     return_logits=want_logits, position_offset=offsets, lora=m.lora,
-                    adapter_ids=adapter_ids, sharding=m.shardings, kernel=m.kernel)
+                    adapter_ids=adapter_ids, sharding=m.shardings, kernel=m.kernel,
+                    fill=packed)
+                fill_logits = [np.asarray(x) for x in fill_logits]
             else:
                 if self.spec.pool is not None:
                     self.spec.pool.flush_poison()
@@ -224,6 +235,39 @@ class StepRunner:
         for seq in live:
             self._apply(seq, out[seq.slot], None if logits is None else logits[seq.slot],
                         int(new_lengths[seq.slot]))
+        if packed is None:
+            return [], 0.0
+        share = (self.timers["decode_s"] - before) * fill_tokens / (
+            fill_tokens + sum(budgets.values()))
+        self.timers["decode_s"] -= share
+        self.timers["prefill_s"] += share
+        _advance(fill, ec.decode_steps * packed.tokens.shape[2])
+        return [fill_logits[0][i] if row.start == len(row.tokens) else None
+                for i, row in enumerate(fill)], share
+
+    def packed_fill(self, rows: list[PrefillRow]) -> tuple[steps.Fill | None, int]:
+        """The prompts a decode call prefills in its steps (`steps.Fill`): each step takes
+        every row's next ceil(prefill_chunk / decode_steps) tokens, so a call advances a
+        prompt by about one prefill chunk, as a prefill call per round would, without
+        stalling the decoding sequences for it. Rows are padded to a power of two. Returns
+        (the fill or None, its real tokens)."""
+        if not rows:
+            return None, 0
+        steps_, pool = self.engine_config.decode_steps, self.pool
+        width = -(-pool.cache_config.prefill_chunk // steps_)
+        n = bucket(len(rows))
+        tokens = np.zeros((n, steps_ * width), np.int32)
+        start, count, offsets, adapters = (np.zeros(n, np.int32) for _ in range(4))
+        for i, row in enumerate(rows):
+            chunk = row.tokens[row.start: row.start + steps_ * width]
+            tokens[i, : len(chunk)] = chunk
+            start[i], count[i] = row.start, len(chunk)
+            offsets[i], adapters[i] = row.position_base, row.adapter_index
+        table = page_table([r.pages for r in rows], n, pool.cache_config.block_pages)
+        fill = steps.Fill(tokens=tokens.reshape(n, steps_, width), page_table=table,
+                          start=start, count=count, position_offset=offsets,
+                          adapter_ids=adapters if self.model.lora is not None else None)
+        return fill, int(count.sum())
 
     def _apply(self, seq: Seq, out: np.ndarray, logits: np.ndarray | None, length: int) -> None:
         """Appends a sample's new tokens (`out`: int32[steps], -1 past the last) and rolls

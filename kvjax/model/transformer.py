@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache.dense import DenseKVCache, dense_write_kv
 from kvjax.cache.paged import BatchInfo, PagedKVCache, write_kv
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # annotations only: the sharding layer sits above the model
     from kvjax.sharding.rules import StepShardings
 
 Cache = PagedKVCache | DenseKVCache | None
+Groups = tuple[tuple[int, int], ...]  # a packed step's groups: (sequences, tokens each)
 
 class Attention(nn.Module):
     config: ModelConfig
@@ -43,7 +45,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache,
-                 batch: BatchInfo | None, adapter_ids: jax.Array | None) -> tuple[jax.Array, Cache]:
+                 batch: BatchInfo | tuple[BatchInfo, ...] | None, adapter_ids: jax.Array | None,
+                 groups: Groups | None = None) -> tuple[jax.Array, Cache]:
         cfg = self.config
 
         invariant = cfg.numerics == "invariant"
@@ -62,6 +65,8 @@ class Attention(nn.Module):
         with jax.named_scope("attention"):
             if cache is None:
                 out = full_attention(q, k, v, positions, cfg.causal, cfg.sliding_window)
+            elif groups is not None:
+                out, cache = self.packed(q, k, v, cache, batch, groups)
             elif isinstance(cache, PagedKVCache):
                 cache = write_kv(cache, self.layer, k, v, batch)
                 out = self.paged(q, cache, batch)
@@ -71,6 +76,24 @@ class Attention(nn.Module):
         y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
                             dot_general=row_dot(cfg, "o"), name="o")(out)
         return add_lora(self, "o", out, y, adapter_ids, in_dims=2, invariant=invariant), cache
+
+    def packed(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache,
+               batches: tuple[BatchInfo, ...], groups: Groups) -> tuple[jax.Array, Cache]:
+        """A packed step's attention: q, k, v [R, 1, heads, H] hold the rows of every group
+        (`groups`: (B, T) each, in order); each group writes its K/V and attends over the
+        paged cache as a call of its own would. The groups' sequences own disjoint pages."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError("a packed step needs the paged cache")
+        bounds = np.cumsum([0] + [b * t for b, t in groups])
+
+        def part(a: jax.Array, i: int) -> jax.Array:  # group i's [b, t, heads, H]
+            return a[bounds[i]: bounds[i + 1], 0].reshape(*groups[i], *a.shape[2:])
+
+        for i, info in enumerate(batches):  # every write before any read: with a read
+            cache = write_kv(cache, self.layer, part(k, i), part(v, i), info)  # between
+        outs = [self.paged(part(q, i), cache, info).reshape(-1, 1, *q.shape[2:])  # them,
+                for i, info in enumerate(batches)]  # XLA copied the cache (7x a step)
+        return jnp.concatenate(outs), cache
 
     def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo) -> jax.Array:
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
@@ -97,10 +120,11 @@ class Block(nn.Module):
     kernel: AttentionKernel | None = None
 
     @nn.compact
-    def __call__(self, x, positions, cache, batch, adapter_ids):
+    def __call__(self, x, positions, cache, batch, adapter_ids, groups=None):
         attn_out, cache = Attention(self.config, self.layer, self.sharding, self.kernel,
                                     name="attn")(
-            make_norm(self.config, "attn_norm")(x), positions, cache, batch, adapter_ids)
+            make_norm(self.config, "attn_norm")(x), positions, cache, batch, adapter_ids,
+            groups)
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(make_norm(self.config, "mlp_norm")(x),
                                              adapter_ids)
@@ -121,13 +145,20 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache = None,
-                 batch: BatchInfo | None = None, adapter_ids: jax.Array | None = None,
-                 logits_at: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+                 batch: BatchInfo | tuple[BatchInfo, ...] | None = None,
+                 adapter_ids: jax.Array | None = None, logits_at: jax.Array | None = None,
+                 groups: Groups | None = None) -> tuple[jax.Array, Cache]:
         """tokens, positions: int32[B, T] -> (logits [B, T, V] float32, cache).
 
         With a "lora" collection applied, `adapter_ids` int32[B] picks each row's adapter.
         `logits_at` int32[B] computes the output head for that one token per row only
         (logits [B, 1, V]): a prefill needs just its last token's.
+
+        A packed step (`groups`, one `batch` per group): tokens, positions and adapter_ids
+        hold every group's tokens one per row, [R, 1] with R = sum of B * T, group after
+        group, each group's [B, T] flattened; `logits_at` int32[K] picks the rows the head
+        computes (logits [K, 1, V]). Every product and norm runs on the R rows together;
+        each group writes and attends as a call of its own (`Attention.packed`).
         """
         cfg = self.config
         if cache is not None and not cfg.causal:
@@ -142,8 +173,10 @@ class Transformer(nn.Module):
                              dtype=cfg.dtype, name="pos_embed")(positions)
         for layer in range(cfg.num_layers):
             x, cache = Block(cfg, layer, self.sharding, self.kernel, name=f"layer_{layer}")(
-                x, positions, cache, batch, adapter_ids)
-        if logits_at is not None:
+                x, positions, cache, batch, adapter_ids, groups)
+        if logits_at is not None and groups is not None:
+            x = x[logits_at]  # [K, 1, D]
+        elif logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)
         dot = row_dot(cfg, "head")
