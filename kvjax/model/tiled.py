@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend
-from kvjax.model import layout
+from kvjax.model import layout, probe_cache
 
 BLOCKS = (2, 4, 8, 16, 32, 64, 128, 256)  # the block sizes `invariant_block` considers
 
@@ -180,6 +180,7 @@ def _dot_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
 
 
 @functools.lru_cache(maxsize=64)
+@probe_cache.persistent  # and on disk, across processes
 def _probe_dot(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
                backend: str) -> bool:
     """A product in blocks of `block` rows: rows alone == in a block of three == in a loop
@@ -189,6 +190,7 @@ def _probe_dot(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
 
 
 @functools.lru_cache(maxsize=64)
+@probe_cache.persistent  # and on disk, across processes
 def _probe_whole(w_shape: tuple[int, ...], contract: tuple[int, ...], max_rows: int,
                  backend: str, stored: bool = False) -> bool:
     """A product as one dot of any row count: rows alone == at every probed count up to
@@ -240,6 +242,7 @@ def _rows_agree(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
 
 
 @functools.lru_cache(maxsize=32)
+@probe_cache.persistent  # and on disk, across processes
 def _probe_attention(kv_heads: int, head_dim: int, keys: int, max_rows: int,
                      backend: str) -> bool:
     """Paged attention's two products (`kvjax.model.attention`: a KV head's query rows

@@ -1,0 +1,62 @@
+"""Start-up probe results kept on disk (`kvjax.model.probe_cache`): read back by a later
+call without probing, keyed by the environment, off with KVJAX_PROBE_CACHE=0, and a broken
+file costs a probe, not an error."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+from kvjax.model import probe_cache, tiled
+
+
+def _counted(calls: list):
+    def probe(shape, n):
+        calls.append(n)
+        return n > 2
+    return probe_cache.persistent(probe)
+
+
+def test_a_result_is_read_back_and_keyed_by_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "probes.json"
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", str(path))
+    calls = []
+    probe = _counted(calls)
+    assert probe((4, 8), 3) is True and probe((4, 8), 1) is False
+    assert probe((4, 8), 3) is True and probe((4, 8), 1) is False  # from the file
+    assert calls == [3, 1] and len(json.loads(path.read_text())) == 2
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")  # another backend
+    assert probe((4, 8), 3) is True
+    assert calls == [3, 1, 3]
+
+
+def test_off_and_broken_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", "0")
+    calls = []
+    probe = _counted(calls)
+    probe((4,), 3)
+    probe((4,), 3)
+    assert calls == [3, 3]
+    path = tmp_path / "probes.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", str(path))
+    assert probe((4,), 3) is True and calls == [3, 3, 3]
+    assert len(json.loads(path.read_text())) == 1  # rewritten whole
+
+
+def test_the_engine_probes_go_through_the_file(tmp_path, monkeypatch):
+    """A row probe's answer is stored; a later process (here: the in-process cache
+    cleared) reads it instead of probing."""
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", str(tmp_path / "probes.json"))
+    tiled._probe_whole.cache_clear()
+    args = ((64, 96), (0,), 33, jax.default_backend())
+    answer = tiled._probe_whole(*args)
+    tiled._probe_whole.cache_clear()
+
+    def no_probe(*a, **k):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(tiled, "_rows_agree", no_probe)
+    assert tiled._probe_whole(*args) == answer
+    tiled._probe_whole.cache_clear()
