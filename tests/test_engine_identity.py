@@ -52,7 +52,11 @@ def test_adapter_is_part_of_the_namespace(p, adapters):
 def test_mixed_adapters_in_one_batch_match_their_fresh_outputs(p, adapters):
     requests = [Request(PROMPT[:n], 5, adapter=a, return_logits=True)
                 for n, a in ((30, None), (25, "a"), (27, "b"), (29, "a"))]
-    batched = engine(p, adapters=adapters).generate(requests)
+    eng = engine(p, adapters=adapters)
+    batched = eng.generate(requests)
+    # prompts wait for the pages they share and arrive while others decode, but with
+    # adapters loaded they are not packed into decode steps (which moved bits here)
+    assert not eng.rounds._packing()
     for request, result in zip(requests, batched, strict=True):
         alone = engine(p, adapters=adapters, max_slots=4).generate([request])
         assert_same([result], alone)
@@ -60,30 +64,22 @@ def test_mixed_adapters_in_one_batch_match_their_fresh_outputs(p, adapters):
                                adapter=adapters.get(request.adapter))
 
 
-def test_a_prompt_arriving_while_others_decode_keeps_adapter_and_position_base(p, adapters):
-    """While a request decodes, a 40-token prompt with position base 3 arrives. Without
-    adapters it is prefilled inside the decode calls (packed steps, its own positions);
-    with adapters loaded ("b" for it, "a" for the decoding one) in prefill calls between
-    them (packed steps are off there: they moved bits, see `Rounds._packing`). Both get
-    the bits they get alone, and the right model's."""
-    for loaded, (first_adapter, second_adapter) in ((None, (None, None)),
-                                                    (adapters, ("a", "b"))):
-        first = Request(PROMPT[:9], 24, adapter=first_adapter, return_logits=True)
-        second = Request(list(range(10, 50)), 5, adapter=second_adapter, position_base=3,
-                         return_logits=True)
-        eng = engine(p, adapters=loaded, decode_steps=2)
-        ids = [eng.submit(first)]
-        eng.step()
-        ids.append(eng.submit(second))
-        eng.step()
-        assert eng.rounds.live[ids[1]].prefilling  # one chunk per round, beside the decode
-        assert eng.rounds._packing() == (loaded is None)
-        done = eng.run()
-        for request, rid in zip((first, second), ids, strict=True):
-            alone = engine(p, adapters=loaded, max_slots=1).generate([request])
-            assert_same([done[rid]], alone)
-            assert_matches_forward(p, [request], [done[rid]],
-                                   adapter=None if loaded is None else adapters[request.adapter])
+def test_a_prompt_prefilled_in_packed_steps_keeps_its_position_base(p):
+    """While a request decodes, a 40-token prompt with position base 3 arrives and is
+    prefilled inside the decode calls (packed steps, its own positions): both get the bits
+    they get alone, and the full-sequence reference's values."""
+    first = Request(PROMPT[:9], 24, return_logits=True)
+    second = Request(list(range(10, 50)), 5, position_base=3, return_logits=True)
+    eng = engine(p, decode_steps=2)
+    ids = [eng.submit(first)]
+    eng.step()
+    ids.append(eng.submit(second))
+    eng.step()
+    assert eng.rounds.live[ids[1]].prefilling and eng.rounds._packing()
+    done = eng.run()
+    alone = engine(p, max_slots=1, prefix_cache=False)
+    assert_same([done[rid] for rid in ids], [alone.generate([r])[0] for r in (first, second)])
+    assert_matches_forward(p, [second], [done[ids[1]]])
 
 
 def test_position_base_is_part_of_the_namespace(p):

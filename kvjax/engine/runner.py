@@ -212,6 +212,10 @@ class StepRunner:
         want_logits = any(s.req.request.return_logits for s in live)
         adapter_ids = adapters if m.lora is not None else None
         packed, fill_tokens = self.packed_fill(list(fill))
+        if packed is not None:  # one page-table width for both groups: fewer shapes to
+            width = max(table.shape[1], packed.page_table.shape[1])  # compile, and no
+            table = _pad_columns(table, width)  # block past a row's end is visited
+            packed = packed.replace(page_table=_pad_columns(packed.page_table, width))
         before = self.timers["decode_s"]
         with self.timers("decode_s"):
             if self.spec is None:
@@ -291,3 +295,8 @@ def _advance(rows: list[PrefillRow], chunk: int) -> None:
     """Moves each row's start past the chunk a prefill call just wrote."""
     for row in rows:
         row.start = min(row.start + chunk, len(row.tokens))
+
+
+def _pad_columns(table: np.ndarray, width: int) -> np.ndarray:
+    """A page table padded with page 0 to `width` columns (never read past a length)."""
+    return np.pad(table, ((0, 0), (0, width - table.shape[1])))
