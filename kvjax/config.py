@@ -185,7 +185,7 @@ class EngineConfig:
     prefill_calls_per_round: int = 1
     # invariant numerics, no speculation: while others decode, the decode call prefills the
     # prompts in the same steps (packed steps: each step takes every prompt's next
-    # ceil(prefill_chunk / decode_steps) tokens), instead of separate prefill calls
+    # ceil(prefill_chunk / decode_steps) tokens, at least 16), not in prefill calls
     packed_prefill: bool = True
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses

@@ -179,10 +179,10 @@ def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6, **knobs):
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "calls"])
 def test_a_long_prompt_is_prefilled_while_others_decode(p, monkeypatch, packed):
-    """About one 8-token chunk of the 60-token prompt per round while the short request
-    decodes: packed, inside the decode calls' steps (4 tokens beside each of the 2 decode
-    steps; no prefill call at all), else in one prefill call per round. The short one gets
-    tokens every round (it is not stalled for the 8 chunks), and both get their alone
+    """The 60-token prompt while the short request decodes: packed, inside the decode
+    calls' steps (8 tokens, the chunk, beside each of the 2 decode steps; no prefill call
+    at all: 4 rounds), else one 8-token prefill call per round (8 rounds). The short one
+    gets tokens every round (it is not stalled for the prompt), and both get their alone
     bits."""
     from kvjax.engine.runner import StepRunner
 
@@ -198,7 +198,7 @@ def test_a_long_prompt_is_prefilled_while_others_decode(p, monkeypatch, packed):
         events = e.step()
         assert any(ev.request_id == a for ev in events)  # a decodes every round
         rounds_before_b += 1
-    assert rounds_before_b == 60 // 8 + 1  # its 8 chunks, one per round
+    assert rounds_before_b == (4 if packed else 8)  # 16 or 8 of its tokens per round
     assert len(calls) == (0 if packed else 8)
     done = e.run()
     alone = engine(p, max_slots=1, prefix_cache=False)

@@ -17,7 +17,6 @@ import dataclasses
 import statistics
 import time
 
-from kvjax.config import EngineConfig
 from kvjax.config_files import load_config
 from kvjax.engine.engine import Engine
 from kvjax.lab import workloads
@@ -95,8 +94,8 @@ def main(args) -> int:
     config = load_config(args.config, args.set)
     model = config.model
     cache = dataclasses.replace(config.cache, num_pages=args.num_pages)
-    engine_config = EngineConfig(cache=cache, max_slots=args.slots, decode_steps=8,
-                                 numerics=config.engine.numerics)
+    engine_config = dataclasses.replace(config.engine, cache=cache, max_slots=args.slots,
+                                        decode_steps=8)  # the config's other engine knobs
     params = init_params(model, seed=0)
     emit(f"bench prefix: {args.config}: {model.num_layers} layers, d_model {model.d_model}; "
           f"page_size {cache.page_size}, prefill_chunk {cache.prefill_chunk}, "

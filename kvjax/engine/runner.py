@@ -251,14 +251,17 @@ class StepRunner:
 
     def packed_fill(self, rows: list[PrefillRow]) -> tuple[steps.Fill | None, int]:
         """The prompts a decode call prefills in its steps (`steps.Fill`): each step takes
-        every row's next ceil(prefill_chunk / decode_steps) tokens, so a call advances a
-        prompt by about one prefill chunk, as a prefill call per round would, without
-        stalling the decoding sequences for it. Rows are padded to a power of two. Returns
-        (the fill or None, its real tokens)."""
+        every row's next ceil(prefill_chunk / decode_steps) tokens, at least 16 (or the
+        chunk): a call advances a prompt by at least one prefill chunk, as a prefill call
+        per round would, without stalling the decoding sequences for it; the floor
+        amortises a packed step's fixed cost (about 3 ms on the bench model: with 4 tokens
+        a step, multi-turn time to first token was 0.36 s against 0.34 s with 16). Rows
+        are padded to a power of two. Returns (the fill or None, its real tokens)."""
         if not rows:
             return None, 0
         steps_, pool = self.engine_config.decode_steps, self.pool
-        width = -(-pool.cache_config.prefill_chunk // steps_)
+        chunk = pool.cache_config.prefill_chunk
+        width = max(-(-chunk // steps_), min(chunk, 16))
         n = bucket(len(rows))
         tokens = np.zeros((n, steps_ * width), np.int32)
         start, count, offsets, adapters = (np.zeros(n, np.int32) for _ in range(4))
