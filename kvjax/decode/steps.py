@@ -3,7 +3,8 @@
 Prefill is `extend` on a padded chunk of `prefill_chunk` tokens for one sequence, decode is
 `extend` on one token per sequence, verify is `extend` on k+1 tokens per sequence. Shapes
 are bucketed on the host (chunk length, pages per sequence, batch slots) so the number of
-compilations stays bounded; `trace_counts()` reports how many each step has had.
+compilations stays bounded; `trace_counts()` reports how many each step has had. The
+decode loop can also prefill prompts in its steps (`Fill`: packed steps).
 
 Legend: B batch slots, T new tokens, P pages per sequence, V vocab, S decode steps.
 """
@@ -92,7 +93,7 @@ def _fill_step(fill: Fill, step: jax.Array, batch: BatchInfo, last: jax.Array,
     for `step`, one token per row [R, 1]; their positions, adapters, the two groups' batch
     descriptions and shapes, and the head's rows (each decode row, each prompt's last token
     of the slice). Returns (tokens, positions, adapter_ids, batches, groups, logits_at,
-    finishing int bool[Bp]: the prompt's last token is in this slice)."""
+    finishing bool[Bp]: the prompt's last token is in this slice)."""
     b, (bp, _, f) = last.shape[0], fill.tokens.shape
     left = fill.count - step * f  # [Bp] tokens still to prefill
     num_new = jnp.clip(left, 0, f)
