@@ -17,8 +17,10 @@ def bucket(n: int, minimum: int = 1) -> int:
     return size
 
 
-def page_table(rows: list[list[int]], num_slots: int, block_pages: int) -> np.ndarray:
-    """int32[num_slots, P]: each row's pages, padded with page 0 (never read past a length).
+def page_table(rows: list[list[int]], num_slots: int, block_pages: int,
+               longest: int = 1) -> np.ndarray:
+    """int32[num_slots, P]: each row's pages, padded with page 0 (never read past a length),
+    wide enough for `longest` pages too (tables that must share one width).
 
     P is bucketed to a power-of-two number of attention blocks, so sequences that grow one
     page at a time compile a logarithmic number of shapes. It is never a single block: with
@@ -26,7 +28,7 @@ def page_table(rows: list[list[int]], num_slots: int, block_pages: int) -> np.nd
     differs from the looped one in the last bits (measured: 1.6e-7 in the logits), which
     would make a sequence's arithmetic depend on its batch mates' lengths.
     """
-    width = bucket(max((len(r) for r in rows), default=1), 2 * block_pages)
+    width = bucket(max([longest, *(len(r) for r in rows)]), 2 * block_pages)
     table = np.zeros((num_slots, width), np.int32)
     for i, row in enumerate(rows):
         table[i, : len(row)] = row

@@ -208,24 +208,25 @@ class StepRunner:
             offsets[i], adapters[i] = r.position_base, seq.req.adapter_index
             stops[i] = -1 if r.stop_token is None else r.stop_token
             requests[i] = r
-        table = page_table(rows, slots, pool.cache_config.block_pages)
+        if fill and self.spec is not None:
+            raise ValueError("packed prefill is for plain decoding only")
+        # one page-table width for the decode rows and the prompts: fewer shapes to compile
+        # (attention visits no block past a row's end, so the width costs nothing)
+        longest = max(len(p) for p in rows + [r.pages for r in fill])
+        table = page_table(rows, slots, pool.cache_config.block_pages, longest)
         want_logits = any(s.req.request.return_logits for s in live)
         adapter_ids = adapters if m.lora is not None else None
-        packed, fill_tokens = self.packed_fill(list(fill))
-        if packed is not None:  # one page-table width for both groups: fewer shapes to
-            width = max(table.shape[1], packed.page_table.shape[1])  # compile, and no
-            table = _pad_columns(table, width)  # block past a row's end is visited
-            packed = packed.replace(page_table=_pad_columns(packed.page_table, width))
+        packed, fill_tokens = self.packed_fill(list(fill), longest)
         before = self.timers["decode_s"]
         with self.timers("decode_s"):
             if self.spec is None:
-                out, logits, pool.cache, new_lengths, *fill_logits = steps.decode_loop(
+                out, logits, pool.cache, new_lengths, *filled = steps.decode_loop(
                     m.params, m.config, pool.cache, table, lengths, last, budget, keys,
                     *knobs(requests), stops, max_steps=ec.decode_steps,
                     return_logits=want_logits, position_offset=offsets, lora=m.lora,
                     adapter_ids=adapter_ids, sharding=m.shardings, kernel=m.kernel,
                     fill=packed)
-                fill_logits = [np.asarray(x) for x in fill_logits]
+                fill_logits = np.asarray(filled[0]) if filled else None  # [Bp, V]
             else:
                 if self.spec.pool is not None:
                     self.spec.pool.flush_poison()
@@ -246,17 +247,19 @@ class StepRunner:
         self.timers["decode_s"] -= share
         self.timers["prefill_s"] += share
         _advance(fill, ec.decode_steps * packed.tokens.shape[2])
-        return [fill_logits[0][i] if row.start == len(row.tokens) else None
+        return [fill_logits[i] if row.start == len(row.tokens) else None
                 for i, row in enumerate(fill)], share
 
-    def packed_fill(self, rows: list[PrefillRow]) -> tuple[steps.Fill | None, int]:
+    def packed_fill(self, rows: list[PrefillRow], longest: int = 1
+                    ) -> tuple[steps.Fill | None, int]:
         """The prompts a decode call prefills in its steps (`steps.Fill`): each step takes
         every row's next ceil(prefill_chunk / decode_steps) tokens, at least 16 (or the
         chunk): a call advances a prompt by at least one prefill chunk, as a prefill call
         per round would, without stalling the decoding sequences for it; the floor
         amortises a packed step's fixed cost (about 3 ms on the bench model: with 4 tokens
         a step, multi-turn time to first token was 0.36 s against 0.34 s with 16). Rows
-        are padded to a power of two. Returns (the fill or None, its real tokens)."""
+        are padded to a power of two; the page table is wide enough for `longest` pages.
+        Returns (the fill or None, its real tokens)."""
         if not rows:
             return None, 0
         steps_, pool = self.engine_config.decode_steps, self.pool
@@ -266,11 +269,11 @@ class StepRunner:
         tokens = np.zeros((n, steps_ * width), np.int32)
         start, count, offsets, adapters = (np.zeros(n, np.int32) for _ in range(4))
         for i, row in enumerate(rows):
-            chunk = row.tokens[row.start: row.start + steps_ * width]
-            tokens[i, : len(chunk)] = chunk
-            start[i], count[i] = row.start, len(chunk)
+            part = row.tokens[row.start: row.start + steps_ * width]
+            tokens[i, : len(part)] = part
+            start[i], count[i] = row.start, len(part)
             offsets[i], adapters[i] = row.position_base, row.adapter_index
-        table = page_table([r.pages for r in rows], n, pool.cache_config.block_pages)
+        table = page_table([r.pages for r in rows], n, pool.cache_config.block_pages, longest)
         fill = steps.Fill(tokens=tokens.reshape(n, steps_, width), page_table=table,
                           start=start, count=count, position_offset=offsets,
                           adapter_ids=adapters if self.model.lora is not None else None)
@@ -298,8 +301,3 @@ def _advance(rows: list[PrefillRow], chunk: int) -> None:
     """Moves each row's start past the chunk a prefill call just wrote."""
     for row in rows:
         row.start = min(row.start + chunk, len(row.tokens))
-
-
-def _pad_columns(table: np.ndarray, width: int) -> np.ndarray:
-    """A page table padded with page 0 to `width` columns (never read past a length)."""
-    return np.pad(table, ((0, 0), (0, width - table.shape[1])))
