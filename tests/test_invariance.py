@@ -135,8 +135,8 @@ def test_fast_numerics_do_change_with_the_batch(p, alone):
 
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.integers(0, 3), min_size=8, max_size=8), st.sampled_from([2, 4, 8]),
-       st.sampled_from([1, 4, 16]))
+@given(st.lists(st.integers(0, 3), min_size=8, max_size=8), st.sampled_from([2, 8]),
+       st.sampled_from([1, 4]))
 def test_random_arrivals_give_every_request_its_alone_bits(p, alone, arrivals, slots, steps_):
     """Requests arrive over the first rounds (request i before round `arrivals[i]`), with a
     random batch size and decode length: each gets the logits it gets alone."""
