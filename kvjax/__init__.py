@@ -1,6 +1,6 @@
 """kvjax: a JAX research framework for provably exact cached decoding."""
 
-from kvjax import backend, io, memory, speculative  # backend first: XLA flags (backend.py)
+from kvjax import backend, io, memory, models, speculative  # backend first: XLA flags
 from kvjax.cache.allocator import AllocatorError, PageAllocator
 from kvjax.cache.identity import CacheNamespace
 from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
@@ -59,5 +59,6 @@ __all__ = [
     "io",
     "load_config",
     "memory",
+    "models",
     "speculative",
 ]

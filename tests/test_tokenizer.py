@@ -194,3 +194,24 @@ def test_chat_template_that_does_not_compile_fails_at_construction(tmp_path):
     with pytest.raises(ChatTemplateError, match="tokenizer_config.json: chat template does not "
                                                 "compile: line 2"):
         load_tokenizer(tmp_path)
+
+
+def test_chat_templates_from_their_three_homes(tmp_path):
+    """`chat_template.jinja` (transformers 5; it wins over tokenizer_config.json), a list of
+    named templates in tokenizer_config.json (the "default" one), and none at all."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "a": 1, "b": 2},
+                                                     unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json"))
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "b"}, {"name": "default", "template": "a"}]}))
+    assert load_tokenizer(tmp_path)[1].render_text([]) == "a"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}b")
+    assert load_tokenizer(tmp_path)[1].render_text([{"role": "user", "content": "x"}]) == "xb"
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(ChatTemplateError, match="chat_template.jinja: chat template does not"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "b"}]}))
+    assert load_tokenizer(tmp_path)[1] is None

@@ -149,7 +149,16 @@ def load_hf(path) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"no config.json in {path}")
     hf = json.loads(config_file.read_text())
     config = config_from_hf(hf)
-    tensors = read_safetensors(path)
+    params = params_from_tensors(hf, config, read_safetensors(path))
+    import jax
+
+    return config, jax.device_put(params)  # on device once, not copied at every step
+
+
+def params_from_tensors(hf: dict, config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+    """The kvjax parameter tree of a checkpoint's tensors under their Hugging Face names
+    (`hf`: its config.json, `config`: what `config_from_hf` made of it), every shape
+    checked."""
     if hf["model_type"] == "gpt2":
         params = _gpt2_params(_Tensors(tensors, ("transformer.", "")), config)
     else:
@@ -157,9 +166,7 @@ def load_hf(path) -> tuple[ModelConfig, dict]:
     if not config.tie_embeddings:
         params["lm_head"] = {"kernel": _Tensors(tensors, ("",))("lm_head.weight").T}
     _check_shapes(config, params)
-    import jax
-
-    return config, jax.device_put(params)  # on device once, not copied at every step
+    return params
 
 
 def _hf_tensors(config: ModelConfig, params) -> dict[str, np.ndarray]:

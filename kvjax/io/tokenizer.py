@@ -81,13 +81,15 @@ class HFTokenizer:
     """A `tokenizer.json` through the `tokenizers` library (no special tokens are added:
     the chat template or the caller decides them)."""
 
-    def __init__(self, path, bos_token: str | None = None, eos_token: str | None = None):
+    def __init__(self, source, bos_token: str | None = None, eos_token: str | None = None):
+        """source: a `tokenizer.json` path or a `tokenizers.Tokenizer`."""
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError as e:  # pragma: no cover
             raise ImportError("tokenizer.json files need the hf extra: pip install "
                               "'kvjax[hf]'") from e
-        self._tok = _Tokenizer.from_file(str(path))
+        self._tok = source if isinstance(source, _Tokenizer) else \
+            _Tokenizer.from_file(str(source))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -192,12 +194,22 @@ class ChatTemplate:
 
 
 def load_tokenizer(path) -> tuple[Tokenizer, ChatTemplate | None]:
-    """A folder with `tokenizer.json` (and optionally `tokenizer_config.json` holding the chat
-    template and the bos/eos tokens), or "byte" for the built-in byte tokenizer."""
+    """A folder with `tokenizer.json` (and optionally `tokenizer_config.json` with the bos/eos
+    tokens), a GGUF file (its `tokenizer.ggml.*` vocabulary, see `kvjax.io.gguf`), or "byte"
+    for the built-in byte tokenizer. The chat template comes from the folder's
+    `chat_template.jinja` (where transformers 5 saves it), else from `tokenizer_config.json`
+    (a string, or a list of named templates: the one named "default"), or from the GGUF
+    file's `tokenizer.chat_template`."""
     if str(path) == "byte":
         tok = ByteTokenizer()
         return tok, ChatTemplate(BYTE_CHAT_TEMPLATE, tok)
     path = Path(path)
+    if path.suffix == ".gguf":
+        from kvjax.io.gguf import gguf_tokenizer
+
+        backend, bos, eos, template = gguf_tokenizer(path)
+        tok = HFTokenizer(backend, bos, eos)
+        return tok, _template(template, tok, f"{path} (tokenizer.chat_template)")
     config = {}
     if (path / "tokenizer_config.json").exists():
         config = json.loads((path / "tokenizer_config.json").read_text())
@@ -207,10 +219,21 @@ def load_tokenizer(path) -> tuple[Tokenizer, ChatTemplate | None]:
         return value.get("content") if isinstance(value, dict) else value
 
     tok = HFTokenizer(path / "tokenizer.json", token("bos_token"), token("eos_token"))
+    if (path / "chat_template.jinja").exists():
+        return tok, _template((path / "chat_template.jinja").read_text(), tok,
+                              str(path / "chat_template.jinja"))
     template = config.get("chat_template")
-    if not isinstance(template, str):
-        return tok, None
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return tok, _template(template, tok, str(path / "tokenizer_config.json"))
+
+
+def _template(source, tok: Tokenizer, where: str) -> ChatTemplate | None:
+    """The chat template of `source` (None: there is none), errors naming `where`."""
+    if not isinstance(source, str):
+        return None
     try:
-        return tok, ChatTemplate(template, tok)
+        return ChatTemplate(source, tok)
     except ChatTemplateError as e:
-        raise ChatTemplateError(f"{path / 'tokenizer_config.json'}: {e}") from None
+        raise ChatTemplateError(f"{where}: {e}") from None

