@@ -132,7 +132,8 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
 
     Args:
       page_table: int32[B, P]; lengths, last, budget: int32[B]; keys: uint32[B, 2];
-      temperature, top_p: float32[B]; top_k, stop_token: int32[B];
+      temperature, top_p: float32[B]; top_k: int32[B]; stop_token: int32[B] or [B, K]
+      (any of a row's ids ends it; -1: none);
       position_offset, adapter_ids: int32[B] or None; sharding: see `extend`;
       kernel: the decode-attention kernel (None: the reference).
     Returns:
@@ -177,10 +178,11 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax
         if return_logits:
             out_logits = out_logits.at[:, step].set(logits)
         lengths = lengths + active.astype(jnp.int32)
-        done = done | (step + 1 >= budget) | (nxt == stop_token)
+        done = done | (step + 1 >= budget) | jnp.any(nxt[:, None] == stops, axis=1)
         return (step + 1, cache, lengths, jnp.where(active, nxt, last), done, out_tokens,
                 out_logits, fill_logits)
 
+    stops = stop_token if stop_token.ndim == 2 else stop_token[:, None]  # [B, K], -1: none
     done = budget <= 0
     fill_logits = jnp.zeros((0 if fill is None else fill.count.shape[0], vocab), jnp.float32)
     state = (jnp.int32(0), maybe_constrain_cache(sharding, cache), lengths, last, done,

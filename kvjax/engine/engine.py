@@ -55,6 +55,7 @@ from kvjax.engine.requests import (
     StreamEvent,
     render,
     salts_per_page,
+    stop_ids,
     validate,
 )
 from kvjax.engine.rounds import Rounds
@@ -74,7 +75,7 @@ class Engine:
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig | None = None,
                  adapters: dict | None = None, hash_fn=None, tokenizer=None,
                  chat_template=None, draft: tuple | None = None,
-                 spec: SpecConfig | None = None):
+                 spec: SpecConfig | None = None, eos_tokens=()):
         if not config.causal:
             raise NonCausalCacheError()
         self.engine_config = ec = engine_config or EngineConfig()
@@ -88,6 +89,9 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.eos_tokens = tuple(int(t) for t in eos_tokens)
+        if any(not 0 <= t < config.vocab_size for t in self.eos_tokens):
+            raise ValueError(f"eos_tokens {list(self.eos_tokens)} are outside the vocabulary")
         self.cache_config = ec.cache
         self.adapters = dict(adapters or {})
         self._adapter_index = {name: i for i, name in enumerate(self.adapters, start=1)}
@@ -296,7 +300,8 @@ class Engine:
                           salts=salts_per_page(request, len(tokens), ps),
                           digests=history_digests(tokens, ps),
                           adapter_index=self._adapter_index.get(request.adapter, 0),
-                          submitted=0.0)  # set when queued
+                          submitted=0.0,  # set when queued
+                          stops=stop_ids(request, self.eos_tokens))
         keys = np.asarray(sequence_keys(request.sampling.seed, request.n))
         req.seqs = [Seq(req=req, index=j, key=keys[j]) for j in range(request.n)]
         return req

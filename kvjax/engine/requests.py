@@ -27,6 +27,9 @@ def check_field_types(request: Request) -> None:
     checks = [("max_new_tokens", integer, "an int"), ("n", integer, "an int"),
               ("position_base", integer, "an int"), ("public_prefix", integer, "an int"),
               ("stop_token", lambda x: x is None or integer(x), "an int or None"),
+              ("stop_tokens", lambda x: isinstance(x, (list, tuple)) and all(
+                  integer(t) for t in x), "a list of ints"),
+              ("ignore_eos", lambda x: isinstance(x, bool), "a bool"),
               ("text", lambda x: x is None or isinstance(x, str), "a str or None"),
               ("tenant", lambda x: x is None or isinstance(x, str), "a str or None"),
               ("adapter", lambda x: x is None or isinstance(x, str), "a str or None"),
@@ -60,6 +63,8 @@ class Request:
     return_logits: bool = False
     position_base: int = 0
     stop_token: int | None = None
+    stop_tokens: Sequence[int] = ()  # more ids that end the answer (with stop_token)
+    ignore_eos: bool = False  # do not stop at the engine's `eos_tokens` (the checkpoint's)
     text: str | None = None
     messages: Sequence[dict] | None = None
 
@@ -123,6 +128,7 @@ class LiveRequest:
     digests: list[bytes]
     adapter_index: int
     submitted: float
+    stops: tuple[int, ...] = ()  # every id that ends this request's answers
     seqs: list[Seq] = dataclasses.field(default_factory=list)
     stats: dict = dataclasses.field(default_factory=dict)
     admitted_order: int = -1
@@ -165,6 +171,21 @@ def render(request: Request, tokenizer=None, chat_template=None):
         raise InvalidRequestError(str(e)) from None
 
 
+MAX_STOP_TOKENS = 8  # stop ids a request may have in all (the device loops' fixed width)
+
+
+def stop_ids(request: Request, eos: Sequence[int] = ()) -> tuple[int, ...]:
+    """Every id that ends `request`'s answers: its `stop_token` and `stop_tokens`, and the
+    engine's `eos` (the checkpoint's end-of-sequence ids) unless it sets `ignore_eos`."""
+    ids = [] if request.stop_token is None else [request.stop_token]
+    ids += list(request.stop_tokens) + ([] if request.ignore_eos else list(eos))
+    out = tuple(dict.fromkeys(int(t) for t in ids))
+    if len(out) > MAX_STOP_TOKENS:
+        raise InvalidRequestError(f"{len(out)} stop ids (with the engine's eos_tokens "
+                                  f"{list(eos)}): at most {MAX_STOP_TOKENS}")
+    return out
+
+
 def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
              max_slots: int, adapters, draft_max_seq_len: int | None = None,
              write_ahead: int = 0) -> list[int]:
@@ -198,6 +219,9 @@ def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
         raise InvalidRequestError(f"public_prefix must be in [0, {ids.size}]")
     if request.stop_token is not None and not 0 <= request.stop_token < config.vocab_size:
         raise InvalidRequestError(f"stop_token {request.stop_token} is outside the vocabulary")
+    bad = [t for t in request.stop_tokens if not 0 <= t < config.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_tokens {bad} are outside the vocabulary")
     shared = ids.size // cache.page_size
     need = shared + request.n * (pages_for(ids.size + request.max_new_tokens + write_ahead,
                                            cache.page_size) - shared)

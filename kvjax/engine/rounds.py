@@ -187,7 +187,7 @@ class Rounds:
                     self.draft_pool.allocator.share(page)
             seq.length, seq.last, seq.generated = len(req.tokens), int(first[j]), [int(first[j])]
             seq.logits = [logits] if req.request.return_logits else []
-            seq.done = (req.request.max_new_tokens == 1 or seq.last == req.request.stop_token)
+            seq.done = req.request.max_new_tokens == 1 or seq.last in req.stops
             seq.draft_length, seq.prev = len(req.tokens), -1
         for seq in req.seqs:
             if seq.done:

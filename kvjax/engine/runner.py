@@ -21,7 +21,7 @@ from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table
 from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.decode.sampling import sample
-from kvjax.engine.requests import LiveRequest, Request, Seq, salts_per_page
+from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Request, Seq, salts_per_page
 from kvjax.engine.stats import Timers
 
 _sample = jax.jit(sample)
@@ -200,13 +200,13 @@ class StepRunner:
         keys = np.zeros((slots, 2), np.uint32)
         offsets = np.zeros(slots, np.int32)
         adapters = np.zeros(slots, np.int32)
-        stops = np.full(slots, -1, np.int32)
+        stops = np.full((slots, MAX_STOP_TOKENS), -1, np.int32)
         requests = [None] * slots
         for seq in live:
             i, r = seq.slot, seq.req.request
             lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[i], seq.key
             offsets[i], adapters[i] = r.position_base, seq.req.adapter_index
-            stops[i] = -1 if r.stop_token is None else r.stop_token
+            stops[i, : len(seq.req.stops)] = seq.req.stops
             requests[i] = r
         if fill and self.spec is not None:
             raise ValueError("packed prefill is for plain decoding only")
@@ -290,7 +290,7 @@ class StepRunner:
         if produced:
             seq.last = produced[-1]
         request = seq.req.request
-        seq.done = len(seq.generated) >= request.max_new_tokens or seq.last == request.stop_token
+        seq.done = len(seq.generated) >= request.max_new_tokens or seq.last in seq.req.stops
         if self.spec is not None:  # rollback: pages wholly past the kept history
             self.pool.truncate(seq.pages, seq.length)
             if self.spec.pool is not None:

@@ -185,7 +185,9 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
         out = jnp.where(cols < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         out = jnp.where(cols == accepted[:, None], nxt[:, None], out)  # [B, G + 1]
         n_emit = jnp.minimum(accepted + 1, budget - s["count"])
-        is_stop = (out == stop_token[:, None]) & (cols < n_emit[:, None])
+        stops = stop_token if stop_token.ndim == 2 else stop_token[:, None]  # [B, K]
+        is_stop = jnp.any(out[:, :, None] == stops[:, None, :], axis=2) & \
+            (cols < n_emit[:, None])
         first_stop = jnp.min(jnp.where(is_stop, cols, g1), axis=1)
         n_emit = jnp.where(active, jnp.minimum(n_emit, first_stop + 1), 0)
         keep = cols < n_emit[:, None]

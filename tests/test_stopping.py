@@ -1,0 +1,84 @@
+"""Where answers end: a request's stop ids, the engine's `eos_tokens` (the checkpoint's
+end-of-sequence ids, a default every request gets unless it sets `ignore_eos`), on the
+plain and the speculative loop; a stopped sequence's pages go back and its full pages stay
+cached."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from engine_helpers import CACHE, CONFIG, SLOTS, params
+
+from kvjax import Engine, EngineConfig, InvalidRequestError, Request
+from kvjax.config import SpecConfig
+from kvjax.engine.requests import MAX_STOP_TOKENS
+
+PROMPT = [5, 9, 2, 44, 17, 3, 8, 30, 12]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def p():
+    return params()
+
+
+def _engine(p, eos=(), spec=None) -> Engine:
+    ec = EngineConfig(cache=CACHE, max_slots=SLOTS, decode_steps=4)
+    return Engine(p, CONFIG, ec, spec=spec, eos_tokens=eos)
+
+
+@pytest.fixture(scope="module")
+def plain(p):
+    """The greedy answer with no stop at all, and two ids it produces (first at 5, 11)."""
+    tokens = _engine(p).generate([Request(PROMPT, NEW)])[0].tokens
+    first = [t for i, t in enumerate(tokens) if t not in tokens[:i]]
+    a, b = first[2], first[4]
+    return tokens, a, b
+
+
+def _cut(tokens, stops):
+    """tokens up to and including the first of `stops`."""
+    end = next(i for i, t in enumerate(tokens) if t in stops)
+    return tokens[: end + 1]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_answers_end_at_the_first_of_their_stop_ids(p, plain, drafter):
+    tokens, a, b = plain
+    spec = None if drafter is None else SpecConfig(drafter=drafter, gamma=3)
+    eng = _engine(p, eos=(a,), spec=spec)  # a comes first in the answer, b later
+    got = eng.generate([Request(PROMPT, NEW, stop_tokens=[b]),  # stops (b, a): a ends it
+                        Request(PROMPT, NEW),  # eos only
+                        Request(PROMPT, NEW, stop_tokens=[b], ignore_eos=True),
+                        Request(PROMPT, NEW, ignore_eos=True)])  # no stop at all
+    assert got[0].tokens == _cut(tokens, {a}) == got[1].tokens
+    assert got[2].tokens == _cut(tokens, {b}) != got[0].tokens
+    assert got[3].tokens == tokens and len(tokens) == NEW
+
+
+def test_a_stopped_answer_gives_back_its_pages_and_caches_its_full_ones(p, plain):
+    _, _, b = plain
+    eng = _engine(p, eos=(b,))
+    (result,) = eng.generate([Request(PROMPT, NEW)])
+    history = len(PROMPT) + len(result.tokens) - 1  # the last token is never cached
+    assert eng.trie.num_nodes == history // CACHE.page_size
+    assert eng.allocator.num_free == CACHE.num_pages - eng.trie.num_nodes
+    follow = PROMPT + result.tokens + [7]
+    (again,) = eng.generate([Request(follow, 2)])
+    assert again.stats["reused_tokens"] == history // CACHE.page_size * CACHE.page_size
+
+
+def test_bad_stop_ids_are_clear_errors(p):
+    eng = _engine(p, eos=(1, 2))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        eng.generate([Request(PROMPT, 2, stop_tokens=[CONFIG.vocab_size])])
+    with pytest.raises(InvalidRequestError, match="stop_tokens must be a list of ints"):
+        eng.generate([Request(PROMPT, 2, stop_tokens=3)])
+    many = list(range(3, 3 + MAX_STOP_TOKENS - 1))
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_TOKENS}"):
+        eng.generate([Request(PROMPT, 2, stop_tokens=many)])
+    eng.generate([dataclasses.replace(Request(PROMPT, 2, stop_tokens=many), ignore_eos=True)])
+    assert eng.allocator.num_free == CACHE.num_pages - eng.trie.num_nodes
+    with pytest.raises(ValueError, match="eos_tokens"):
+        _engine(p, eos=(CONFIG.vocab_size,))
