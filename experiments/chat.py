@@ -107,10 +107,9 @@ COLUMNS = [
      f"{r['prompt_tokens']} ({r['ideal_reused']})" if "prompt_tokens" in r else "-"),
     ("why not more", lambda r: r.get("miss_cause", "-")),
     ("answer", lambda r: r["answer"].replace("\n", " ")[:60] if "answer" in r else "-"),
-    ("speedup", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else "-"),
-    ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}" if "tokens_per_call" in r else "-"),
-    ("output == reference", lambda r: "yes" if r.get("same_as_cache_off",
-                                                     r.get("same_as_plain")) else "NO"),
+    common.SPEEDUP_COLUMN,
+    common.CALLS_COLUMN,
+    common.REFERENCE_COLUMN,
 ]
 
 
@@ -127,10 +126,7 @@ def headline(rows: list[dict]) -> str:
                      f"{'yes' if all(r['same_as_cache_off'] for r in chat) else 'NO'}; "
                      f"answers stop at the end of turn: "
                      f"{'yes' if all(r['stopped_at_end_of_turn'] for r in chat) else 'NO'}")
-    for r in spec:
-        lines.append(f"- {r['case']}: {r['speedup']:.2f}x over plain decoding, "
-                     f"{r['tokens_per_call']:.2f} tokens per target call, greedy tokens "
-                     f"unchanged: {'yes' if r['same_as_plain'] else 'NO'}")
+    lines += [common.spec_line(r) for r in spec]
     return "\n".join(lines)
 
 

@@ -71,6 +71,19 @@ def engine_config(page_size: int, num_pages: int, slots: int, chunk: int = 64,
 # Summary-table columns several experiments share: (header, cell of a row).
 CAPACITY_COLUMN = ("cache", lambda r: f"{r['capacity']:.0%} ({r['num_pages']} pages)")
 OUTPUTS_COLUMN = ("outputs", lambda r: r["tokens_digest"][:8])
+# the tours' speculative rows and whether a row's output equals its reference
+SPEEDUP_COLUMN = ("speedup", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else "-")
+CALLS_COLUMN = ("tokens/call",
+                lambda r: f"{r['tokens_per_call']:.2f}" if "tokens_per_call" in r else "-")
+REFERENCE_COLUMN = ("output == reference", lambda r: "yes" if r.get(
+    "same_as_cache_off", r.get("same_as_plain")) else "NO")
+
+
+def spec_line(r: dict) -> str:
+    """A tour's headline line for a speculative row."""
+    return (f"- {r['case']}: {r['speedup']:.2f}x over plain decoding, "
+            f"{r['tokens_per_call']:.2f} tokens per target call, greedy tokens unchanged: "
+            f"{'yes' if r['same_as_plain'] else 'NO'}")
 
 
 def tokens_digest(tokens) -> str:

@@ -147,11 +147,10 @@ COLUMNS = [
     ("why not more", lambda r: (r["miss_cause"] + (f" ({', '.join(r['miss_fields'])})"
                                                    if r["miss_fields"] else ""))
      if "miss_cause" in r else "-"),
-    ("speedup", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else "-"),
+    common.SPEEDUP_COLUMN,
     ("α", lambda r: f"{r['alpha']:.2f}" if "alpha" in r else "-"),
-    ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}" if "tokens_per_call" in r else "-"),
-    ("output == reference", lambda r: "yes" if r.get("same_as_cache_off",
-                                                     r.get("same_as_plain")) else "NO"),
+    common.CALLS_COLUMN,
+    common.REFERENCE_COLUMN,
 ]
 
 
@@ -165,10 +164,7 @@ def headline(rows: list[dict]) -> str:
         exact = all(r["same_as_cache_off"] for r in prefix)
         lines.append(f"- prefix cache: {reused:,} of {total:,} prompt tokens reused; every "
                      f"output equals the cache-off engine's: {'yes' if exact else 'NO'}")
-    for r in spec:
-        lines.append(f"- {r['case']}: {r['speedup']:.2f}x over plain decoding, "
-                     f"{r['tokens_per_call']:.2f} tokens per target call, greedy tokens "
-                     f"unchanged: {'yes' if r['same_as_plain'] else 'NO'}")
+    lines += [common.spec_line(r) for r in spec]
     return "\n".join(lines)
 
 
