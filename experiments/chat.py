@@ -80,7 +80,7 @@ def _chat(p: Params, model) -> list[dict]:
             "stopped_at_end_of_turn": bool(result.tokens)
             and result.tokens[-1] in model.stop_tokens,
             "ttft_s": s["ttft_s"], "answer": answer, "model": p.model})
-        history = len(ids) + len(result.tokens)
+        history = len(ids) + len(result.tokens) - 1  # the last token is never cached
         end = model.tokenizer.decode([model.stop_tokens[0]])
         messages.append({"role": "assistant", "content": answer.removesuffix(end)})
     return rows

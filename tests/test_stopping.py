@@ -61,6 +61,7 @@ def test_a_stopped_answer_gives_back_its_pages_and_caches_its_full_ones(p, plain
     _, _, b = plain
     eng = _engine(p, eos=(b,))
     (result,) = eng.generate([Request(PROMPT, NEW)])
+    assert result.tokens[-1] == b and len(result.tokens) < NEW
     history = len(PROMPT) + len(result.tokens) - 1  # the last token is never cached
     assert eng.trie.num_nodes == history // CACHE.page_size
     assert eng.allocator.num_free == CACHE.num_pages - eng.trie.num_nodes

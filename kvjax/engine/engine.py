@@ -48,6 +48,7 @@ from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket
 from kvjax.decode.sampling import sequence_keys
 from kvjax.engine.requests import (
+    MAX_STOP_TOKENS,
     LiveRequest,
     Request,
     RequestResult,
@@ -92,6 +93,9 @@ class Engine:
         self.eos_tokens = tuple(int(t) for t in eos_tokens)
         if any(not 0 <= t < config.vocab_size for t in self.eos_tokens):
             raise ValueError(f"eos_tokens {list(self.eos_tokens)} are outside the vocabulary")
+        if len(set(self.eos_tokens)) > MAX_STOP_TOKENS:
+            raise ValueError(f"{len(set(self.eos_tokens))} eos_tokens: at most "
+                             f"{MAX_STOP_TOKENS}")
         self.cache_config = ec.cache
         self.adapters = dict(adapters or {})
         self._adapter_index = {name: i for i, name in enumerate(self.adapters, start=1)}

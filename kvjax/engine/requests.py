@@ -181,8 +181,8 @@ def stop_ids(request: Request, eos: Sequence[int] = ()) -> tuple[int, ...]:
     ids += list(request.stop_tokens) + ([] if request.ignore_eos else list(eos))
     out = tuple(dict.fromkeys(int(t) for t in ids))
     if len(out) > MAX_STOP_TOKENS:
-        raise InvalidRequestError(f"{len(out)} stop ids (with the engine's eos_tokens "
-                                  f"{list(eos)}): at most {MAX_STOP_TOKENS}")
+        with_eos = "" if request.ignore_eos else f" (with the engine's eos_tokens {list(eos)})"
+        raise InvalidRequestError(f"{len(out)} stop ids{with_eos}: at most {MAX_STOP_TOKENS}")
     return out
 
 

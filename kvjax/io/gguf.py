@@ -51,12 +51,12 @@ def _reader(path: Path):
     reader's fields takes 3 s for SmolLM2's 49k-token vocabulary)."""
     if not path.is_file():
         raise CheckpointError(f"no GGUF file at {path}")
-    stat = path.stat()
-    return _open(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    s = path.stat()
+    return _open(str(path.resolve()), (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns))
 
 
 @functools.lru_cache(maxsize=2)
-def _open(path: str, size: int, mtime_ns: int):  # size, mtime: the cache key
+def _open(path: str, version: tuple):  # version: the file's inode, size, mtime, ctime
     try:
         import gguf
     except ImportError as e:  # pragma: no cover
@@ -67,6 +67,7 @@ def _open(path: str, size: int, mtime_ns: int):  # size, mtime: the cache key
         raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
     meta = {key: field.contents() for key, field in reader.fields.items()
             if not key.startswith("GGUF.")}
+    meta = {k: tuple(v) if isinstance(v, list) else v for k, v in meta.items()}  # read-only
     return reader, meta
 
 
@@ -85,16 +86,25 @@ def hf_config_of(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    def need(key: str) -> Any:
+        if get(key) is None:
+            raise CheckpointError(f"the GGUF file has no {arch}.{key}")
+        return get(key)
+
     for key, why in _REFUSED.items():
         if get(key):
             raise CheckpointError(f"{arch}.{key}={get(key)!r}: {why}")
     scaling = get("rope.scaling.type", "none")
+    # llama.cpp scales linearly when a factor is given without a type
+    factor = get("rope.scaling.factor", get("rope.scale_linear", 1.0))
+    if scaling == "none" and factor not in (0.0, 1.0):
+        scaling = f"linear, factor {factor}"
     if scaling != "none" or "rope_freqs.weight" in tensor_names:
         kind = scaling if scaling != "none" else "llama3 (rope_freqs.weight)"
-        raise CheckpointError(f"{arch}.rope.scaling.type: rope scaling {kind!r} is not "
+        raise CheckpointError(f"{arch}.rope.scaling: rope scaling {kind!r} is not "
                               f"implemented (only plain RoPE)")
-    heads = int(get("attention.head_count"))
-    d_model = int(get("embedding_length"))
+    heads = int(need("attention.head_count"))
+    d_model = int(need("embedding_length"))
     head_dim = int(get("attention.key_length", d_model // heads))
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise CheckpointError(f"{arch}.attention.value_length differs from key_length: "
@@ -104,11 +114,11 @@ def hf_config_of(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
                               f"partial rotary embeddings are not implemented")
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     return {"model_type": "llama", "vocab_size": int(vocab),
-            "hidden_size": d_model, "intermediate_size": int(get("feed_forward_length")),
-            "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
+            "hidden_size": d_model, "intermediate_size": int(need("feed_forward_length")),
+            "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
             "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-            "head_dim": head_dim, "max_position_embeddings": int(get("context_length")),
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+            "head_dim": head_dim, "max_position_embeddings": int(need("context_length")),
+            "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(get("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in tensor_names}
 
@@ -127,6 +137,8 @@ def _tensors(reader, hf: dict) -> dict[str, np.ndarray]:
     out = {}
     for t in reader.tensors:
         block, _, rest = t.name.partition(".")
+        if t.name.endswith(".bias"):
+            raise CheckpointError(f"{t.name}: biases in GGUF checkpoints are not implemented")
         if block == "blk":
             layer, _, rest = rest.partition(".")
             if rest not in _LAYER_TENSORS:
@@ -170,6 +182,7 @@ def load_gguf(path, dtype: str = "float32"):
     return config, jax.device_put(params)
 
 
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -179,17 +192,18 @@ def _pre_tokenizer(pre: str | None):
     from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in (None, "default", "gpt2"):
+    if pre == "gpt2":
         return byte_level
     if pre == "smollm":  # digits one by one, then GPT-2's split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         byte_level])
-    if pre in ("llama3", "llama-v3", "llama-bpe"):
+    if pre in _LLAMA3_PRES:
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise CheckpointError(f"tokenizer.ggml.pre={pre!r}: this pre-tokenizer is not implemented "
-                          f"(implemented: gpt2, smollm, llama-bpe)")
+                          f"(implemented: gpt2, smollm, llama-bpe; a file that names none "
+                          f"leaves its split rules unknown)")
 
 
 def gguf_tokenizer(path):
@@ -207,8 +221,11 @@ def gguf_tokenizer(path):
                               f"vocabularies are implemented")
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    pre = meta.get("tokenizer.ggml.pre")
+    # Llama 3 (and llama.cpp for it) looks a whole word up before merging
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                               ignore_merges=pre in _LLAMA3_PRES))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     types = list(meta.get("tokenizer.ggml.token_type", ()))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
