@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--prompt-len", type=int, default=512, help="(peer, spec)")
     peer.add_argument("--gen-tokens", type=int, default=128, help="(peer, spec)")
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
+    peer.add_argument("--model", default=None,
+                      help="(peer) a kvjax.models checkpoint instead of the random bench model")
     bench.add_argument("--passes", type=int, default=3,
                        help="(numerics) alternating passes over fast and invariant")
     bench.add_argument("--arrival-len", type=int, default=2048,

@@ -6,7 +6,9 @@ For batch 1 and 8: prefill time of a 512-token prompt, decode tokens/s for 128 n
 end-to-end time, and whether the greedy tokens agree. Medians after a warm-up. kvjax runs
 `generate` under the config's `engine.numerics` (default invariant, with the forms the
 engine would choose: the prompts of a batch share prefill calls); `--set
-engine.numerics=fast` for one prompt per call.
+engine.numerics=fast` for one prompt per call. `--model NAME` runs a real checkpoint of
+`kvjax.models` instead: kvjax loads its file with `load_gguf`, transformers with its own GGUF
+loader (both dequantize to the same float32 tensors).
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ def _hf_model(model_cfg, folder: Path, seed: int):
     return model
 
 
+def _real_model(name: str):
+    """(transformers model, config, params) of a `kvjax.models` checkpoint, each side with
+    its own loader."""
+    import torch
+    import transformers
+
+    from kvjax import models
+
+    file = models.path(name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+    loaded = models.load(name)
+    return hf, loaded.config, loaded.params
+
+
 def main(args) -> int:
     # PyTorch's OpenMP workers spin after each op by default and would steal the cores from
     # the kvjax runs that follow in this process; passive waiting keeps the comparison fair.
@@ -52,15 +69,19 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
     rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = _hf_model(cfg.model, Path(tmp), seed=0)
-        config, params = load_hf(tmp)
+    if args.model:
+        hf, config, params = _real_model(args.model)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = _hf_model(cfg.model, Path(tmp), seed=0)
+            config, params = load_hf(tmp)
     cache = CacheConfig(page_size=16, num_pages=1, prefill_chunk=256, attn_block=256)
     # the engine's numerics (default invariant: the prompts share prefill calls), its forms
     ec = dataclasses.replace(cfg.engine, cache=cache)
     config, problems = numerics_blocks([config], ec, 0)
     params = jax.device_put(store(params, config.transposed))
-    emit(f"bench peer: {config.num_layers} layers, d_model {config.d_model}, "
+    emit(f"bench peer: {args.model or 'random bench model'}, {config.num_layers} layers, "
+         f"d_model {config.d_model}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32, "
           f"numerics {config.numerics}{' ' + str(problems) if problems else ''}; "
           f"torch {torch.__version__} ({args.threads} threads), jax {jax.__version__}")
