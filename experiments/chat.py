@@ -61,6 +61,7 @@ def _chat(p: Params, model) -> list[dict]:
                  eos_tokens=model.stop_tokens)
     messages = [{"role": "system", "content": p.system}] if p.system else []
     rows, history = [], 0
+    end = model.tokenizer.decode([model.stop_tokens[0]])  # the end-of-turn text
     for k, question in enumerate(p.turns, 1):
         messages.append({"role": "user", "content": question})
         ids = model.template.render(messages)
@@ -81,7 +82,6 @@ def _chat(p: Params, model) -> list[dict]:
             and result.tokens[-1] in model.stop_tokens,
             "ttft_s": s["ttft_s"], "answer": answer, "model": p.model})
         history = len(ids) + len(result.tokens) - 1  # the last token is never cached
-        end = model.tokenizer.decode([model.stop_tokens[0]])
         messages.append({"role": "assistant", "content": answer.removesuffix(end)})
     return rows
 

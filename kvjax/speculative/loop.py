@@ -139,6 +139,7 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
         "logits": jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
         "stats": stats,
     }
+    stops = stop_token if stop_token.ndim == 2 else stop_token[:, None]  # [B, K], -1: none
 
     def body(s):
         active = ~s["done"]
@@ -185,7 +186,6 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
         out = jnp.where(cols < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         out = jnp.where(cols == accepted[:, None], nxt[:, None], out)  # [B, G + 1]
         n_emit = jnp.minimum(accepted + 1, budget - s["count"])
-        stops = stop_token if stop_token.ndim == 2 else stop_token[:, None]  # [B, K]
         is_stop = jnp.any(out[:, :, None] == stops[:, None, :], axis=2) & \
             (cols < n_emit[:, None])
         first_stop = jnp.min(jnp.where(is_stop, cols, g1), axis=1)
