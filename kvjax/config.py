@@ -33,6 +33,15 @@ def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
 
 
+# the RoPE scalings ModelConfig.rope_scaling names and the numbers each needs
+ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+             "beta_slow", "truncate"),
+}
+
 # the token-row products whose row blocks `ModelConfig.row_blocks` sets
 ROW_PRODUCTS = ("q", "k/v", "o", "mlp up", "mlp down", "head", "attention")
 
@@ -58,6 +67,19 @@ class ModelConfig:
     o_bias: bool = False  # bias on the attention output projection
     mlp_bias: bool = False  # biases on the MLP projections
     sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
+    # per layer, "full" or "sliding" (sliding layers have `sliding_window`); () gives every
+    # layer the window when one is set
+    layer_types: tuple[str, ...] = ()
+    # RoPE scaling of the full layers, (name, value) pairs: ("rope_type", "linear" | "llama3"
+    # | "yarn") and that type's numbers (see kvjax.model.layers.rope_frequencies); () = plain
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    query_scale: float | None = None  # scores' scale (None: 1/sqrt(head_dim))
+    attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits likewise
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too (Gemma 2/3)
+    embed_scale: bool = False  # embeddings times sqrt(d_model) in the model dtype (Gemma)
     tie_embeddings: bool = True
     causal: bool = True
     dtype: str = "float32"  # parameter and activation dtype
@@ -91,7 +113,7 @@ class ModelConfig:
                  f"RoPE needs an even head_dim, got {self.head_dim}")
         _choice(self.norm, "norm", ("rms", "layer"))
         _choice(self.position, "position", ("rope", "learned"))
-        _choice(self.mlp, "mlp", ("swiglu", "gelu"))
+        _choice(self.mlp, "mlp", ("swiglu", "geglu", "gelu"))
         _choice(self.dtype, "dtype", ("float32", "bfloat16"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
         _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")
@@ -111,6 +133,41 @@ class ModelConfig:
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",
                  f"must be None or >= 1, got {self.sliding_window}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            _require(len(self.layer_types) == self.num_layers, "layer_types",
+                     f"{len(self.layer_types)} given for {self.num_layers} layers")
+            for kind in self.layer_types:
+                _choice(kind, "layer_types", ("full", "sliding"))
+            _require("sliding" not in self.layer_types or self.sliding_window is not None,
+                     "layer_types", "sliding layers need a sliding_window")
+        object.__setattr__(self, "rope_scaling", tuple(tuple(p) for p in self.rope_scaling))
+        if self.rope_scaling:
+            scaling = dict(self.rope_scaling)
+            _choice(scaling.get("rope_type"), "rope_scaling", tuple(ROPE_SCALING))
+            missing = [k for k in ROPE_SCALING[scaling["rope_type"]] if k not in scaling]
+            _require(not missing, "rope_scaling", f"{scaling['rope_type']} needs {missing}")
+        for key in ("local_rope_theta", "query_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, key)
+            _require(value is None or value > 0, key, f"must be None or > 0, got {value}")
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "full":
+            return None
+        return self.sliding_window
+
+    def rope(self, layer: int) -> tuple[float, tuple[tuple[str, Any], ...]]:
+        """(theta, scaling) of `layer`'s RoPE: sliding layers of a model with a
+        `local_rope_theta` use it, unscaled."""
+        if self.local_rope_theta is not None and self.window(layer) is not None:
+            return self.local_rope_theta, ()
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's window."""
+        return tuple(self.window(i) for i in range(self.num_layers))
 
     def block(self, product: str) -> int:
         """The row block of one of ROW_PRODUCTS (see `row_blocks`)."""

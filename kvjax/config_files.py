@@ -23,6 +23,8 @@ _SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 def check_type(value: Any, annotation: Any, key: str) -> Any:
     """Checks a TOML value against a field annotation; returns it (lists become tuples)."""
+    if annotation is Any:  # checked by the config's own validation
+        return value
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)

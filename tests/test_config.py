@@ -50,6 +50,16 @@ def test_dotted_overrides(tmp_path):
     ({"cache": {"dtype": "float16"}}, "cache.dtype", "not one of"),
     ({"sampling": {"top_p": 0.0}}, "sampling.top_p", "must be in"),
     ({"sampling": {"temperature": -1}}, "sampling.temperature", ">= 0"),
+    ({"model": {"num_layers": 2, "layer_types": ["full"]}}, "model.layer_types",
+     "1 given for 2 layers"),
+    ({"model": {"num_layers": 1, "layer_types": ["sliding"]}}, "model.layer_types",
+     "need a sliding_window"),
+    ({"model": {"num_layers": 1, "layer_types": ["local"], "sliding_window": 4}},
+     "model.layer_types", "not one of"),
+    ({"model": {"rope_scaling": [["rope_type", "ntk"]]}}, "model.rope_scaling", "not one of"),
+    ({"model": {"rope_scaling": [["rope_type", "llama3"], ["factor", 8.0]]}},
+     "model.rope_scaling", "llama3 needs"),
+    ({"model": {"attn_softcap": 0.0}}, "model.attn_softcap", "> 0"),
 ])
 def test_bad_keys_and_values_name_the_key(raw, key, message):
     with pytest.raises(ConfigError, match=message) as info:

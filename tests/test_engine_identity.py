@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import CACHE, CONFIG, assert_matches_forward, assert_same, engine, params
 
 import kvjax
-from kvjax import CacheNamespace, PageAllocator, Request, SamplingConfig
+from kvjax import CacheNamespace, ModelConfig, PageAllocator, Request, SamplingConfig
 from kvjax.cache.trie import PrefixTrie, history_digests
 
 PROMPT = list(range(2, 32))  # 30 tokens: 7 full pages of 4
@@ -169,6 +169,25 @@ def test_cache_dtype_is_part_of_the_namespace():
     assert match.nodes == []
     assert (match.cause, match.fields) == ("namespace", ["kv_dtype"])
     assert trie.match(ns, PROMPT[:8], [None, None], digests).pages == [0, 1]
+
+
+def test_per_layer_attention_structure_is_part_of_the_signature():
+    """Two models whose weights could be equal but whose layers see other keys, rotate by
+    other frequencies or weigh scores otherwise never share pages."""
+    from kvjax.cache.identity import attention_signature
+
+    base = ModelConfig(num_layers=2, sliding_window=8, layer_types=("sliding", "full"))
+    variants = [
+        dataclasses.replace(base, layer_types=("full", "sliding")),
+        dataclasses.replace(base, layer_types=()),  # every layer slides
+        dataclasses.replace(base, local_rope_theta=100.0),
+        dataclasses.replace(base, rope_scaling=(("rope_type", "linear"), ("factor", 2.0))),
+        dataclasses.replace(base, query_scale=0.5),
+        dataclasses.replace(base, attn_softcap=50.0),
+    ]
+    signatures = {attention_signature(c) for c in [base, *variants]}
+    assert len(signatures) == 1 + len(variants)
+    assert attention_signature(base) == attention_signature(dataclasses.replace(base))
 
 
 def test_bfloat16_engine_reuses_exactly(p):

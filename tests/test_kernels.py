@@ -223,8 +223,13 @@ def test_sliding_window_falls_back_and_warns_once(fresh_warnings):
     ("pallas_tpu", dict(d_model=256, num_heads=4), None, False, "multiple of 128"),
     ("pallas_tpu", dict(d_model=512, num_heads=4),
      CacheConfig(page_size=8, dtype="bfloat16", prefill_chunk=64), False, "multiple of 16"),
+    ("pallas_gpu", dict(d_model=64, num_heads=4, attn_softcap=50.0), None, False,
+     "soft-capping"),
+    ("pallas_tpu", dict(d_model=512, num_heads=4, query_scale=0.1), None, False, "query_scale"),
+    ("pallas_gpu", dict(d_model=64, num_heads=4, sliding_window=8,
+                        layer_types=("full", "sliding")), None, False, "sliding window"),
 ], ids=["gpu-head-dim", "gpu-page-size", "gpu-poison", "tpu-float32-cache", "tpu-head-dim",
-        "tpu-page-size"])
+        "tpu-page-size", "gpu-softcap", "tpu-query-scale", "gpu-layer-windows"])
 def test_unsupported_shapes_fall_back(fresh_warnings, backend, model, cache, poison, reason):
     config = small_model(**model)
     assert resolve_backend(backend, config, cache=cache, poison_freed=poison) == "reference"

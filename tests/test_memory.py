@@ -43,7 +43,8 @@ def test_parameter_count_matches_an_8b_model_built_without_memory():
 def test_parameter_count_for_every_block_choice():
     for kw in ({}, {"norm": "layer", "mlp": "gelu", "position": "learned"},
                {"qkv_bias": True, "tie_embeddings": False},
-               {"o_bias": True, "mlp_bias": True}, {"mlp_bias": True, "mlp": "gelu"}):
+               {"o_bias": True, "mlp_bias": True}, {"mlp_bias": True, "mlp": "gelu"},
+               {"mlp": "geglu", "sandwich_norms": True, "qk_norm": True}):  # Gemma 3
         config = ModelConfig(vocab_size=50, num_layers=2, d_model=16, num_heads=4,
                              num_kv_heads=2, d_ff=24, max_seq_len=32, **kw)
         params = kvjax.init_params(config)

@@ -57,10 +57,17 @@ def adapter_identity(name: str | None, adapter) -> str:
 
 
 def attention_signature(config: ModelConfig) -> str:
-    """What decides which keys a query sees and how positions enter the states."""
-    position = (f"rope(theta={config.rope_theta})" if config.position == "rope"
-                else "learned")
-    return f"causal={config.causal},window={config.sliding_window},positions={position}"
+    """What decides which keys a query sees, how positions enter the states and how scores
+    become weights: per-layer windows, RoPE bases and scaling, the score scale and cap."""
+    c = config
+    position = "learned"
+    if c.position == "rope":
+        position = f"rope(theta={c.rope_theta},scaling={dict(c.rope_scaling)})"
+        if c.local_rope_theta is not None:
+            position += f",local_rope(theta={c.local_rope_theta})"
+    windows = ",".join(map(str, c.windows)) if c.layer_types else c.sliding_window
+    scores = f"scale={c.query_scale},softcap={c.attn_softcap}"
+    return f"causal={c.causal},window={windows},positions={position},scores={scores}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from kvjax.config import ModelConfig
 from kvjax.io.hf_families import (
     ALIASES,
     FAMILIES,
+    GEMMA,
     LLAMA_LIKE,
     MAPPED,
     NO_EFFECT,
@@ -73,28 +74,61 @@ class _Tensors:
         raise CheckpointError(f"missing tensor {self.prefixes[0]}{name}")
 
 
-def _llama_params(t: _Tensors, c: ModelConfig) -> dict:
+def _attention(t: _Tensors, c: ModelConfig, p: str, fused: bool) -> dict:
+    """One layer's q, k, v, o (and q/k norms) from `{p}self_attn.*`; Phi-3 fuses q, k, v
+    into one `qkv_proj` [(N + 2K) * H, D]."""
     d, h, n, k = c.d_model, c.head_dim, c.num_heads, c.num_kv_heads
-    params = {"embed": {"embedding": t("embed_tokens.weight")},
-              "final_norm": {"scale": t("norm.weight")}}
+    if fused:
+        qkv = t(f"{p}self_attn.qkv_proj.weight")
+        w = dict(zip("qkv", np.split(qkv, [n * h, (n + k) * h]), strict=True))
+    else:
+        w = {name: t(f"{p}self_attn.{name}_proj.weight") for name in "qkv"}
+    attn = {}
+    for name, heads in (("q", n), ("k", k), ("v", k)):
+        attn[name] = {"kernel": w[name].T.reshape(d, heads, h)}
+        if c.qkv_bias:
+            attn[name]["bias"] = t(f"{p}self_attn.{name}_proj.bias").reshape(heads, h)
+    attn["o"] = {"kernel": t(f"{p}self_attn.o_proj.weight").T.reshape(n, h, d)}
+    if c.o_bias:
+        attn["o"]["bias"] = t(f"{p}self_attn.o_proj.bias")
+    return attn
+
+
+# kvjax's norm -> the Hugging Face name, by layout: Llama's post_attention_layernorm is the
+# MLP's input norm; Gemma's is the attention output's (then pre_feedforward_layernorm)
+_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_SANDWICH = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "mlp_norm": "pre_feedforward_layernorm",
+             "post_mlp_norm": "post_feedforward_layernorm"}
+
+
+def _llama_params(t: _Tensors, c: ModelConfig, family: str) -> dict:
+    """Llama-like families. Gemma's norms scale by (1 + weight): stored as that sum (in
+    float32, as Gemma computes it)."""
+    offset = np.float32(1.0 if family in GEMMA else 0.0)
+
+    def norm(name: str) -> dict:
+        return {"scale": t(name) + offset}
+
+    params = {"embed": {"embedding": t("embed_tokens.weight")}, "final_norm": norm("norm.weight")}
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        attn = {}
-        for name, heads in (("q", n), ("k", k), ("v", k)):
-            attn[name] = {"kernel": t(f"{p}self_attn.{name}_proj.weight").T.reshape(d, heads, h)}
-            if c.qkv_bias:
-                attn[name]["bias"] = t(f"{p}self_attn.{name}_proj.bias").reshape(heads, h)
-        attn["o"] = {"kernel": t(f"{p}self_attn.o_proj.weight").T.reshape(n, h, d)}
-        if c.o_bias:
-            attn["o"]["bias"] = t(f"{p}self_attn.o_proj.bias")
-        mlp = {name: {"kernel": t(f"{p}mlp.{name}_proj.weight").T}
-               for name in ("gate", "up", "down")}
+        attn = _attention(t, c, p, fused=family == "phi3")
+        if c.qk_norm:
+            attn |= {f"{x}_norm": norm(f"{p}self_attn.{x}_norm.weight") for x in "qk"}
+        if family == "phi3":  # gate then up, along the output rows
+            gate, up = np.split(t(f"{p}mlp.gate_up_proj.weight"), 2)
+            mlp = {"gate": {"kernel": gate.T}, "up": {"kernel": up.T},
+                   "down": {"kernel": t(f"{p}mlp.down_proj.weight").T}}
+        else:
+            mlp = {name: {"kernel": t(f"{p}mlp.{name}_proj.weight").T}
+                   for name in ("gate", "up", "down")}
         if c.mlp_bias:
             for name in mlp:
                 mlp[name]["bias"] = t(f"{p}mlp.{name}_proj.bias")
-        params[f"layer_{i}"] = {
-            "attn_norm": {"scale": t(f"{p}input_layernorm.weight")}, "attn": attn,
-            "mlp_norm": {"scale": t(f"{p}post_attention_layernorm.weight")}, "mlp": mlp}
+        norms = _SANDWICH if c.sandwich_norms else _NORMS
+        params[f"layer_{i}"] = {"attn": attn, "mlp": mlp} | {
+            ours: norm(f"{p}{theirs}.weight") for ours, theirs in norms.items()}
     return params
 
 
@@ -162,7 +196,7 @@ def params_from_tensors(hf: dict, config: ModelConfig, tensors: dict[str, np.nda
     if hf["model_type"] == "gpt2":
         params = _gpt2_params(_Tensors(tensors, ("transformer.", "")), config)
     else:
-        params = _llama_params(_Tensors(tensors, ("model.", "")), config)
+        params = _llama_params(_Tensors(tensors, ("model.", "")), config, hf["model_type"])
     if not config.tie_embeddings:
         params["lm_head"] = {"kernel": _Tensors(tensors, ("",))("lm_head.weight").T}
     _check_shapes(config, params)

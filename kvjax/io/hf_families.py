@@ -1,6 +1,9 @@
 """Hugging Face `config.json` <-> `ModelConfig`, per family: what each option means to kvjax.
 
-Supported families: Llama, Mistral (sliding window), Qwen2 (QKV bias) and GPT-2 (learned
+Supported families: Llama (RoPE scaling: linear, dynamic, llama3, yarn), Mistral (sliding
+window), Qwen2 (QKV bias, per-layer windows), Qwen3 (q/k norms), Phi-3 (fused projections),
+Gemma 2 (soft-capping, alternating windows, sandwich norms, tanh-GELU gate, scaled
+embeddings), Gemma 3 text (local and global RoPE bases, q/k norms) and GPT-2 (learned
 positions, LayerNorm, tanh-GELU). Anything else, or an option kvjax does not implement, is a
 clear error naming it: a checkpoint is never loaded into a model that would compute
 something else.
@@ -18,29 +21,17 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax.config import ConfigError, ModelConfig
+from kvjax.io.hf_rope import scaling as rope_scaling
+from kvjax.io.hf_rope import theta_of
+from kvjax.io.hf_rope import unsupported as rope_unsupported
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 FAMILIES = (*LLAMA_LIKE, "gpt2")
 
 
 class CheckpointError(ValueError):
     """An unsupported architecture or option, a missing or misshapen tensor."""
-
-
-def _plain_rope(rope: dict | None) -> str | None:
-    """Why a `rope_parameters` / `rope_scaling` dict is not plain RoPE (None: it is)."""
-    if not rope:
-        return None
-    if not isinstance(rope, dict):
-        return "not a dict"
-    if any(isinstance(v, dict) for v in rope.values()):
-        return "RoPE parameters per layer type are not implemented"
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        return f"rope scaling {kind!r} is not implemented (only plain RoPE)"
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        return "partial rotary embeddings are not implemented (RoPE rotates the whole head)"
-    return None
 
 
 MAPPED = "mapped"  # any value ModelConfig accepts; mapped onto its fields in config_from_hf
@@ -51,54 +42,80 @@ def _ignored(*options: str) -> dict[str, tuple[Any, str]]:
     return dict.fromkeys(options, (None, NO_EFFECT))
 
 
+def _shape(vocab, hidden, ff, layers, heads, kv, positions, head_dim=None):
+    """The size options of a family and the defaults transformers gives them."""
+    return {"vocab_size": (vocab, MAPPED), "hidden_size": (hidden, MAPPED),
+            "intermediate_size": (ff, MAPPED), "num_hidden_layers": (layers, MAPPED),
+            "num_attention_heads": (heads, MAPPED),
+            "num_key_value_heads": (kv, MAPPED),  # None / null: num_attention_heads
+            "head_dim": (head_dim, MAPPED),  # None: hidden_size // num_attention_heads
+            "max_position_embeddings": (positions, MAPPED)}
+
+
 # option: (the default transformers gives a missing key, what kvjax implements), where what
 # kvjax implements is MAPPED, NO_EFFECT, a tuple of the only values it implements, or a
 # function naming why a value is not implemented (None: implemented).
 _LLAMA_LIKE = {
-    "head_dim": (None, MAPPED),  # None: hidden_size // num_attention_heads
     "rms_norm_eps": (1e-6, MAPPED),
     "tie_word_embeddings": (False, MAPPED),
     "rope_theta": (10000.0, MAPPED),  # rope_parameters["rope_theta"] wins when both are set
-    "rope_parameters": (None, _plain_rope),
-    "rope_scaling": (None, _plain_rope),  # the 4.x name; replaces rope_parameters when set
+    # checked by kvjax.io.hf_rope; a dict per layer type only where the family has layer
+    # types (_rope)
+    "rope_parameters": (None, rope_unsupported),
+    "rope_scaling": (None, rope_unsupported),  # the 4.x name; replaces rope_parameters
     "partial_rotary_factor": (None, (None, 1.0)),
     "hidden_act": ("silu", ("silu", "swish")),  # SwiGLU: both names are SiLU
     "quantization_config": (None, (None,)),  # quantized weights (GPTQ, AWQ, ...): not read
     **_ignored("attention_dropout", "initializer_range", "use_cache", "pad_token_id",
                "bos_token_id", "eos_token_id", "dtype", "torch_dtype"),
 }
+_QWEN_WINDOWS = {
+    # Layers at index >= max_window_layers slide when use_sliding_window; layer_types,
+    # when given, says it per layer (_layers).
+    "use_sliding_window": (False, MAPPED), "sliding_window": (4096, MAPPED),
+    "max_window_layers": (28, MAPPED), "layer_types": (None, MAPPED),
+}
+_GEMMA = _LLAMA_LIKE | {
+    "hidden_act": (None, NO_EFFECT),  # unread: hidden_activation is the MLP's
+    "hidden_activation": ("gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),  # tanh-GELU gate
+    "attention_bias": (False, MAPPED),  # q, k, v and o biases
+    "query_pre_attn_scalar": (256, MAPPED),  # scores scaled by its -1/2 power
+    "sliding_window": (4096, MAPPED), "layer_types": (None, MAPPED),
+    "use_bidirectional_attention": (None, (None, False)),  # an encoder's attention
+    "tie_word_embeddings": (True, MAPPED),
+    **_ignored("cache_implementation"),
+}
 OPTIONS: dict[str, dict[str, tuple[Any, Any]]] = {
-    "llama": _LLAMA_LIKE | {
-        "vocab_size": (32000, MAPPED), "hidden_size": (4096, MAPPED),
-        "intermediate_size": (11008, MAPPED), "num_hidden_layers": (32, MAPPED),
-        "num_attention_heads": (32, MAPPED),
-        "num_key_value_heads": (None, MAPPED),  # None: num_attention_heads
-        "max_position_embeddings": (2048, MAPPED),
+    "llama": _LLAMA_LIKE | _shape(32000, 4096, 11008, 32, 32, None, 2048) | {
         "attention_bias": (False, MAPPED),  # qkv_bias and o_bias together
         "mlp_bias": (False, MAPPED),
         "pretraining_tp": (1, NO_EFFECT),  # 4.x sliced the matmuls and summed: same math
     },
-    "mistral": _LLAMA_LIKE | {
-        "vocab_size": (32000, MAPPED), "hidden_size": (4096, MAPPED),
-        "intermediate_size": (14336, MAPPED), "num_hidden_layers": (32, MAPPED),
-        "num_attention_heads": (32, MAPPED),
-        "num_key_value_heads": (8, MAPPED),  # null: num_attention_heads
-        "max_position_embeddings": (131072, MAPPED),
+    "mistral": _LLAMA_LIKE | _shape(32000, 4096, 14336, 32, 32, 8, 131072) | {
         "sliding_window": (4096, MAPPED),  # every layer; null: full attention
-        "layer_types": (None, MAPPED),  # unread by transformers' Mistral: must agree (_window)
+        "layer_types": (None, MAPPED),  # unread by transformers' Mistral: must agree (_layers)
         **_ignored("attention_bias", "mlp_bias"),  # Mistral has no biases; unread
     },
-    "qwen2": _LLAMA_LIKE | {
-        "vocab_size": (151936, MAPPED), "hidden_size": (4096, MAPPED),
-        "intermediate_size": (22016, MAPPED), "num_hidden_layers": (32, MAPPED),
-        "num_attention_heads": (32, MAPPED),
-        "num_key_value_heads": (32, MAPPED),  # null: num_attention_heads
-        "max_position_embeddings": (32768, MAPPED),
-        # Layers at index >= max_window_layers slide when use_sliding_window; layer_types,
-        # when given, says it per layer. kvjax: one window for all layers (_window).
-        "use_sliding_window": (False, MAPPED), "sliding_window": (4096, MAPPED),
-        "max_window_layers": (28, MAPPED), "layer_types": (None, MAPPED),
+    "qwen2": _LLAMA_LIKE | _shape(151936, 4096, 22016, 32, 32, 32, 32768) | _QWEN_WINDOWS | {
         **_ignored("attention_bias", "mlp_bias"),  # always q/k/v biases only; unread
+    },
+    "qwen3": _LLAMA_LIKE | _shape(151936, 4096, 22016, 32, 32, 32, 32768, 128) | _QWEN_WINDOWS
+    | {"attention_bias": (False, MAPPED)},  # q, k, v and o biases; q/k norms always
+    "phi3": _LLAMA_LIKE | _shape(32064, 3072, 8192, 32, 32, None, 4096) | {
+        "rms_norm_eps": (1e-5, MAPPED),
+        "sliding_window": (None, MAPPED),  # every layer; null: full attention
+        "original_max_position_embeddings": (4096, NO_EFFECT),  # read by longrope only
+        **_ignored("resid_pdrop", "embd_pdrop"),
+    },
+    "gemma2": _GEMMA | _shape(256000, 2304, 9216, 26, 8, 4, 8192, 256) | {
+        "final_logit_softcapping": (30.0, MAPPED), "attn_logit_softcapping": (50.0, MAPPED),
+    },
+    "gemma3_text": _GEMMA | _shape(262208, 2304, 9216, 26, 8, 4, 131072, 256) | {
+        "final_logit_softcapping": (None, MAPPED), "attn_logit_softcapping": (None, MAPPED),
+        "rope_theta": (1_000_000.0, MAPPED),  # the full layers'
+        "rope_local_base_freq": (10_000.0, MAPPED),  # the sliding layers' (4.x name)
+        "sliding_window_pattern": (6, MAPPED),  # every 6th layer full (4.x; layer_types wins)
+        "use_bidirectional_attention": (False, (None, False)),
     },
     "gpt2": {
         "vocab_size": (50257, MAPPED), "n_positions": (1024, MAPPED), "n_embd": (768, MAPPED),
@@ -147,42 +164,95 @@ def _resolve(family: str, hf: dict) -> dict[str, Any]:
     return values
 
 
-def _window(family: str, v: dict) -> int | None:
-    """The attention window every layer has in transformers (None: full attention)."""
-    if family == "llama":
-        return None
+def _default_types(family: str, v: dict) -> list[str]:
+    """transformers' layer types when config.json names none."""
     n = v["num_hidden_layers"]
-    if family == "mistral":
-        window = v["sliding_window"]
-        implied = ["full_attention" if window is None else "sliding_attention"] * n
-        if v["layer_types"] is not None and list(v["layer_types"]) != implied:
-            raise CheckpointError(f"mistral layer_types={v['layer_types']!r} is not supported: "
-                                  f"transformers' Mistral ignores it and gives every layer "
-                                  f"sliding_window={window!r}")
-        return window
+    if family == "gemma2":  # sliding first, then alternating
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if family == "gemma3_text":
+        every = v["sliding_window_pattern"]
+        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
     window = v["sliding_window"] if v["use_sliding_window"] else None
-    types = v["layer_types"] or [
-        "sliding_attention" if window is not None and i >= v["max_window_layers"]
-        else "full_attention" for i in range(n)]
-    if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
-        raise CheckpointError(f"qwen2 layer_types={types!r} is not supported: "
-                              f"{n} of full_attention or sliding_attention expected")
+    return ["sliding_attention" if window is not None and i >= v["max_window_layers"]
+            else "full_attention" for i in range(n)]
+
+
+def _layers(family: str, v: dict) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) of ModelConfig: the window each layer has in
+    transformers."""
+    if family == "llama":
+        return None, ()
+    if family in ("mistral", "phi3"):
+        window = v["sliding_window"]
+        implied = ["full_attention" if window is None else "sliding_attention"] * \
+            v["num_hidden_layers"]
+        if v.get("layer_types") is not None and list(v["layer_types"]) != implied:
+            raise CheckpointError(f"{family} layer_types={v['layer_types']!r} is not "
+                                  f"supported: transformers ignores it and gives every layer "
+                                  f"sliding_window={window!r}")
+        return window, ()
+    types = list(v["layer_types"] or _default_types(family, v))
+    if len(types) != v["num_hidden_layers"] or \
+            not set(types) <= {"full_attention", "sliding_attention"}:
+        raise CheckpointError(f"{family} layer_types={types!r} is not supported: "
+                              f"{v['num_hidden_layers']} of full_attention or "
+                              f"sliding_attention expected")
+    window = v["sliding_window"]
+    if family in ("qwen2", "qwen3") and not v["use_sliding_window"]:
+        window = None
     if "sliding_attention" in types and window is None:
-        raise CheckpointError(f"qwen2 layer_types={types!r} is not supported: sliding layers "
-                              f"without a window (use_sliding_window={v['use_sliding_window']})")
-    if len(set(types)) > 1:
-        raise CheckpointError(
-            f"qwen2 layer_types={types!r} (use_sliding_window={v['use_sliding_window']}, "
-            f"max_window_layers={v['max_window_layers']}) is not supported: kvjax gives every "
-            f"layer the same attention window")
-    return window if types[0] == "sliding_attention" else None
+        raise CheckpointError(f"{family} layer_types={types!r} is not supported: sliding "
+                              f"layers without a window")
+    if "sliding_attention" not in types:
+        return None, ()
+    if "full_attention" not in types:
+        return window, ()
+    return window, tuple("sliding" if t == "sliding_attention" else "full" for t in types)
 
 
-def _rope_theta(v: dict) -> float:
-    theta = (v["rope_scaling"] or v["rope_parameters"] or {}).get("rope_theta", v["rope_theta"])
-    if not isinstance(theta, (int, float)):
-        raise CheckpointError(f"rope_theta={theta!r} is not a number")
-    return float(theta)
+def _rope(family: str, v: dict) -> dict[str, Any]:
+    """ModelConfig's rope_theta, rope_scaling and local_rope_theta."""
+    rope = v["rope_scaling"] or v["rope_parameters"] or {}
+    per_type = any(isinstance(r, dict) for r in rope.values())
+    if per_type and family != "gemma3_text":
+        raise CheckpointError(f"{family} rope_parameters={rope!r} is not supported: RoPE "
+                              f"parameters per layer type are Gemma 3's")
+    try:
+        if family != "gemma3_text":  # 4.x: rope_scaling beside a top-level rope_theta
+            theta = theta_of(v["rope_parameters"], v["rope_theta"])
+            return {"rope_theta": theta_of(rope, theta),
+                    "rope_scaling": rope_scaling(rope, v["max_position_embeddings"], rope)}
+        full = rope.get("full_attention", {} if per_type else rope)
+        local = rope.get("sliding_attention", {})
+        if rope_scaling(local, v["max_position_embeddings"], local):
+            raise CheckpointError(f"gemma3_text rope_parameters={rope!r} is not supported: "
+                                  f"scaled RoPE on the sliding layers")
+        return {"rope_theta": theta_of(full, v["rope_theta"]),
+                "rope_scaling": rope_scaling(full, v["max_position_embeddings"], full),
+                "local_rope_theta": theta_of(local, v["rope_local_base_freq"])}
+    except ValueError as e:
+        raise CheckpointError(f"{family} rope: {e}") from e
+
+
+def _llama_like(family: str, v: dict) -> ModelConfig:
+    heads = v["num_attention_heads"]
+    window, types = _layers(family, v)
+    bias = family in ("llama", "qwen3", *GEMMA) and bool(v["attention_bias"])
+    fields = dict(
+        vocab_size=v["vocab_size"], num_layers=v["num_hidden_layers"],
+        d_model=v["hidden_size"], num_heads=heads, num_kv_heads=v["num_key_value_heads"] or heads,
+        head_dim=v["head_dim"] or v["hidden_size"] // heads, d_ff=v["intermediate_size"],
+        max_seq_len=v["max_position_embeddings"], norm="rms", norm_eps=v["rms_norm_eps"],
+        position="rope", mlp="swiglu", qkv_bias=family == "qwen2" or bias, o_bias=bias,
+        mlp_bias=family == "llama" and bool(v["mlp_bias"]), sliding_window=window,
+        layer_types=types, qk_norm=family in ("qwen3", "gemma3_text"),
+        tie_embeddings=bool(v["tie_word_embeddings"]), **_rope(family, v))
+    if family in GEMMA:
+        fields |= dict(mlp="geglu", sandwich_norms=True, embed_scale=True,
+                       query_scale=float(v["query_pre_attn_scalar"]) ** -0.5,
+                       attn_softcap=v["attn_logit_softcapping"],
+                       final_softcap=v["final_logit_softcapping"])
+    return ModelConfig(**fields)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -193,32 +263,27 @@ def config_from_hf(hf: dict) -> ModelConfig:
                               f"(supported: {', '.join(FAMILIES)})")
     v = _resolve(family, hf)
     try:
-        if family == "gpt2":
-            d = v["n_embd"]
-            return ModelConfig(
-                vocab_size=v["vocab_size"], num_layers=v["n_layer"], d_model=d,
-                num_heads=v["n_head"], num_kv_heads=v["n_head"], d_ff=v["n_inner"] or 4 * d,
-                max_seq_len=v["n_positions"], norm="layer", norm_eps=v["layer_norm_epsilon"],
-                position="learned", mlp="gelu", qkv_bias=True, o_bias=True, mlp_bias=True,
-                tie_embeddings=bool(v["tie_word_embeddings"]))
-        heads = v["num_attention_heads"]
-        llama_bias = family == "llama" and bool(v["attention_bias"])
+        if family != "gpt2":
+            return _llama_like(family, v)
+        d = v["n_embd"]
         return ModelConfig(
-            vocab_size=v["vocab_size"], num_layers=v["num_hidden_layers"],
-            d_model=v["hidden_size"], num_heads=heads,
-            num_kv_heads=v["num_key_value_heads"] or heads,
-            head_dim=v["head_dim"] or v["hidden_size"] // heads,
-            d_ff=v["intermediate_size"], max_seq_len=v["max_position_embeddings"],
-            norm="rms", norm_eps=v["rms_norm_eps"], position="rope", rope_theta=_rope_theta(v),
-            mlp="swiglu", qkv_bias=family == "qwen2" or llama_bias, o_bias=llama_bias,
-            mlp_bias=family == "llama" and bool(v["mlp_bias"]),
-            sliding_window=_window(family, v), tie_embeddings=bool(v["tie_word_embeddings"]))
+            vocab_size=v["vocab_size"], num_layers=v["n_layer"], d_model=d,
+            num_heads=v["n_head"], num_kv_heads=v["n_head"], d_ff=v["n_inner"] or 4 * d,
+            max_seq_len=v["n_positions"], norm="layer", norm_eps=v["layer_norm_epsilon"],
+            position="learned", mlp="gelu", qkv_bias=True, o_bias=True, mlp_bias=True,
+            tie_embeddings=bool(v["tie_word_embeddings"]))
     except ConfigError as e:
         raise CheckpointError(f"{family} config.json is not a valid kvjax model: {e}") from e
 
 
 def family_of(c: ModelConfig) -> str:
     """The Hugging Face family that expresses `c` (CheckpointError: none does)."""
+    if c.layer_types or c.rope_scaling or c.local_rope_theta is not None or c.qk_norm \
+            or c.query_scale is not None or c.attn_softcap is not None or c.final_softcap \
+            is not None or c.sandwich_norms or c.embed_scale or c.mlp == "geglu":
+        raise CheckpointError("export is implemented for llama, mistral, qwen2 and gpt2 "
+                              "without RoPE scaling, per-layer windows, q/k norms or "
+                              "Gemma's options")
     if (c.position == "learned" and c.norm == "layer" and c.mlp == "gelu" and c.qkv_bias
             and c.o_bias and c.mlp_bias and c.num_kv_heads == c.num_heads and c.tie_embeddings
             and c.head_dim * c.num_heads == c.d_model and c.sliding_window is None

@@ -40,10 +40,12 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
         attn += h * (config.num_heads + 2 * config.num_kv_heads)
     if config.o_bias:
         attn += d
-    mlp = d * config.d_ff * (3 if config.mlp == "swiglu" else 2)
+    gated = config.mlp in ("swiglu", "geglu")
+    mlp = d * config.d_ff * (3 if gated else 2)
     if config.mlp_bias:
-        mlp += config.d_ff * (2 if config.mlp == "swiglu" else 1) + d
-    norms = d * (2 if config.norm == "rms" else 4)
+        mlp += config.d_ff * (2 if gated else 1) + d
+    norms = d * (2 if config.norm == "rms" else 4) * (2 if config.sandwich_norms else 1)
+    norms += 2 * h if config.qk_norm else 0
     embed = config.vocab_size * d
     return {
         "layer_matmul": attn + mlp,
@@ -87,9 +89,9 @@ class StepCost:
 
 
 def _attended(config: ModelConfig, position: int) -> int:
-    """Keys a query at `position` attends to."""
+    """Keys a query at `position` attends to, summed over the layers."""
     keys = position + 1
-    return keys if config.sliding_window is None else min(keys, config.sliding_window)
+    return sum(keys if w is None else min(keys, w) for w in config.windows)
 
 
 def step_cost(config: ModelConfig, batch: int, context: int, new_tokens: int,
@@ -103,12 +105,12 @@ def step_cost(config: ModelConfig, batch: int, context: int, new_tokens: int,
     counts = param_counts(config)
     matmul = config.num_layers * counts["layer_matmul"] + config.vocab_size * config.d_model
     tokens = batch * new_tokens
-    attn_flops = sum(4 * config.num_layers * config.num_heads * config.head_dim
+    attn_flops = sum(4 * config.num_heads * config.head_dim
                      * _attended(config, context + t) for t in range(new_tokens))
     flops = 2.0 * matmul * tokens + batch * attn_flops
     read_weights = (config.num_layers * counts["layer_matmul"]
                     + config.vocab_size * config.d_model) * param_bytes
-    kv_len = min(context + new_tokens, config.sliding_window or context + new_tokens)
+    kv_len = _attended(config, context + new_tokens - 1) / config.num_layers  # per layer
     per_token_kv = kv_bytes(config.num_layers, config.num_kv_heads, config.head_dim, 1, 1,
                             kv_bytes_per_scalar)
     name = "decode" if new_tokens == 1 else ("prefill" if context == 0 else "extend")

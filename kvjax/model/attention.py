@@ -31,23 +31,32 @@ def _mask(q_pos: jax.Array, k_pos: jax.Array, causal: bool, window: int | None) 
     return mask
 
 
-def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
-    """[B, T, N, H] -> [B, T, K, G, H], scaled by 1/sqrt(H)."""
+def _grouped(q: jax.Array, num_kv_heads: int, scale: float | None) -> jax.Array:
+    """[B, T, N, H] -> [B, T, K, G, H], scaled by `scale` (None: 1/sqrt(H))."""
     b, t, n, h = q.shape
-    q = q * jnp.asarray(h**-0.5, q.dtype)
+    q = q * jnp.asarray(h**-0.5 if scale is None else scale, q.dtype)
     return q.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
 
 
+def _capped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """Scores soft-capped to (-cap, cap) by cap * tanh(scores / cap) (Gemma 2); None: as is."""
+    if softcap is None:
+        return scores
+    return jnp.tanh(scores / softcap) * softcap
+
+
 def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                   causal: bool, window: int | None) -> jax.Array:
-    """Attention of a whole sequence over itself (the no-cache reference).
+                   causal: bool, window: int | None, scale: float | None = None,
+                   softcap: float | None = None) -> jax.Array:
+    """Attention of a whole sequence over itself (the no-cache reference). `scale`
+    multiplies the queries (None: 1/sqrt(H)); `softcap` caps the scores (`_capped`).
 
     Args:
       q: [B, T, N, H]; k, v: [B, T, K, H]; positions: int32[B, T].
     Returns: [B, T, N, H]
     """
-    qg = _grouped(q, k.shape[2])
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k)
+    qg = _grouped(q, k.shape[2], scale)
+    scores = _capped(jnp.einsum("BTKGH,BSKH->BKGTS", qg, k), softcap)
     mask = _mask(positions, positions, causal, window)[:, None, None]  # [B, 1, 1, T, S]
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
@@ -55,7 +64,9 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
 
 
 def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, batch: BatchInfo,
-                              window: int | None, row_tile: int | None = None) -> jax.Array:
+                              window: int | None, row_tile: int | None = None,
+                              scale: float | None = None,
+                              softcap: float | None = None) -> jax.Array:
     """Causal attention of new queries over the paged cache (which already holds them).
 
     A KV head's query rows (T queries x G heads of its group) are the rows of its two
@@ -68,7 +79,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     S = 32). 0: one product of all T * G rows, at least two (for shapes where the backend
     keeps the rows invariant at every count, `kvjax.model.tiled.choose_blocks`). None: one
     product of all T * G rows (fastest; a lone row is not padded). The softmax normaliser
-    is a fixed-order sum (`tree_sum`).
+    is a fixed-order sum (`tree_sum`). `scale` and `softcap` as in `full_attention`.
 
     Args:
       q: [B, T, N, H], queries at positions `batch.lengths + t`.
@@ -83,7 +94,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     block_pages = cache.block_pages
     block_len = block_pages * cache.page_size
     num_blocks = batch.page_table.shape[1] // block_pages
-    qg = jnp.transpose(_grouped(q, kv), (0, 2, 1, 3, 4)).reshape(b, kv, rows, h)
+    qg = jnp.transpose(_grouped(q, kv, scale), (0, 2, 1, 3, 4)).reshape(b, kv, rows, h)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, nt * tile - rows), (0, 0)))
     qg = qg.reshape(b, kv, nt, tile, h)  # [B, K, nt, R, H]
     q_pos = batch.lengths[:, None] + jnp.arange(nt * tile, dtype=jnp.int32)[None, :] // g
@@ -113,7 +124,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in
         mask = _mask(q_pos, k_pos[None, None, :], True, window)  # [B, nt, R, S]
         mask = (mask & written[:, None, None, :])[:, None]  # [B, 1, nt, R, S]
-        s = jnp.einsum("BKnRH,BKnSH->BKnRS", qg, k)
+        s = _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg, k), softcap)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
@@ -138,15 +149,16 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
 
 
 def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchInfo,
-                    window: int | None) -> jax.Array:
+                    window: int | None, scale: float | None = None,
+                    softcap: float | None = None) -> jax.Array:
     """Baseline: attention over a contiguous [B, max_len] cache in one softmax."""
     t = q.shape[1]
-    qg = _grouped(q, cache.k.shape[3])
+    qg = _grouped(q, cache.k.shape[3], scale)
     k = cache.k[layer].astype(q.dtype)  # [B, S, K, H]
     v = cache.v[layer].astype(q.dtype)
     q_pos = batch.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
     mask = _mask(q_pos, k_pos, True, window)[:, None, None]
-    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k)
+    s = _capped(jnp.einsum("BTKGH,BSKH->BKGTS", qg, k), softcap)
     probs = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
     return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(q.shape)

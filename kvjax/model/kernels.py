@@ -13,7 +13,9 @@ keys returns 0). Prefill (T > 1) stays with the reference.
 
 What the kernels lack, and what `resolve_backend` does about it (falls back to "reference",
 with one warning per reason):
-  both        no sliding window (they mask only positions >= length). Masked slots are
+  both        no sliding window (they mask only positions >= length; a model with any
+              sliding layer falls back whole), no score soft-capping, no query scale but
+              1/sqrt(H) (Gemma's query_pre_attn_scalar). Masked slots are
               still multiplied in (weight 0 times V; the TPU kernel also adds the mask to
               q.K), so a NaN-poisoned page (`poison_freed`) in the unwritten tail of a
               sequence's last page turns the output NaN, where the reference zeroes it.
@@ -73,7 +75,8 @@ class AttentionKernel:
 
 def kernel_limits(backend: str, *, head_dim: int, page_size: int | None = None,
                   cache_dtype=None, window: int | None = None,
-                  poison_freed: bool = False) -> list[str]:
+                  poison_freed: bool = False, softcap: float | None = None,
+                  query_scale: float | None = None) -> list[str]:
     """Why `backend` cannot compute this attention exactly; empty when it can.
 
     `page_size` and `cache_dtype` are checked only when given.
@@ -83,6 +86,11 @@ def kernel_limits(backend: str, *, head_dim: int, page_size: int | None = None,
         return reasons
     if window is not None:
         reasons.append(f"{backend} has no sliding window (sliding_window={window})")
+    if softcap is not None:
+        reasons.append(f"{backend} has no score soft-capping (attn_softcap={softcap})")
+    if query_scale is not None:
+        reasons.append(f"{backend} scales scores by 1/sqrt(head_dim) only "
+                       f"(query_scale={query_scale})")
     if poison_freed:
         reasons.append(f"{backend} multiplies masked slots in, so NaN-poisoned freed pages "
                        "would leak into outputs (poison_freed=True)")
@@ -117,7 +125,9 @@ def resolve_backend(name: str, config: ModelConfig, platform: str | None = None,
     if name == "auto":
         name = _AUTO.get(platform or jax.default_backend(), "reference")
     reasons = kernel_limits(
-        name, head_dim=config.head_dim, window=config.sliding_window, poison_freed=poison_freed,
+        name, head_dim=config.head_dim, poison_freed=poison_freed,
+        window=next((w for w in config.windows if w is not None), None),
+        softcap=config.attn_softcap, query_scale=config.query_scale,
         page_size=None if cache is None else cache.page_size,
         cache_dtype=None if cache is None else DTYPES[cache.dtype])
     for reason in reasons:

@@ -5,6 +5,8 @@ Legend: B batch, T tokens, N heads, H head dim, D model width, F feed-forward wi
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -65,19 +67,66 @@ def make_norm(config: ModelConfig, name: str) -> nn.Module:
     return LayerNorm(eps=config.norm_eps, name=name)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> tuple[jax.Array, float]:
+    """(inverse frequencies [H/2], cos/sin amplitude) of RoPE with base `theta` and
+    `scaling` (`ModelConfig.rope_scaling`), as transformers' rope utilities compute them in
+    float32: "linear" divides every frequency by `factor`; "llama3" divides the low ones and
+    blends the middle band; "yarn" blends interpolated and extrapolated frequencies over a
+    ramp of dimensions and scales cos/sin by `attention_factor`."""
+    h = head_dim
+    exponents = jnp.arange(0, h, 2, dtype=jnp.float32) / h
+    inv_freq = 1.0 / (theta ** exponents)  # [H/2]
+    s = dict(scaling)
+    kind = s.get("rope_type")
+    if kind is None:
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / s["factor"], 1.0
+    if kind == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        context = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+        return jnp.where(medium, blended, scaled), 1.0
+    if kind == "yarn":
+        factor, context = s["factor"], s["original_max_position_embeddings"]
+
+        def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+            return h * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = dim_of(s["beta_fast"]), dim_of(s["beta_slow"])
+        if s["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, h - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - lo) / (hi - lo), 0, 1)
+        extrapolated = 1 - ramp
+        pos_freqs = theta ** exponents
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolated) \
+            + (1.0 / pos_freqs) * extrapolated
+        return inv_freq, float(s["attention_factor"])
+    raise ValueError(f"rope_type {kind!r}")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) -> jax.Array:
     """Rotary embedding, rotate-half convention (Llama/Hugging Face layout).
 
     Args:
       x: [B, T, N, H]; positions: int32[B, T].
     """
     h = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+    inv_freq, amplitude = rope_frequencies(h, theta, scaling)  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if amplitude != 1.0:
+        cos, sin = cos * amplitude, sin * amplitude
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., h // 2:], x32[..., : h // 2]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
 class MLP(nn.Module):
@@ -97,6 +146,9 @@ class MLP(nn.Module):
 
         if cfg.mlp == "swiglu":
             hidden = nn.silu(dense(x, cfg.d_ff, "gate")) * dense(x, cfg.d_ff, "up")  # [B, T, F]
+        elif cfg.mlp == "geglu":  # tanh-approximated GELU gate (Gemma)
+            hidden = nn.gelu(dense(x, cfg.d_ff, "gate"), approximate=True) * dense(
+                x, cfg.d_ff, "up")
         else:
             hidden = nn.gelu(dense(x, cfg.d_ff, "up"), approximate=True)
         return dense(hidden, cfg.d_model, "down")

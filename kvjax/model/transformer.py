@@ -59,12 +59,16 @@ class Attention(nn.Module):
 
         q, k, v = project(cfg.num_heads, "q"), project(cfg.num_kv_heads, "k"), \
             project(cfg.num_kv_heads, "v")
+        if cfg.qk_norm:  # per head, over H
+            q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
         if cfg.position == "rope":
-            q = apply_rope(q, positions, cfg.rope_theta)
-            k = apply_rope(k, positions, cfg.rope_theta)
+            theta, scaling = cfg.rope(self.layer)
+            q = apply_rope(q, positions, theta, scaling)
+            k = apply_rope(k, positions, theta, scaling)
+        window, score = cfg.window(self.layer), self.score_math
         with jax.named_scope("attention"):
             if cache is None:
-                out = full_attention(q, k, v, positions, cfg.causal, cfg.sliding_window)
+                out = full_attention(q, k, v, positions, cfg.causal, window, **score)
             elif groups is not None:
                 out, cache = self.packed(q, k, v, cache, batch, groups)
             elif isinstance(cache, PagedKVCache):
@@ -72,10 +76,15 @@ class Attention(nn.Module):
                 out = self.paged(q, cache, batch)
             else:
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
-                out = dense_attention(q, cache, self.layer, batch, cfg.sliding_window)
+                out = dense_attention(q, cache, self.layer, batch, window, **score)
         y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
                             dot_general=row_dot(cfg, "o"), name="o")(out)
         return add_lora(self, "o", out, y, adapter_ids, in_dims=2, invariant=invariant), cache
+
+    @property
+    def score_math(self) -> dict:
+        """The attention functions' `scale` and `softcap` arguments for this model."""
+        return {"scale": self.config.query_scale, "softcap": self.config.attn_softcap}
 
     def packed(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache,
                batches: tuple[BatchInfo, ...], groups: Groups) -> tuple[jax.Array, Cache]:
@@ -101,12 +110,12 @@ class Attention(nn.Module):
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
         if one is chosen (under shard_map on a mesh), everything else by the reference;
         invariant numerics always by the reference, per query."""
-        kernel, window = self.kernel, self.config.sliding_window
+        kernel, window = self.kernel, self.config.window(self.layer)
         invariant = self.config.numerics == "invariant"
         if kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or invariant:
             return paged_attention_reference(q, cache, self.layer, batch, window,
                                              self.config.block("attention") if invariant
-                                             else None)
+                                             else None, **self.score_math)
         if self.sharding is None:
             return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
                                           kernel.interpret, window=window)
@@ -123,14 +132,16 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, cache, batch, adapter_ids, groups=None):
-        attn_out, cache = Attention(self.config, self.layer, self.sharding, self.kernel,
-                                    name="attn")(
-            make_norm(self.config, "attn_norm")(x), positions, cache, batch, adapter_ids,
-            groups)
+        cfg = self.config
+        attn_out, cache = Attention(cfg, self.layer, self.sharding, self.kernel, name="attn")(
+            make_norm(cfg, "attn_norm")(x), positions, cache, batch, adapter_ids, groups)
+        if cfg.sandwich_norms:
+            attn_out = make_norm(cfg, "post_attn_norm")(attn_out)
         x = x + attn_out
-        x = x + MLP(self.config, name="mlp")(make_norm(self.config, "mlp_norm")(x),
-                                             adapter_ids)
-        return x, cache
+        mlp_out = MLP(cfg, name="mlp")(make_norm(cfg, "mlp_norm")(x), adapter_ids)
+        if cfg.sandwich_norms:
+            mlp_out = make_norm(cfg, "post_mlp_norm")(mlp_out)
+        return x + mlp_out, cache
 
 
 class Transformer(nn.Module):
@@ -168,6 +179,8 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=EMBED_INIT,
                          dtype=cfg.dtype, name="embed")
         x = embed(tokens)  # [B, T, D]
+        if cfg.embed_scale:
+            x = x * jnp.asarray(cfg.d_model**0.5, x.dtype)
         if self.sharding is not None:
             x = self.sharding.batch(x)
         if cfg.position == "learned":
@@ -189,7 +202,10 @@ class Transformer(nn.Module):
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
                               dot_general=dot, name="lm_head")(x)
-        return logits.astype(jnp.float32), cache
+        logits = logits.astype(jnp.float32)
+        if cfg.final_softcap is not None:
+            logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits, cache
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict:
