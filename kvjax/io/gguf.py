@@ -210,9 +210,10 @@ def gguf_tokenizer(path):
     """A GGUF file's byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2") as a
     `tokenizers.Tokenizer`: its tokens and merges, the pre-tokenizer its
     `tokenizer.ggml.pre` names, control tokens (type 3) as special tokens matched whole,
-    user-defined ones (type 4) as added tokens. Returns (tokenizer, BOS token, EOS token,
-    chat template source or None)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    user-defined ones (type 4) as added tokens, and a post-processor adding BOS / EOS to a
+    prompt where `tokenizer.ggml.add_bos_token` / `add_eos_token` say so. Returns
+    (tokenizer, BOS token, EOS token, chat template source or None)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     meta = gguf_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
@@ -237,4 +238,11 @@ def gguf_tokenizer(path):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    return tok, token("bos"), token("eos"), meta.get("tokenizer.chat_template")
+    bos, eos = token("bos"), token("eos")
+    pre = [bos] if bos and meta.get("tokenizer.ggml.add_bos_token") else []
+    post = [eos] if eos and meta.get("tokenizer.ggml.add_eos_token") else []
+    if pre or post:  # what llama.cpp adds to a prompt
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join([*pre, "$A", *post]),
+            special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(pre + post)])
+    return tok, bos, eos, meta.get("tokenizer.chat_template")

@@ -31,8 +31,8 @@ from kvjax.io.hf_families import (
 )
 
 __all__ = ["ALIASES", "FAMILIES", "LLAMA_LIKE", "MAPPED", "NO_EFFECT", "OPTIONS",
-           "CheckpointError", "config_from_hf", "hf_config", "load_hf", "read_safetensors",
-           "save_hf"]
+           "CheckpointError", "config_from_hf", "eos_ids", "hf_config", "load_hf",
+           "read_safetensors", "save_hf"]
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -187,6 +187,24 @@ def load_hf(path) -> tuple[ModelConfig, dict]:
     import jax
 
     return config, jax.device_put(params)  # on device once, not copied at every step
+
+
+def eos_ids(path) -> tuple[int, ...]:
+    """A checkpoint folder's end-of-sequence ids, as transformers' `generate` takes them:
+    `generation_config.json`'s `eos_token_id` (an id or a list: Llama 3 names three), else
+    `config.json`'s; () when neither names one."""
+    path = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        value = json.loads(file.read_text()).get("eos_token_id") if file.exists() else None
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise CheckpointError(f"{file}: eos_token_id={value!r} is not an id or a list "
+                                  f"of ids")
+        return tuple(dict.fromkeys(ids))
+    return ()
 
 
 def params_from_tensors(hf: dict, config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:

@@ -7,6 +7,7 @@ alike but encode differently share only their common id prefix.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import traceback
@@ -31,6 +32,10 @@ class Tokenizer(Protocol):
     eos_token: str | None
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A whole prompt's ids: `encode` plus the special tokens the tokenizer adds (BOS)."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -61,6 +66,9 @@ class ByteTokenizer:
                 ids.extend(piece.encode("utf-8"))
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:  # adds nothing
+        return self.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         out, buf = [], bytearray()
         for i in ids:
@@ -78,8 +86,10 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` through the `tokenizers` library (no special tokens are added:
-    the chat template or the caller decides them)."""
+    """A `tokenizer.json` through the `tokenizers` library. `encode` adds no special tokens
+    (a chat template writes its own); `encode_prompt` adds what the tokenizer's
+    post-processor adds (a BOS, for Llama 3), as transformers 5's `tokenizer(text)` does
+    for byte-level vocabularies (it ignores tokenizer_config.json's add_bos_token there)."""
 
     def __init__(self, source, bos_token: str | None = None, eos_token: str | None = None):
         """source: a `tokenizer.json` path or a `tokenizers.Tokenizer`."""
@@ -96,6 +106,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -125,6 +138,8 @@ def _template_line(error: BaseException) -> int | None:
 
 
 def _check_messages(messages) -> None:
+    """A list of dicts with a string 'role' and a 'content' that is a string, a list of
+    content parts, or null / missing beside 'tool_calls' (an assistant calling tools)."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages must be a list of messages, got "
                                 f"{type(messages).__name__}")
@@ -132,16 +147,33 @@ def _check_messages(messages) -> None:
         if not isinstance(m, Mapping):
             raise ChatTemplateError(f"message {i} must be a dict with a 'role' and a 'content',"
                                     f" got {type(m).__name__}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise ChatTemplateError(f"message {i} has no {key!r}")
-            if not isinstance(m[key], str):
-                raise ChatTemplateError(f"message {i} needs a string {key!r}, got "
-                                        f"{type(m[key]).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"message {i} needs a string 'role'" if "role" in m
+                                    else f"message {i} has no 'role'")
+        if "content" not in m and "tool_calls" not in m:
+            raise ChatTemplateError(f"message {i} has no 'content'")
+        content = m.get("content")
+        if not isinstance(content, (str, list)) and not (content is None and "tool_calls" in m):
+            raise ChatTemplateError(f"message {i} needs a string 'content' (or a list of "
+                                    f"parts, or null beside 'tool_calls'), got "
+                                    f"{type(content).__name__}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson`: plain `json.dumps` (Jinja's own escapes HTML characters)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 class ChatTemplate:
-    """Renders messages with a Jinja chat template (sandboxed, as Hugging Face does).
+    """Renders messages with a Jinja chat template in the environment transformers gives
+    one: sandboxed, trim_blocks and lstrip_blocks, loop controls (`break`, `continue`),
+    `raise_exception`, `strftime_now` and transformers' `tojson`. `tools` (JSON schemas)
+    and other keyword arguments reach the template as transformers passes them.
 
     A source that does not compile raises `ChatTemplateError` here; messages that are not a
     list of dicts with string 'role' and 'content', and any failure of the template on them
@@ -159,8 +191,11 @@ class ChatTemplate:
         def raise_exception(message):
             raise ChatTemplateError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = _strftime_now
         try:
             self.template = env.from_string(source)
         except TemplateSyntaxError as e:
@@ -175,9 +210,9 @@ class ChatTemplate:
         _check_messages(messages)
         try:
             return self.template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.tokenizer.bos_token or "",
-                eos_token=self.tokenizer.eos_token or "", **kwargs)
+                **{"tools": None, "documents": None, "bos_token": self.tokenizer.bos_token
+                   or "", "eos_token": self.tokenizer.eos_token or "", **kwargs},
+                messages=list(messages), add_generation_prompt=add_generation_prompt)
         except ChatTemplateError:
             raise
         except (TemplateError, *_TEMPLATE_CODE_ERRORS) as e:
