@@ -36,6 +36,8 @@ def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
 # the RoPE scalings ModelConfig.rope_scaling names and the numbers each needs
 ROPE_SCALING = {
     "linear": ("factor",),
+    # plain RoPE up to original_max_position_embeddings, where transformers' NTK update starts
+    "dynamic": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
@@ -71,7 +73,8 @@ class ModelConfig:
     # layer the window when one is set
     layer_types: tuple[str, ...] = ()
     # RoPE scaling of the full layers, (name, value) pairs: ("rope_type", "linear" | "llama3"
-    # | "yarn") and that type's numbers (see kvjax.model.layers.rope_frequencies); () = plain
+    # | "yarn" | "dynamic") and that type's numbers (ROPE_SCALING; see
+    # kvjax.model.layers.rope_frequencies); () = plain
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     local_rope_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
@@ -147,6 +150,10 @@ class ModelConfig:
             _choice(scaling.get("rope_type"), "rope_scaling", tuple(ROPE_SCALING))
             missing = [k for k in ROPE_SCALING[scaling["rope_type"]] if k not in scaling]
             _require(not missing, "rope_scaling", f"{scaling['rope_type']} needs {missing}")
+            _require(scaling["rope_type"] != "dynamic" or self.max_seq_len <= scaling[
+                "original_max_position_embeddings"], "max_seq_len",
+                f"{self.max_seq_len} is past where dynamic RoPE starts rescaling "
+                f"({scaling.get('original_max_position_embeddings')})")
         for key in ("local_rope_theta", "query_scale", "attn_softcap", "final_softcap"):
             value = getattr(self, key)
             _require(value is None or value > 0, key, f"must be None or > 0, got {value}")

@@ -60,6 +60,9 @@ def test_dotted_overrides(tmp_path):
     ({"model": {"rope_scaling": [["rope_type", "llama3"], ["factor", 8.0]]}},
      "model.rope_scaling", "llama3 needs"),
     ({"model": {"attn_softcap": 0.0}}, "model.attn_softcap", "> 0"),
+    ({"model": {"max_seq_len": 512, "rope_scaling": [
+        ["rope_type", "dynamic"], ["factor", 2.0], ["original_max_position_embeddings", 256]]}},
+     "model.max_seq_len", "past where dynamic RoPE starts rescaling"),
 ])
 def test_bad_keys_and_values_name_the_key(raw, key, message):
     with pytest.raises(ConfigError, match=message) as info:

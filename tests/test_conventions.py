@@ -73,9 +73,12 @@ def test_stop_strings_are_found_across_multi_character_tokens(tok_folders):
     completes the string."""
     tok, _ = load_tokenizer(tok_folders[False])
     ids = tok.encode("hello world, hello there")
-    pieces = [tok.decode([i]) for i in ids]
-    assert "lo wo" not in "".join(p for p in pieces if "lo wo" in p)  # spans tokens
-    end = next(m for m in range(1, len(ids) + 1) if "lo wo" in tok.decode(ids[:m]))
+    ends = [len(tok.decode(ids[:m])) for m in range(1, len(ids) + 1)]  # text after token i
+    begin = tok.decode(ids).index("lo wo")
+    first = next(i for i, e in enumerate(ends) if e > begin)  # the token holding its "l"
+    last = next(i for i, e in enumerate(ends) if e >= begin + len("lo wo"))
+    assert first < last and (ends[first - 1] if first else 0) < begin  # starts mid-token
+    end = last + 1
     assert stop_end(tok.decode, ids, 0, ["lo wo"]) == end < len(ids)
     assert stop_end(tok.decode, ids, 0, ["absent"]) is None
     umlaut = tok.encode("Zür")
@@ -130,7 +133,8 @@ def test_end_of_sequence_ids_come_from_generation_config_then_config(hf_model, t
 
 
 # Qwen 2.5-style: a default system prompt or the tools block, tool calls and responses,
-# `continue` past system messages, a date from strftime_now when there is no system prompt
+# `continue` past system messages, a date from strftime_now when there is no system prompt,
+# assistant turns in a `{% generation %}` block
 QWEN_LIKE = """{%- if tools %}
 <|im_start|>system
 {{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are a helpful assistant.' }}
@@ -162,6 +166,9 @@ Today is {{ strftime_now('%d %B %Y') }}.<|im_end|>
 <tool_response>
 {{ message.content }}
 </tool_response><|im_end|>
+{%- elif message['role'] == 'assistant' %}
+<|im_start|>assistant
+{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}
 {%- else %}
 <|im_start|>{{ message['role'] }}
 {{ message['content'] }}<|im_end|>

@@ -41,9 +41,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=(), pre="gpt2"):
+def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=(), pre="gpt2",
+               add_bos=None):
     """A llama GGUF file of `params` (F32; tensors named in `f16` as F16), its vocabulary
-    split as `pre` says (None: not said)."""
+    split as `pre` says (None: not said), `add_bos` as tokenizer.ggml.add_bos_token."""
     c = config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.num_layers)
@@ -63,6 +64,8 @@ def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=(), pre=
     w.add_token_merges(["a b", "Ġ a"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
     for key, value in (meta or {}).items():
         add = {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)]
@@ -159,6 +162,17 @@ def test_the_gguf_tokenizer_and_template(small):
     assert tok.encode("<s>ab a</s>") == [0, TOKENS.index("ab"), TOKENS.index("Ġa"), 1]
     assert tok.decode(tok.encode(" a\nab")) == " a\nab"
     assert template.render([{"role": "user", "content": "ab"}]) == [0, TOKENS.index("ab"), 1]
+    assert tok.encode_prompt("ab") == [TOKENS.index("ab")]  # add_bos_token not set
+
+
+def test_a_text_prompt_gets_bos_where_the_file_says_so(tmp_path, small):
+    params, _ = small
+    for add_bos, expected in ((True, [0, TOKENS.index("ab")]), (False, [TOKENS.index("ab")])):
+        path = write_gguf(tmp_path / f"{add_bos}.gguf", CONFIG, params, add_bos=add_bos)
+        tok, template = load_tokenizer(path)
+        assert tok.encode_prompt("ab") == expected
+        assert tok.encode("ab") == [TOKENS.index("ab")]  # what a chat template's text gets
+        assert template.render([{"role": "user", "content": "ab"}]).count(0) == 1  # its own
 
 
 def test_a_missing_model_says_how_to_install_it(monkeypatch):

@@ -56,10 +56,10 @@ def decode_case(num_heads, num_kv_heads, head_dim, page_size, block_pages, q_dty
     return q, cache, batch
 
 
-def check(backend, q, cache, batch):
+def check(backend, q, cache, batch, scale=None):
     """Asserts the kernel matches the reference on layer 1."""
-    out = paged_decode_attention(q, cache, 1, batch, backend, interpret=True)
-    ref = paged_attention_reference(q, cache, 1, batch, None)
+    out = paged_decode_attention(q, cache, 1, batch, backend, interpret=True, scale=scale)
+    ref = paged_attention_reference(q, cache, 1, batch, None, scale=scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     np.testing.assert_allclose(out, ref, atol=KERNEL_TOL[q.dtype], rtol=0)
@@ -78,6 +78,15 @@ def test_gpu_kernel_matches_reference(heads, kv_heads, page_size, block_pages, q
     q, cache, batch = decode_case(heads, kv_heads, 16, page_size, block_pages, q_dtype,
                                   cache_dtype)
     check("pallas_gpu", q, cache, batch)
+
+
+def test_kernels_take_the_models_query_scale():
+    """Gemma's query_pre_attn_scalar: kvjax scales q before either kernel, as the reference
+    does, so a model's own scale needs no fallback."""
+    q, cache, batch = decode_case(8, 2, 16, 8, 2, jnp.float32, jnp.float32)
+    check("pallas_gpu", q, cache, batch, scale=0.6)
+    q, cache, batch = decode_case(8, 2, 128, 16, 2, jnp.float32, jnp.bfloat16)
+    check("pallas_tpu", q, cache, batch, scale=0.05)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (8, 1)], ids=["gqa", "mqa"])
@@ -225,11 +234,10 @@ def test_sliding_window_falls_back_and_warns_once(fresh_warnings):
      CacheConfig(page_size=8, dtype="bfloat16", prefill_chunk=64), False, "multiple of 16"),
     ("pallas_gpu", dict(d_model=64, num_heads=4, attn_softcap=50.0), None, False,
      "soft-capping"),
-    ("pallas_tpu", dict(d_model=512, num_heads=4, query_scale=0.1), None, False, "query_scale"),
     ("pallas_gpu", dict(d_model=64, num_heads=4, sliding_window=8,
                         layer_types=("full", "sliding")), None, False, "sliding window"),
 ], ids=["gpu-head-dim", "gpu-page-size", "gpu-poison", "tpu-float32-cache", "tpu-head-dim",
-        "tpu-page-size", "gpu-softcap", "tpu-query-scale", "gpu-layer-windows"])
+        "tpu-page-size", "gpu-softcap", "gpu-layer-windows"])
 def test_unsupported_shapes_fall_back(fresh_warnings, backend, model, cache, poison, reason):
     config = small_model(**model)
     assert resolve_backend(backend, config, cache=cache, poison_freed=poison) == "reference"
@@ -246,6 +254,8 @@ def test_kernel_refuses_what_it_cannot_compute():
     q, cache, batch = decode_case(8, 2, 16, 8, 2, jnp.float32, jnp.float32)
     with pytest.raises(ValueError, match="sliding window"):
         paged_decode_attention(q, cache, 1, batch, "pallas_gpu", interpret=True, window=4)
+    with pytest.raises(ValueError, match="soft-capping"):
+        paged_decode_attention(q, cache, 1, batch, "pallas_gpu", interpret=True, softcap=9.0)
     with pytest.raises(ValueError, match="one token per row"):
         paged_decode_attention(jnp.concatenate([q, q], axis=1), cache, 1, batch, "pallas_gpu")
 

@@ -234,15 +234,16 @@ def gguf_tokenizer(path):
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, kind in zip(tokens, types, strict=False) if kind == 4])
 
-    def token(key: str) -> str | None:
+    def token(key: str) -> tuple[str, int] | None:  # (token, id)
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        return (tokens[i], int(i)) if i is not None and 0 <= i < len(tokens) else None
 
     bos, eos = token("bos"), token("eos")
     pre = [bos] if bos and meta.get("tokenizer.ggml.add_bos_token") else []
     post = [eos] if eos and meta.get("tokenizer.ggml.add_eos_token") else []
     if pre or post:  # what llama.cpp adds to a prompt
         tok.post_processor = processors.TemplateProcessing(
-            single=" ".join([*pre, "$A", *post]),
-            special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(pre + post)])
+            single=" ".join([t for t, _ in pre] + ["$A"] + [t for t, _ in post]),
+            special_tokens=list(dict.fromkeys(pre + post)))
+    bos, eos = (None if t is None else t[0] for t in (bos, eos))
     return tok, bos, eos, meta.get("tokenizer.chat_template")

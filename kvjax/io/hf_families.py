@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax.config import ConfigError, ModelConfig
+from kvjax.io.hf_rope import kind_of, theta_of
 from kvjax.io.hf_rope import scaling as rope_scaling
-from kvjax.io.hf_rope import theta_of
 from kvjax.io.hf_rope import unsupported as rope_unsupported
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -211,27 +211,35 @@ def _layers(family: str, v: dict) -> tuple[int | None, tuple[str, ...]]:
 
 
 def _rope(family: str, v: dict) -> dict[str, Any]:
-    """ModelConfig's rope_theta, rope_scaling and local_rope_theta."""
-    rope = v["rope_scaling"] or v["rope_parameters"] or {}
-    per_type = any(isinstance(r, dict) for r in rope.values())
-    if per_type and family != "gemma3_text":
-        raise CheckpointError(f"{family} rope_parameters={rope!r} is not supported: RoPE "
-                              f"parameters per layer type are Gemma 3's")
+    """ModelConfig's rope_theta, rope_scaling and local_rope_theta, as transformers reads
+    them: Gemma 3 from a dict per layer type (transformers 5) or 4.x's rope_theta,
+    rope_local_base_freq and rope_scaling (merged into the full layers')."""
+    params, legacy = v["rope_parameters"] or {}, v["rope_scaling"] or {}
+    per_type = any(isinstance(r, dict) for r in params.values())
+    positions = v["max_position_embeddings"]
     try:
-        if family != "gemma3_text":  # 4.x: rope_scaling beside a top-level rope_theta
-            theta = theta_of(v["rope_parameters"], v["rope_theta"])
-            return {"rope_theta": theta_of(rope, theta),
-                    "rope_scaling": rope_scaling(rope, v["max_position_embeddings"], rope)}
-        full = rope.get("full_attention", {} if per_type else rope)
-        local = rope.get("sliding_attention", {})
-        if rope_scaling(local, v["max_position_embeddings"], local):
-            raise CheckpointError(f"gemma3_text rope_parameters={rope!r} is not supported: "
-                                  f"scaled RoPE on the sliding layers")
+        if family != "gemma3_text":
+            if per_type:
+                raise ValueError(f"rope_parameters={params!r}: RoPE parameters per layer "
+                                 f"type are Gemma 3's")
+            rope = legacy or params  # 4.x: rope_scaling beside a top-level rope_theta
+            if family == "phi3" and kind_of(rope) != "default":
+                raise ValueError(f"rope type {kind_of(rope)!r}: transformers' Phi-3 takes "
+                                 f"only plain RoPE and longrope")
+            return {"rope_theta": theta_of(rope, theta_of(params, v["rope_theta"])),
+                    "rope_scaling": rope_scaling(rope, positions, rope)}
+        if params and not per_type:
+            raise ValueError(f"rope_parameters={params!r}: Gemma 3 names its layer types "
+                             f"(transformers ignores a flat dict)")
+        full = {**params.get("full_attention", {}), **legacy}
+        local = params.get("sliding_attention", {})
+        if rope_scaling(local, positions, local):
+            raise ValueError(f"rope_parameters={params!r}: scaled RoPE on the sliding layers")
         return {"rope_theta": theta_of(full, v["rope_theta"]),
-                "rope_scaling": rope_scaling(full, v["max_position_embeddings"], full),
+                "rope_scaling": rope_scaling(full, positions, params or legacy),
                 "local_rope_theta": theta_of(local, v["rope_local_base_freq"])}
     except ValueError as e:
-        raise CheckpointError(f"{family} rope: {e}") from e
+        raise CheckpointError(f"{family} rope is not supported: {e}") from e
 
 
 def _llama_like(family: str, v: dict) -> ModelConfig:
@@ -247,9 +255,10 @@ def _llama_like(family: str, v: dict) -> ModelConfig:
         mlp_bias=family == "llama" and bool(v["mlp_bias"]), sliding_window=window,
         layer_types=types, qk_norm=family in ("qwen3", "gemma3_text"),
         tie_embeddings=bool(v["tie_word_embeddings"]), **_rope(family, v))
-    if family in GEMMA:
+    if family in GEMMA:  # a query scale of 1/sqrt(head_dim) is the default (None)
+        scalar = v["query_pre_attn_scalar"]
         fields |= dict(mlp="geglu", sandwich_norms=True, embed_scale=True,
-                       query_scale=float(v["query_pre_attn_scalar"]) ** -0.5,
+                       query_scale=None if scalar == fields["head_dim"] else scalar ** -0.5,
                        attn_softcap=v["attn_logit_softcapping"],
                        final_softcap=v["final_logit_softcapping"])
     return ModelConfig(**fields)

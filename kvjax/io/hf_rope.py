@@ -5,8 +5,9 @@ the type's numbers}); 4.x wrote `rope_scaling` (with "type" or "rope_type") besi
 `rope_theta`; Gemma 3 gives one dict per layer type ("full_attention",
 "sliding_attention"). Implemented, as `transformers.modeling_rope_utils` computes them:
 "default"; "linear"; "llama3"; "yarn"; "dynamic" (NTK scaling that changes the frequencies
-only past `max_position_embeddings`, where kvjax's `max_seq_len` stops: below it, plain
-RoPE). Anything else (longrope, partial rotary, unknown keys) is refused by name.
+only past `max_position_embeddings`: kvjax keeps it in the config, computes plain RoPE, and
+`ModelConfig` refuses a `max_seq_len` past that point). Anything else (longrope, partial
+rotary, unknown keys) is refused by name.
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def scaling(rope: dict | None, max_positions: int, top_level: dict) -> tuple:
     `top_level` is the whole rope dict transformers reads yarn's `truncate` from."""
     rope = rope or {}
     kind = kind_of(rope)
-    if kind in ("default", "dynamic"):
+    if kind == "default":
         return ()
+    if kind == "dynamic":
+        return (("rope_type", "dynamic"), ("factor", float(rope["factor"])),
+                ("original_max_position_embeddings", float(max_positions)))
     if kind == "linear":
         return (("rope_type", "linear"), ("factor", float(rope["factor"])))
     if kind == "llama3":

@@ -169,11 +169,27 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
+def _generation_tag():
+    """transformers' `{% generation %}...{% endgeneration %}` block (it marks the assistant's
+    tokens for training masks); the body renders as it is."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
 class ChatTemplate:
     """Renders messages with a Jinja chat template in the environment transformers gives
     one: sandboxed, trim_blocks and lstrip_blocks, loop controls (`break`, `continue`),
-    `raise_exception`, `strftime_now` and transformers' `tojson`. `tools` (JSON schemas)
-    and other keyword arguments reach the template as transformers passes them.
+    `{% generation %}` blocks, `raise_exception`, `strftime_now` and transformers'
+    `tojson`. `tools` (JSON schemas) and other keyword arguments reach the template as
+    transformers passes them.
 
     A source that does not compile raises `ChatTemplateError` here; messages that are not a
     list of dicts with string 'role' and 'content', and any failure of the template on them
@@ -191,8 +207,9 @@ class ChatTemplate:
         def raise_exception(message):
             raise ChatTemplateError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = _strftime_now

@@ -6,16 +6,16 @@ P pages per sequence (page-table width).
 JAX ships two paged-attention kernels that read kvjax's cache layout as it is
 (`cache.k[layer]`: [K, num_pages, page_size, H]). `resolve_backend` picks one (or the
 reference) for a model; `paged_decode_attention` runs it with the semantics of
-`paged_attention_reference` for one new token per row: the 1/sqrt(H) scaling (neither kernel
-scales), grouped heads (head n reads kv head n // G in both), keys at positions
-< lengths + num_new (an inactive row, num_new == 0, attends to its cached keys; a row with no
-keys returns 0). Prefill (T > 1) stays with the reference.
+`paged_attention_reference` for one new token per row: the query scale (1/sqrt(H), or the
+model's `query_scale`; neither kernel scales), grouped heads (head n reads kv head n // G in
+both), keys at positions < lengths + num_new (an inactive row, num_new == 0, attends to its
+cached keys; a row with no keys returns 0). Prefill (T > 1) stays with the reference.
 
 What the kernels lack, and what `resolve_backend` does about it (falls back to "reference",
 with one warning per reason):
   both        no sliding window (they mask only positions >= length; a model with any
-              sliding layer falls back whole), no score soft-capping, no query scale but
-              1/sqrt(H) (Gemma's query_pre_attn_scalar). Masked slots are
+              sliding layer falls back whole), no score soft-capping (Gemma 2). Masked
+              slots are
               still multiplied in (weight 0 times V; the TPU kernel also adds the mask to
               q.K), so a NaN-poisoned page (`poison_freed`) in the unwritten tail of a
               sequence's last page turns the output NaN, where the reference zeroes it.
@@ -75,8 +75,7 @@ class AttentionKernel:
 
 def kernel_limits(backend: str, *, head_dim: int, page_size: int | None = None,
                   cache_dtype=None, window: int | None = None,
-                  poison_freed: bool = False, softcap: float | None = None,
-                  query_scale: float | None = None) -> list[str]:
+                  poison_freed: bool = False, softcap: float | None = None) -> list[str]:
     """Why `backend` cannot compute this attention exactly; empty when it can.
 
     `page_size` and `cache_dtype` are checked only when given.
@@ -88,9 +87,6 @@ def kernel_limits(backend: str, *, head_dim: int, page_size: int | None = None,
         reasons.append(f"{backend} has no sliding window (sliding_window={window})")
     if softcap is not None:
         reasons.append(f"{backend} has no score soft-capping (attn_softcap={softcap})")
-    if query_scale is not None:
-        reasons.append(f"{backend} scales scores by 1/sqrt(head_dim) only "
-                       f"(query_scale={query_scale})")
     if poison_freed:
         reasons.append(f"{backend} multiplies masked slots in, so NaN-poisoned freed pages "
                        "would leak into outputs (poison_freed=True)")
@@ -127,7 +123,7 @@ def resolve_backend(name: str, config: ModelConfig, platform: str | None = None,
     reasons = kernel_limits(
         name, head_dim=config.head_dim, poison_freed=poison_freed,
         window=next((w for w in config.windows if w is not None), None),
-        softcap=config.attn_softcap, query_scale=config.query_scale,
+        softcap=config.attn_softcap,
         page_size=None if cache is None else cache.page_size,
         cache_dtype=None if cache is None else DTYPES[cache.dtype])
     for reason in reasons:
@@ -155,12 +151,14 @@ def gpu_tiling(page_size: int, block_pages: int, pages_per_seq: int) -> tuple[in
 
 def paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, batch: BatchInfo,
                            backend: str, interpret: bool = False, *,
-                           window: int | None = None) -> jax.Array:
+                           window: int | None = None, scale: float | None = None,
+                           softcap: float | None = None) -> jax.Array:
     """Decode attention of one new token per row over the paged cache (which holds it).
 
-    Same result as `paged_attention_reference(q, cache, layer, batch, window)`; "reference"
-    runs exactly that. A kernel backend copies this layer of the pool (`cache.k[layer]`) for
-    the kernel and refuses, at trace time, a window or a shape `kernel_limits` rules out.
+    Same result as `paged_attention_reference(q, cache, layer, batch, window, scale=scale,
+    softcap=softcap)`; "reference" runs exactly that. A kernel backend copies this layer of
+    the pool (`cache.k[layer]`) for the kernel and refuses, at trace time, a window, a
+    soft-cap or a shape `kernel_limits` rules out.
     `interpret=True` runs a kernel in Pallas interpret mode (on CPU: tests).
 
     Args:
@@ -168,18 +166,20 @@ def paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, batch:
     Returns: [B, 1, N, H]
     """
     if backend == "reference":
-        return paged_attention_reference(q, cache, layer, batch, window)
+        return paged_attention_reference(q, cache, layer, batch, window, scale=scale,
+                                         softcap=softcap)
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     t, h = q.shape[1], q.shape[3]
     if t != 1:
         raise ValueError(f"{backend} decodes one token per row; got {t} (prefill: reference)")
     reasons = kernel_limits(backend, head_dim=h, page_size=cache.page_size,
-                            cache_dtype=cache.k.dtype, window=window)
+                            cache_dtype=cache.k.dtype, window=window, softcap=softcap)
     if reasons:
         raise ValueError("; ".join(reasons))
     with jax.named_scope(f"attention_{backend}"):
-        qs = q[:, 0] * jnp.asarray(h**-0.5, q.dtype)  # [B, N, H], as the reference scales
+        factor = h**-0.5 if scale is None else scale  # as the reference scales
+        qs = q[:, 0] * jnp.asarray(factor, q.dtype)  # [B, N, H]
         end = batch.lengths + batch.num_new  # [B] keys at or past `end` are unwritten
         # Kernels read pages by raw id; clamp as the reference's gather does.
         table = jnp.clip(batch.page_table, 0, cache.num_pages - 1)  # [B, P]
@@ -203,8 +203,9 @@ def paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, batch:
 def sharded_paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int,
                                    batch: BatchInfo, backend: str, *, mesh: Mesh,
                                    cache_spec: PartitionSpec, batch_axis: str | None = "data",
-                                   interpret: bool = False,
-                                   window: int | None = None) -> jax.Array:
+                                   interpret: bool = False, window: int | None = None,
+                                   scale: float | None = None,
+                                   softcap: float | None = None) -> jax.Array:
     """`paged_decode_attention` under a device mesh: each device runs the kernel on its shard.
 
     A Pallas kernel is one opaque call that GSPMD cannot split (it would gather the whole
@@ -236,7 +237,8 @@ def sharded_paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int
                             num_new=batch.num_new)
 
     def local(q, cache, batch):
-        return paged_decode_attention(q, cache, layer, batch, backend, interpret, window=window)
+        return paged_decode_attention(q, cache, layer, batch, backend, interpret, window=window,
+                                      scale=scale, softcap=softcap)
 
     cache_specs = PagedKVCache(k=PartitionSpec(*spec), v=PartitionSpec(*spec),
                                block_pages=cache.block_pages)

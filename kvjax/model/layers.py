@@ -70,7 +70,8 @@ def make_norm(config: ModelConfig, name: str) -> nn.Module:
 def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> tuple[jax.Array, float]:
     """(inverse frequencies [H/2], cos/sin amplitude) of RoPE with base `theta` and
     `scaling` (`ModelConfig.rope_scaling`), as transformers' rope utilities compute them in
-    float32: "linear" divides every frequency by `factor`; "llama3" divides the low ones and
+    float32: "linear" divides every frequency by `factor`; "dynamic" is plain RoPE within
+    `max_seq_len`; "llama3" divides the low ones and
     blends the middle band; "yarn" blends interpolated and extrapolated frequencies over a
     ramp of dimensions and scales cos/sin by `attention_factor`."""
     h = head_dim
@@ -78,7 +79,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> tuple[
     inv_freq = 1.0 / (theta ** exponents)  # [H/2]
     s = dict(scaling)
     kind = s.get("rope_type")
-    if kind is None:
+    if kind in (None, "dynamic"):  # dynamic: plain up to max_seq_len (ModelConfig checks)
         return inv_freq, 1.0
     if kind == "linear":
         return inv_freq / s["factor"], 1.0

@@ -24,7 +24,7 @@ def lora_targets(config: ModelConfig) -> dict[str, dict[str, tuple[int, int]]]:
     d, h = config.d_model, config.head_dim
     attn = {"q": (d, config.num_heads * h), "k": (d, config.num_kv_heads * h),
             "v": (d, config.num_kv_heads * h), "o": (config.num_heads * h, d)}
-    names = ("gate", "up") if config.mlp == "swiglu" else ("up",)
+    names = ("gate", "up") if config.mlp in ("swiglu", "geglu") else ("up",)
     mlp = dict.fromkeys(names, (d, config.d_ff))
     mlp["down"] = (config.d_ff, d)
     return {"attn": attn, "mlp": mlp}

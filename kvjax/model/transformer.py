@@ -118,10 +118,11 @@ class Attention(nn.Module):
                                              else None, **self.score_math)
         if self.sharding is None:
             return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
-                                          kernel.interpret, window=window)
+                                          kernel.interpret, window=window, **self.score_math)
         return sharded_paged_decode_attention(
             q, cache, self.layer, batch, kernel.backend, mesh=self.sharding.mesh,
-            cache_spec=self.sharding.cache, interpret=kernel.interpret, window=window)
+            cache_spec=self.sharding.cache, interpret=kernel.interpret, window=window,
+            **self.score_math)
 
 
 class Block(nn.Module):
