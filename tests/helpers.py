@@ -95,8 +95,10 @@ def cached_logits(params, config: ModelConfig, cache_cfg: CacheConfig, sequences
         perm = np.random.default_rng(shuffle_seed).permutation(cache_cfg.num_pages)
         rows = [[int(perm[p]) for p in r] for r in rows]
     logits = []
+    width = max(map(len, rows))  # one page-table width for every prefill: one compile
     for seq, n, row in zip(sequences, prompt_lens, rows, strict=True):
-        lg, cache = prefill(params, config, cache_cfg, cache, seq[:n], row)
+        padded = row + row[-1:] * (width - len(row))  # never read: past the sequence's end
+        lg, cache = prefill(params, config, cache_cfg, cache, seq[:n], padded)
         logits.append([lg])
     table = page_table(rows, len(sequences), cache_cfg.block_pages)
     lengths = np.array(prompt_lens, np.int32)
@@ -113,6 +115,16 @@ def cached_logits(params, config: ModelConfig, cache_cfg: CacheConfig, sequences
             logits[i].append(lg[i:i + 1])
         lengths = lengths + active
     return [np.concatenate(x) for x in logits], cache, rows
+
+
+def fresh_prefill(params, config: ModelConfig, cache_cfg: CacheConfig, history: list[int]):
+    """A fresh cache holding `history` in pages 0, 1, ... (a prefill of it alone). The page
+    table is always as wide as the longest sequence the model takes (pages past the history
+    are never read), so every history compiles one prefill per model."""
+    width = min(cache_cfg.num_pages, -(-config.max_seq_len // cache_cfg.page_size))
+    _, cache = prefill(params, config, cache_cfg, init_cache(config, cache_cfg), history,
+                       list(range(width)))
+    return cache
 
 
 def gather_sequence(cache, row: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,13 +16,13 @@ import collections
 
 import numpy as np
 from engine_helpers import CACHE, CONFIG, engine, params, with_cache
-from helpers import prefill, small_model
+from helpers import fresh_prefill, small_model
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvjax
-from kvjax import Engine, EngineConfig, Request, SamplingConfig, SpecConfig, init_cache
+from kvjax import Engine, EngineConfig, Request, SamplingConfig, SpecConfig
 
 P = params(seed=4)
 NUM_PAGES = 36
@@ -112,7 +112,7 @@ class EngineMachine(RuleBasedStateMachine):
             k, v = np.asarray(cache.k), np.asarray(cache.v)
             for _, history, page in trie.entries()[:12]:
                 pages = list(range(len(history) // PS))
-                _, fresh = prefill(p, config, CACHE, init_cache(config, CACHE), history, pages)
+                fresh = fresh_prefill(p, config, CACHE, history)
                 np.testing.assert_array_equal(k[:, :, page],
                                               np.asarray(fresh.k)[:, :, pages[-1]])
                 np.testing.assert_array_equal(v[:, :, page],

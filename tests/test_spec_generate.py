@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import gather_sequence, prefill, sharp_params, small_model
+from helpers import fresh_prefill, gather_sequence, prefill, sharp_params, small_model
 
 import kvjax
-from kvjax import CacheConfig, SamplingConfig, init_cache
+from kvjax import CacheConfig, SamplingConfig
 from kvjax.speculative.drafters import NGramDrafter
 from kvjax.speculative.host import speculative_generate
 
@@ -78,8 +78,7 @@ def test_rollback_leaves_exactly_a_fresh_prefill(model):
                                            strict=True):
         history = (prompt + tokens)[:length]
         assert len(row) == -(-length // 4)
-        _, fresh = prefill(params, config, CACHE, init_cache(config, CACHE), history,
-                           list(range(len(row))))
+        fresh = fresh_prefill(params, config, CACHE, history)
         for x, y in zip(gather_sequence(res.pool.cache, row, length),
                         gather_sequence(fresh, list(range(len(row))), length), strict=True):
             np.testing.assert_array_equal(x, y)
@@ -123,8 +122,7 @@ def test_rollback_with_a_shared_prefix_page_is_bitwise(model):
         free_past(pool.allocator, row_b, length, 4)
     assert stats.wasted > 0 and length == len(history)
     assert len(row_b) == -(-length // 4)
-    _, fresh = prefill(params, config, CACHE, init_cache(config, CACHE), history,
-                       list(range(len(row_b))))
+    fresh = fresh_prefill(params, config, CACHE, history)
     for x, y in zip(gather_sequence(pool.cache, row_b, length),
                     gather_sequence(fresh, list(range(len(row_b))), length), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -214,8 +212,7 @@ def test_batched_verify_matches_within_tolerance(model):
     for prompt, tokens, row, length in zip(prompts, res.tokens, res.rows, res.lengths,
                                            strict=True):
         history = (prompt + tokens)[:length]
-        _, fresh = prefill(params, config, CACHE, init_cache(config, CACHE), history,
-                           list(range(len(row))))
+        fresh = fresh_prefill(params, config, CACHE, history)
         for x, y in zip(gather_sequence(res.pool.cache, row, length),
                         gather_sequence(fresh, list(range(len(row))), length), strict=True):
             np.testing.assert_allclose(x, y, atol=3e-5, rtol=0)  # measured 2.7e-6
