@@ -277,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
     peer.add_argument("--model", default=None,
                       help="(peer) a kvjax.models checkpoint instead of the random bench model")
+    peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
+                      help="(peer, with --model) also llama.cpp at batch 1, built into "
+                           ".venv-llamacpp on first use, on a float32 GGUF of the same weights")
     bench.add_argument("--passes", type=int, default=3,
                        help="(numerics) alternating passes over fast and invariant")
     bench.add_argument("--arrival-len", type=int, default=2048,

@@ -17,7 +17,7 @@ import pytest
 from helpers import sharp_params, small_model
 
 import kvjax
-from kvjax.io.gguf import load_gguf
+from kvjax.io.gguf import gguf_metadata, load_gguf
 from kvjax.io.hf import CheckpointError, _hf_tensors
 from kvjax.io.tokenizer import load_tokenizer
 
@@ -123,6 +123,18 @@ def test_f16_tensors_and_an_untied_head(tmp_path):
     up = np.asarray(params["layer_1"]["mlp"]["up"]["kernel"])
     np.testing.assert_array_equal(np.asarray(got["layer_1"]["mlp"]["up"]["kernel"]),
                                   up.astype(np.float16).astype(np.float32))
+    # the llama.cpp peer's weights: the same file, every tensor float32, metadata as it was
+    from kvjax.bench.llamacpp import f32_gguf
+
+    f32 = f32_gguf(path, tmp_path / "untied.f32.gguf")
+    reader = gguf.GGUFReader(str(f32))
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    assert gguf_metadata(f32) == gguf_metadata(path)
+    again_config, again = load_gguf(f32)
+    assert again_config == loaded_config
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(got),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize(("meta", "extra", "match"), [

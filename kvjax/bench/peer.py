@@ -8,7 +8,8 @@ end-to-end time, and whether the greedy tokens agree. Medians after a warm-up. k
 engine would choose: the prompts of a batch share prefill calls); `--set
 engine.numerics=fast` for one prompt per call. `--model NAME` runs a real checkpoint of
 `kvjax.models` instead: kvjax loads its file with `load_gguf`, transformers with its own GGUF
-loader (both dequantize to the same float32 tensors).
+loader (both dequantize to the same float32 tensors); `--with llama.cpp` adds llama.cpp at
+batch 1 on a float32 GGUF of those tensors (`kvjax.bench.llamacpp`).
 """
 
 from __future__ import annotations
@@ -122,13 +123,38 @@ def main(args) -> int:
             "speedup_end_to_end": hf_total / kv_total,
             "identical_sequences": int(same.sum()), "first_divergence": first_diff,
         }
+        if args.with_peer and batch == 1:
+            row |= _llamacpp(args, lists, hf_tokens)
         rows.append(row)
         emit(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "
               f"({row['speedup_end_to_end']:.2f}x); identical greedy sequences "
-              f"{row['identical_sequences']}/{batch}")
+              f"{row['identical_sequences']}/{batch}"
+             + (f"; llama.cpp {row['llamacpp_total_s']:.2f} s" if "llamacpp_total_s" in row
+                else ""))
     write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
                   torch=torch.__version__, threads=args.threads, numerics=config.numerics)
     return 0
+
+
+def _llamacpp(args, prompts: list[list[int]], hf_tokens: np.ndarray) -> dict:
+    """llama.cpp's figures for the batch-1 prompt, on the model's weights in float32."""
+    from kvjax import models
+    from kvjax.bench import llamacpp
+
+    if not args.model:
+        raise SystemExit("--with llama.cpp needs --model (a GGUF checkpoint)")
+    python = llamacpp.environment(Path(".venv-llamacpp"), echo=emit)
+    src = models.path(args.model)
+    f32 = llamacpp.f32_gguf(src, Path.home() / ".cache" / "kvjax" / f"{src.stem}.f32.gguf")
+    (got,) = llamacpp.run(python, f32, prompts, args.gen_tokens, args.reps, args.threads)
+    decode_n = args.gen_tokens - 1
+    return {"llamacpp_prefill_s": got["prefill_s"], "llamacpp_total_s": got["total_s"],
+            "llamacpp_decode_tok_s": decode_n / max(got["total_s"] - got["prefill_s"], 1e-9),
+            "llamacpp_identical": got["tokens"] == hf_tokens[0].tolist()}
+
+
+def _llamacpp_cell(key: str, fmt: str):
+    return lambda r: format(r[key], fmt) if key in r else "-"
 
 
 COLUMNS = [
@@ -141,4 +167,8 @@ COLUMNS = [
      lambda r: f"{r['kvjax_total_s']:.2f} / {r['hf_total_s']:.2f}"),
     ("kvjax speedup", lambda r: f"{r['speedup_end_to_end']:.2f}x"),
     ("identical greedy", lambda r: f"{r['identical_sequences']}/{r['batch']}"),
+    ("llama.cpp prefill s", _llamacpp_cell("llamacpp_prefill_s", ".2f")),
+    ("llama.cpp decode tok/s", _llamacpp_cell("llamacpp_decode_tok_s", ".1f")),
+    ("llama.cpp end-to-end s", _llamacpp_cell("llamacpp_total_s", ".2f")),
+    ("llama.cpp = transformers", _llamacpp_cell("llamacpp_identical", "")),
 ]

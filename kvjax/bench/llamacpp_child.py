@@ -1,0 +1,39 @@
+"""Runs in llama.cpp's own environment (standard library and `llama_cpp` only): greedy
+generation from token-id prompts, timed; prints one JSON line (see kvjax.bench.llamacpp)."""
+
+import json
+import statistics
+import sys
+import time
+
+from llama_cpp import Llama
+
+
+def timed(llm, prompt: list, n: int) -> tuple[float, list]:
+    """Seconds and tokens of `n` greedy tokens after `prompt`, from an empty cache."""
+    llm.reset()  # no prefix reuse: every run prefills the whole prompt
+    tokens, start = [], time.perf_counter()
+    for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(int(token))
+        if len(tokens) == n:
+            break
+    return time.perf_counter() - start, tokens
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    longest = max(map(len, args["prompts"])) + args["new_tokens"]
+    llm = Llama(model_path=args["model"], n_ctx=longest + 16, n_batch=512,
+                n_threads=args["threads"], n_threads_batch=args["threads"], verbose=False)
+    rows = []
+    for prompt in args["prompts"]:
+        timed(llm, prompt, 2)  # warm-up
+        prefill = statistics.median(timed(llm, prompt, 1)[0] for _ in range(args["reps"]))
+        runs = [timed(llm, prompt, args["new_tokens"]) for _ in range(args["reps"])]
+        total = statistics.median(t for t, _ in runs)
+        rows.append({"prefill_s": prefill, "total_s": total, "tokens": runs[0][1]})
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
