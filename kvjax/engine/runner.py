@@ -181,10 +181,9 @@ class StepRunner:
     def decode(self, live: list[Seq], budgets: dict[int, int], gamma: int,
                occupied: list[Seq | None], fill: list[PrefillRow] = ()
                ) -> tuple[list[np.ndarray | None], float]:
-        """One decode (or speculative) call over the samples of `live`; appends each
-        sample's new tokens and, after a verification, releases pages past the kept
-        history. Its rows are `decode_rows`: the live samples only, or every slot (then the
-        page table holds every occupied slot's pages, `occupied`: the slots, live or not).
+        """One decode (or speculative) call over the slots of `live`; appends each sample's
+        new tokens and, after a verification, releases pages past the kept history. The
+        page table holds every occupied slot's pages (`occupied`: the slots), live or not.
 
         `fill` (plain decoding only): prompts the same call prefills in packed steps (see
         `packed_fill`; advances each row's start). Returns, as `prefill_call` does, each
@@ -193,13 +192,8 @@ class StepRunner:
         prefill_s)."""
         m, pool, ec = self.model, self.pool, self.engine_config
         pool.flush_poison()
-        slots, row_of = self.decode_rows(live, occupied)
-        if slots == len(occupied):  # a row per slot
-            rows = [[] if s is None else s.pages for s in occupied]
-        else:  # the live samples only
-            rows = [[] for _ in range(slots)]
-            for seq in live:
-                rows[row_of[id(seq)]] = seq.pages
+        slots = ec.max_slots
+        rows = [[] if s is None else s.pages for s in occupied]
         lengths = np.zeros(slots, np.int32)
         last = np.zeros(slots, np.int32)
         budget = np.zeros(slots, np.int32)
@@ -209,9 +203,8 @@ class StepRunner:
         stops = np.full((slots, MAX_STOP_TOKENS), -1, np.int32)
         requests = [None] * slots
         for seq in live:
-            i, r = row_of[id(seq)], seq.req.request
-            lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[seq.slot], \
-                seq.key
+            i, r = seq.slot, seq.req.request
+            lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[i], seq.key
             offsets[i], adapters[i] = r.position_base, seq.req.adapter_index
             stops[i, : len(seq.req.stops)] = seq.req.stops
             requests[i] = r
@@ -245,9 +238,8 @@ class StepRunner:
             out, new_lengths = np.asarray(out), np.asarray(new_lengths)
             logits = np.asarray(logits) if want_logits else None
         for seq in live:
-            i = row_of[id(seq)]
-            self._apply(seq, out[i], None if logits is None else logits[i],
-                        int(new_lengths[i]))
+            self._apply(seq, out[seq.slot], None if logits is None else logits[seq.slot],
+                        int(new_lengths[seq.slot]))
         if packed is None:
             return [], 0.0
         share = (self.timers["decode_s"] - before) * fill_tokens / (
@@ -257,21 +249,6 @@ class StepRunner:
         _advance(fill, ec.decode_steps * packed.tokens.shape[2])
         return [fill_logits[i] if row.start == len(row.tokens) else None
                 for i, row in enumerate(fill)], share
-
-    def decode_rows(self, live: list[Seq], occupied: list[Seq | None]
-                    ) -> tuple[int, dict[int, int]]:
-        """(rows, each live sample's row) of a decode call. Under invariant numerics, where
-        a row's bits do not depend on the call's other rows, plain decoding runs only the
-        live samples, packed into a power-of-two number of rows (at least 2, at most
-        max_slots): an idle slot costs nothing. Otherwise (fast numerics, a mesh,
-        speculative decoding) every slot is a row, live or not."""
-        slots = self.engine_config.max_slots
-        if self.spec is not None or self.model.shardings is not None or not self.invariant:
-            return slots, {id(s): s.slot for s in live}
-        rows = min(slots, bucket(len(live), 2))
-        if rows == slots:
-            return slots, {id(s): s.slot for s in live}
-        return rows, {id(s): i for i, s in enumerate(live)}
 
     def packed_fill(self, rows: list[PrefillRow], longest: int = 1
                     ) -> tuple[steps.Fill | None, int]:
