@@ -238,12 +238,11 @@ def gguf_tokenizer(path):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return (tokens[i], int(i)) if i is not None and 0 <= i < len(tokens) else None
 
-    bos, eos = token("bos"), token("eos")
+    bos, eos = token("bos"), token("eos")  # (token, id) or None
     pre = [bos] if bos and meta.get("tokenizer.ggml.add_bos_token") else []
     post = [eos] if eos and meta.get("tokenizer.ggml.add_eos_token") else []
     if pre or post:  # what llama.cpp adds to a prompt
         tok.post_processor = processors.TemplateProcessing(
             single=" ".join([t for t, _ in pre] + ["$A"] + [t for t, _ in post]),
             special_tokens=list(dict.fromkeys(pre + post)))
-    bos, eos = (None if t is None else t[0] for t in (bos, eos))
-    return tok, bos, eos, meta.get("tokenizer.chat_template")
+    return tok, bos and bos[0], eos and eos[0], meta.get("tokenizer.chat_template")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax.config import ConfigError, ModelConfig
-from kvjax.io.hf_rope import kind_of, theta_of
+from kvjax.io.hf_rope import kind_of, per_layer_type, theta_of
 from kvjax.io.hf_rope import scaling as rope_scaling
 from kvjax.io.hf_rope import unsupported as rope_unsupported
 
@@ -215,7 +215,7 @@ def _rope(family: str, v: dict) -> dict[str, Any]:
     them: Gemma 3 from a dict per layer type (transformers 5) or 4.x's rope_theta,
     rope_local_base_freq and rope_scaling (merged into the full layers')."""
     params, legacy = v["rope_parameters"] or {}, v["rope_scaling"] or {}
-    per_type = any(isinstance(r, dict) for r in params.values())
+    per_type = per_layer_type(params)
     positions = v["max_position_embeddings"]
     try:
         if family != "gemma3_text":

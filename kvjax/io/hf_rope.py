@@ -34,13 +34,18 @@ def kind_of(rope: dict) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
+def per_layer_type(rope: dict) -> bool:
+    """Whether a RoPE dict holds one dict per layer type (Gemma 3) rather than one set."""
+    return any(isinstance(v, dict) for v in rope.values())
+
+
 def unsupported(rope) -> str | None:
     """Why one RoPE dict (or a dict per layer type) is not implemented (None: it is)."""
     if not rope:
         return None
     if not isinstance(rope, dict):
         return "not a dict"
-    if any(isinstance(v, dict) for v in rope.values()):
+    if per_layer_type(rope):
         if set(rope) - set(LAYER_TYPES) or not all(isinstance(v, dict) for v in rope.values()):
             return f"RoPE parameters per layer type must be dicts under {LAYER_TYPES}"
         return next((f"{t}: {why}" for t, r in rope.items() if (why := unsupported(r))), None)
