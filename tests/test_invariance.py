@@ -165,6 +165,26 @@ def test_compiles_stay_bounded(p):
     assert steps.trace_counts() == before
 
 
+def test_idle_slots_cost_nothing(p, alone, monkeypatch):
+    """A decode call of at most two live samples runs them alone, in two rows: a lone
+    request in an 8-slot engine decodes in 2 rows; three run in every slot's row, then in
+    two rows once one finishes; their bits are their alone bits. Under fast numerics, where
+    a row's bits may depend on the call's shape, every slot stays a row."""
+    rows = []
+    decode_loop = steps.decode_loop
+    monkeypatch.setattr(steps, "decode_loop",
+                        lambda *a, **k: rows.append(a[4].shape[0]) or decode_loop(*a, **k))
+    assert_same(engine(p).generate(requests()[:1]), alone[:1])
+    assert set(rows) == {2}
+    rows.clear()
+    got = engine(p).generate(requests()[:3])
+    assert_same(got, alone[:3])
+    assert rows[0] == 8 and set(rows) <= {2, 8}
+    rows.clear()
+    engine(p, numerics="fast").generate(requests()[:1])
+    assert set(rows) == {8}
+
+
 def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6, **knobs):
     """A short request decodes; a long one arrives after the first round."""
     e = engine(p, cache=cache, max_slots=4, decode_steps=2, **knobs)

@@ -199,7 +199,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings and dot is not None:  # x [B, T, D] . embedding [V, D]
             logits = dot(x, embed.embedding.astype(x.dtype), (((2,), (1,)), ((), ())))
         elif cfg.tie_embeddings:
-            logits = embed.attend(x)
+            logits = jax.lax.dot_general(x, embed.embedding.astype(x.dtype),
+                                         (((2,), (1,)), ((), ())))
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
                               dot_general=dot, name="lm_head")(x)
