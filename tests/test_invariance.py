@@ -295,19 +295,27 @@ def test_per_request_prefill_seconds_add_up_to_the_engines(p):
 
 
 def test_a_prompt_prefilled_while_nothing_decodes_takes_wider_calls(p, alone, monkeypatch):
-    """Nothing decoding: a lone 30-token prompt takes one call of 8 x 16 tokens instead of
-    two 16-token calls (max_slots 8, chunk 16), two prompts 64 tokens each per call, and
-    they keep their alone bits (computed in 16-token calls)."""
+    """Nothing decoding: a lone 30-token prompt takes one call of 2 x 16 tokens instead of
+    two 16-token calls (max_slots 8, chunk 16: up to 8 x 16, but no wider than its tokens
+    need), a lone 70-token prompt one 128-token call, two prompts of 3 and 9 tokens one
+    16-token call each, and they keep their alone bits (computed in 16-token calls)."""
     from kvjax.engine.runner import StepRunner
 
     widths = []
     width = StepRunner.call_width
     monkeypatch.setattr(StepRunner, "call_width",
-                        lambda self, rows, widen: widths.append(width(self, rows, widen))
-                        or widths[-1])
+                        lambda self, rows, widen, longest: widths.append(
+                            width(self, rows, widen, longest)) or widths[-1])
     e = engine(p)
     assert_same(e.generate([requests()[6]]), [alone[6]])
+    assert widths == [32]
+    widths.clear()
+    long = Request(tokens=random_tokens(5, [70], CONFIG.vocab_size)[0], max_new_tokens=2,
+                   return_logits=True)
+    got = e.generate([long])[0]
     assert widths == [128]
+    ref = engine(p, prefix_cache=False, max_slots=1).generate([long])[0]
+    np.testing.assert_array_equal(got.logits, ref.logits)
     widths.clear()
     assert_same(e.generate(requests()[:2]), alone[:2])
-    assert widths == [64]
+    assert widths == [16]

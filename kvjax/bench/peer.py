@@ -9,7 +9,9 @@ engine would choose: the prompts of a batch share prefill calls); `--set
 engine.numerics=fast` for one prompt per call. `--model NAME` runs a real checkpoint of
 `kvjax.models` instead: kvjax loads its file with `load_gguf`, transformers with its own GGUF
 loader (both dequantize to the same float32 tensors); `--with llama.cpp` adds llama.cpp at
-batch 1 on a float32 GGUF of those tensors (`kvjax.bench.llamacpp`).
+batch 1 on a float32 GGUF of those tensors (`kvjax.bench.llamacpp`), and a second table:
+`kvjax.generate`, the Engine and llama.cpp with warm shared-prefix and cold requests, weight
+bandwidth and the Engine's aggregate over 8 concurrent requests (`kvjax.bench.peer_engine`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kvjax.bench import peer_engine
 from kvjax.config import CacheConfig
 from kvjax.config_files import load_config
 from kvjax.decode.batching import pages_for
@@ -79,6 +82,7 @@ def main(args) -> int:
     cache = CacheConfig(page_size=16, num_pages=1, prefill_chunk=256, attn_block=256)
     # the engine's numerics (default invariant: the prompts share prefill calls), its forms
     ec = dataclasses.replace(cfg.engine, cache=cache)
+    raw = config, params  # the Engine chooses its own forms
     config, problems = numerics_blocks([config], ec, 0)
     params = jax.device_put(store(params, config.transposed))
     emit(f"bench peer: {args.model or 'random bench model'}, {config.num_layers} layers, "
@@ -124,7 +128,12 @@ def main(args) -> int:
             "identical_sequences": int(same.sum()), "first_divergence": first_diff,
         }
         if args.with_peer and batch == 1:
-            row |= _llamacpp(args, lists, hf_tokens)
+            prefix = peer_engine.prefix_workload(config.vocab_size)
+            row |= _llamacpp(args, lists, hf_tokens, prefix)
+            row |= peer_engine.engine_figures(raw[1], raw[0], args.prompt_len,
+                                              args.gen_tokens, args.reps, prefix)
+            gigabytes = peer_engine.weight_bytes(raw[1]) / 1e9
+            emit("\n" + peer_engine.table(row, gigabytes))
         rows.append(row)
         emit(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "
               f"({row['speedup_end_to_end']:.2f}x); identical greedy sequences "
@@ -136,8 +145,9 @@ def main(args) -> int:
     return 0
 
 
-def _llamacpp(args, prompts: list[list[int]], hf_tokens: np.ndarray) -> dict:
-    """llama.cpp's figures for the batch-1 prompt, on the model's weights in float32."""
+def _llamacpp(args, prompts: list[list[int]], hf_tokens: np.ndarray, prefix: dict) -> dict:
+    """llama.cpp's figures for the batch-1 prompt and the shared-prefix workload
+    (`peer_engine.prefix_workload`), on the model's weights in float32."""
     from kvjax import models
     from kvjax.bench import llamacpp
 
@@ -146,9 +156,11 @@ def _llamacpp(args, prompts: list[list[int]], hf_tokens: np.ndarray) -> dict:
     python = llamacpp.environment(Path(".venv-llamacpp"), echo=emit)
     src = models.path(args.model)
     f32 = llamacpp.f32_gguf(src, Path.home() / ".cache" / "kvjax" / f"{src.stem}.f32.gguf")
-    (got,) = llamacpp.run(python, f32, prompts, args.gen_tokens, args.reps, args.threads)
+    (got,) = llamacpp.run(python, f32, prompts, args.gen_tokens, args.reps, args.threads,
+                          prefix)
     decode_n = args.gen_tokens - 1
     return {"llamacpp_prefill_s": got["prefill_s"], "llamacpp_total_s": got["total_s"],
+            "llamacpp_warm_s": got["warm_s"], "llamacpp_cold_s": got["cold_s"],
             "llamacpp_decode_tok_s": decode_n / max(got["total_s"] - got["prefill_s"], 1e-9),
             "llamacpp_identical": got["tokens"] == hf_tokens[0].tolist()}
 
