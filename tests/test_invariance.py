@@ -177,9 +177,13 @@ def test_idle_slots_cost_nothing(p, alone, monkeypatch):
     assert_same(engine(p).generate(requests()[:1]), alone[:1])
     assert set(rows) == {2}
     rows.clear()
-    got = engine(p).generate(requests()[:3])
-    assert_same(got, alone[:3])
-    assert rows[0] == 8 and set(rows) <= {2, 8}
+    three = requests()[:3]
+    three[0] = dataclasses.replace(three[0], max_new_tokens=3)  # slot 0 finishes first
+    got = engine(p).generate(three)
+    assert got[0].tokens == alone[0].tokens[:3]
+    np.testing.assert_array_equal(got[0].logits, alone[0].logits[:3])
+    assert_same(got[1:], alone[1:3])  # slots 1 and 2, then in rows 0 and 1
+    assert rows[0] == 8 and rows[-1] == 2 and set(rows) == {2, 8}
     rows.clear()
     engine(p, numerics="fast").generate(requests()[:1])
     assert set(rows) == {8}

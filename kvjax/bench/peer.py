@@ -10,8 +10,9 @@ engine.numerics=fast` for one prompt per call. `--model NAME` runs a real checkp
 `kvjax.models` instead: kvjax loads its file with `load_gguf`, transformers with its own GGUF
 loader (both dequantize to the same float32 tensors); `--with llama.cpp` adds llama.cpp at
 batch 1 on a float32 GGUF of those tensors (`kvjax.bench.llamacpp`), and a second table:
-`kvjax.generate`, the Engine and llama.cpp with warm shared-prefix and cold requests, weight
-bandwidth and the Engine's aggregate over 8 concurrent requests (`kvjax.bench.peer_engine`).
+`kvjax.generate`, the Engine and llama.cpp, with warm shared-prefix and cold requests (the
+Engine and llama.cpp), weight bandwidth and the Engine's aggregate over 8 concurrent
+requests (`kvjax.bench.peer_engine`).
 """
 
 from __future__ import annotations

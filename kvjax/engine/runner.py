@@ -107,7 +107,8 @@ class StepRunner:
         chunk x bucket(max_slots) / bucket(rows) (the tokens of `bucket(max_slots)` full
         rows), but no wider than the power of two (at least 16, or the chunk) that holds
         `longest`: a warm request's 32-token tail took a 512-token call, 0.93 s instead of
-        0.19 s on SmolLM2. Widths are powers of two: a handful of shapes per row bucket."""
+        0.19 s on SmolLM2. Widths are min(chunk, 16) times a power of two, or the cap: at
+        most log2(chunk x bucket(max_slots) / min(chunk, 16)) + 2 shapes per row bucket."""
         chunk = self.pool.cache_config.prefill_chunk
         if not (widen and self.invariant):
             return chunk
