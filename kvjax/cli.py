@@ -146,6 +146,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvjax.bench import numerics as bench_numerics
 
         return bench_numerics.main(args)
+    if args.which == "profile":
+        from kvjax.bench import profile as bench_profile
+
+        return bench_profile.main(args)
     if args.which == "tiles":
         from kvjax.bench import tiles as bench_tiles
 
@@ -241,10 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "decoding operating point), tiles (row-invariant "
                                          "matmul tiles: bits and cost), numerics (fast vs "
                                          "invariant numerics), arrivals (decode latency "
-                                         "while a long prompt is prefilled)")
+                                         "while a long prompt is prefilled), profile "
+                                         "(where a decode token's time goes)")
     bench.add_argument("which", nargs="?",
                        choices=("decode", "prefix", "peer", "spec", "tiles", "numerics",
-                                "arrivals"),
+                                "arrivals", "profile"),
                        default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -276,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--gen-tokens", type=int, default=128, help="(peer, spec)")
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
     peer.add_argument("--model", default=None,
-                      help="(peer) a kvjax.models checkpoint instead of the random bench model")
+                      help="(peer, profile) a kvjax.models checkpoint instead of the random "
+                           "bench model")
     peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
                       help="(peer, with --model) also llama.cpp at batch 1, built into "
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or f"results/bench_{args.which}.json"
         args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3,
                                   "tiles": 7, "numerics": 3,
-                                  "arrivals": 3}[args.which]
+                                  "arrivals": 3, "profile": 5}[args.which]
         args.slots = args.slots or (1 if args.which == "spec" else 8)
     try:
         return args.func(args)
