@@ -83,7 +83,7 @@ def main(args) -> int:
     cache = CacheConfig(page_size=16, num_pages=1, prefill_chunk=256, attn_block=256)
     # the engine's numerics (default invariant: the prompts share prefill calls), its forms
     ec = dataclasses.replace(cfg.engine, cache=cache)
-    raw = config, params  # the Engine chooses its own forms
+    loaded_config, loaded_params = config, params  # the Engine chooses its own forms
     config, problems = numerics_blocks([config], ec, 0)
     params = jax.device_put(store(params, config.transposed))
     emit(f"bench peer: {args.model or 'random bench model'}, {config.num_layers} layers, "
@@ -131,9 +131,9 @@ def main(args) -> int:
         if args.with_peer and batch == 1:
             prefix = peer_engine.prefix_workload(config.vocab_size)
             row |= _llamacpp(args, lists, hf_tokens, prefix)
-            row |= peer_engine.engine_figures(raw[1], raw[0], args.prompt_len,
+            row |= peer_engine.engine_figures(loaded_params, loaded_config, args.prompt_len,
                                               args.gen_tokens, args.reps, prefix)
-            gigabytes = peer_engine.weight_bytes(raw[1]) / 1e9
+            gigabytes = peer_engine.weight_bytes(loaded_params) / 1e9
             emit("\n" + peer_engine.table(row, gigabytes))
         rows.append(row)
         emit(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "

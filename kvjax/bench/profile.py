@@ -16,13 +16,13 @@ GB/s counts every weight byte once per token.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.bench.numerics import CONTEXT, DECODE_STEPS, _Point
+from kvjax.bench.peer_engine import weight_bytes
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig
 from kvjax.config_files import load_config
@@ -111,8 +111,7 @@ def main(args) -> int:
     config, params = _model(args)
     cache_cfg = CacheConfig(page_size=16, num_pages=(CONTEXT + DECODE_STEPS) // 16 + 2)
     engine = dataclasses.replace(load_config(args.config, args.set).engine, cache=cache_cfg)
-    gigabytes = sum(int(x.size) * x.dtype.itemsize
-                    for x in jax.tree_util.tree_leaves(params)) / 1e9
+    gigabytes = weight_bytes(params) / 1e9
     emit(f"bench profile: {args.model or args.config}, {config.num_layers} layers, "
          f"{gigabytes:.3f} GB of weights, context {CONTEXT}, batch 1")
     start = time.perf_counter()
@@ -121,8 +120,7 @@ def main(args) -> int:
         model = numerics_blocks([config], dataclasses.replace(engine, numerics=mode), 0)[0]
         run = _Point(model, params, cache_cfg).decode(1)
         run()
-        step[mode] = statistics.median(median_seconds(run, args.reps) / DECODE_STEPS
-                                       for _ in range(2))
+        step[mode] = median_seconds(run, args.reps) / DECODE_STEPS
     products = {"fast": _products(params, config, 1, False, args.reps),
                 "invariant": _products(params, config, 2, True, args.reps)}
     attention = _attention(config, cache_cfg, args.reps)
