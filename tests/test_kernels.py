@@ -58,7 +58,10 @@ def decode_case(num_heads, num_kv_heads, head_dim, page_size, block_pages, q_dty
 
 def check(backend, q, cache, batch, scale=None):
     """Asserts the kernel matches the reference on layer 1."""
-    out = paged_decode_attention(q, cache, 1, batch, backend, interpret=True, scale=scale)
+    # finished before the next dispatch: an interpreted kernel's callbacks dispatch JAX ops
+    # of their own, and a concurrent eager dispatch from here deadlocked them (seen once)
+    out = jax.block_until_ready(
+        paged_decode_attention(q, cache, 1, batch, backend, interpret=True, scale=scale))
     ref = paged_attention_reference(q, cache, 1, batch, None, scale=scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -106,6 +109,7 @@ def test_tpu_kernel_rounds_a_float32_cache_to_bfloat16():
         out = kernels.tpu_kernel.paged_attention(
             q[:, 0] * 128**-0.5, cache.k[1], cache.v[1], batch.lengths + batch.num_new,
             batch.page_table, pages_per_compute_block=2)[:, None]
+        out = jax.block_until_ready(out)  # see `check`
     rounded = cache.replace(k=cache.k.astype(jnp.bfloat16).astype(jnp.float32),
                             v=cache.v.astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_allclose(out, paged_attention_reference(q, rounded, 1, batch, None),
@@ -120,7 +124,8 @@ def test_gpu_kernel_leaks_a_poisoned_unwritten_slot():
     q, cache, batch = decode_case(4, 1, 16, 16, 4, jnp.float32, jnp.bfloat16)
     last_page = batch.page_table[1, 0]  # row 1 holds 7 of its page's 16 slots
     cache = cache.replace(v=cache.v.at[:, :, last_page, 7:].set(jnp.nan))
-    out = paged_decode_attention(q, cache, 1, batch, "pallas_gpu", interpret=True)
+    out = jax.block_until_ready(
+        paged_decode_attention(q, cache, 1, batch, "pallas_gpu", interpret=True))  # see `check`
     ref = paged_attention_reference(q, cache, 1, batch, None)
     assert np.isfinite(np.asarray(ref)).all()
     assert np.isnan(np.asarray(out[1])).all()
@@ -186,6 +191,7 @@ def test_sharded_decode_on_a_one_device_mesh_matches_unsharded():
     out = kernels.sharded_paged_decode_attention(
         q, cache, 1, batch, "pallas_gpu", mesh=mesh,
         cache_spec=PartitionSpec(None, "model"), interpret=True)
+    out = jax.block_until_ready(out)  # see `check`
     expected = paged_decode_attention(q, cache, 1, batch, "pallas_gpu", interpret=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 
