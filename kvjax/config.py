@@ -45,7 +45,7 @@ ROPE_SCALING = {
 }
 
 # the token-row products whose row blocks `ModelConfig.row_blocks` sets
-ROW_PRODUCTS = ("q", "k/v", "o", "mlp up", "mlp down", "head", "attention")
+ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +99,10 @@ class ModelConfig:
     # products whose kernels the steps take stored transposed, each one product of any row
     # count (block 0): see kvjax.model.layout
     transposed: tuple[str, ...] = ()
+    # the steps take q, k and v as one product ("qkv") and a gated MLP's gate and up as one
+    # ("mlp up"), on kernels concatenated once at load (`kvjax.model.layout.store`); the
+    # parameter tree users hold, load and save keeps its separate kernels
+    fused: bool = False
 
     def __post_init__(self):
         for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff",
@@ -132,6 +136,9 @@ class ModelConfig:
                      f"one product of any row count (row block 0)")
             _require(name != "head" or not self.tie_embeddings, "transposed",
                      "a tied head is the embedding [V, D], stored transposed already")
+            _require((name == "qkv") == self.fused or name not in ("q", "k/v", "qkv"),
+                     "transposed", f"{name}: {'not ' if self.fused else ''}a product of a "
+                     f"{'fused' if self.fused else 'plain'} model (fused: q, k, v as 'qkv')")
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",
@@ -264,6 +271,9 @@ class EngineConfig:
     # any row count replace a loop of 32-row blocks (kvjax.model.layout): faster prefill,
     # slower decode of a few rows (README "Invariant numerics" has the costs)
     transposed_kernels: bool = True
+    # the steps take q/k/v as one product and gate/up as one (ModelConfig.fused): their
+    # kernels concatenated once at load, not on a mesh (its rules shard them apart)
+    fused_projections: bool = True
 
     def __post_init__(self):
         for key in ("max_slots", "decode_steps", "evicted_record"):

@@ -267,7 +267,7 @@ def test_generate_prefills_prompts_together_with_their_alone_bits(p):
 
     config, problems = numerics_blocks([CONFIG], EngineConfig(cache=CACHE), 0)
     assert problems == [] and config.numerics == "invariant"
-    stored = store(p, config.transposed)
+    stored = store(p, config)
     prompts = random_tokens(5, [3, 17, 9, 30], CONFIG.vocab_size)
     cache = with_cache(num_pages=64)
     together = generate(stored, config, prompts, 6, cache=cache, return_logits=True)

@@ -1,11 +1,12 @@
-"""Kernels stored transposed (`kvjax.model.layout`): the canonical tree comes back bit for
-bit, a step refuses parameters stored otherwise than its config says, the transposed view
-folds into its product in every compiled step (no copy of a weight is made, inside the
+"""Kernels stored transposed and fused (`kvjax.model.layout`): the canonical tree comes back
+bit for bit, a step refuses parameters stored otherwise than its config says, the transposed
+view folds into its product in every compiled step (no copy of a weight is made, inside the
 decode loop too), and the values match the plain layout's."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -16,23 +17,25 @@ from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ConfigError
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
-from kvjax.model.layout import KERNELS, SCOPE, Stored, store, unstored
+from kvjax.model.layout import KERNELS, SCOPE, Stored, canonical, store, unstored
 
 CACHE = CacheConfig(page_size=4, num_pages=16, prefill_chunk=8, attn_block=8)
 EVERY = ("q", "k/v", "o", "mlp up", "mlp down", "head")
+FUSED = ("qkv", "o", "mlp up", "mlp down", "head")
 
 
-def model(**kw):
+def model(fused: bool = False, **kw):
     """Every kernel stored transposed, the head untied so that it has a kernel of its own."""
-    base = dict(tie_embeddings=False, numerics="invariant",
-                row_blocks=tuple((name, 0) for name in EVERY), transposed=EVERY)
+    products = FUSED if fused else EVERY
+    base = dict(tie_embeddings=False, numerics="invariant", fused=fused,
+                row_blocks=tuple((name, 0) for name in products), transposed=products)
     return small_model(**{**base, **kw})
 
 
 def test_store_moves_every_named_kernel_and_unstored_restores_it_bitwise():
     config = model()
     params = sharp_params(config)
-    held = store(params, config.transposed)
+    held = store(params, config)
     assert isinstance(held, Stored)
     layer = held.tree["layer_0"]
     assert layer["attn"]["q"]["kernel"].shape == (4, 8, 32)  # [N, H, D] from [D, N, H]
@@ -40,18 +43,57 @@ def test_store_moves_every_named_kernel_and_unstored_restores_it_bitwise():
     assert layer["mlp"]["down"]["kernel"].shape == (32, 64)  # [D, F] from [F, D]
     assert held.tree["lm_head"]["kernel"].shape == (61, 32)  # [V, D] from [D, V]
     assert layer["attn_norm"]["scale"] is params["layer_0"]["attn_norm"]["scale"]
-    back = jax.jit(lambda p: unstored(p, EVERY))(held)
+    back = jax.jit(lambda p: unstored(p, config))(held)
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
-    assert store(params, ()) is params
+    jax.tree_util.tree_map(np.testing.assert_array_equal, canonical(held, config), params)
+    plain = dataclasses.replace(config, numerics="fast", row_blocks=(), transposed=())
+    assert store(params, plain) is params
+
+
+@pytest.mark.parametrize("kw", [{}, {"qkv_bias": True, "mlp_bias": True}, {"mlp": "gelu"}],
+                         ids=["swiglu", "biases", "gelu"])
+def test_fused_kernels_are_concatenated_once_and_come_back_bitwise(kw):
+    """q/k/v [D, N, H] + [D, K, H] x 2 -> qkv [D, N + 2K, H] and gate/up [D, F] x 2 ->
+    [D, 2F] (biases likewise; an ungated MLP keeps its up kernel), stored transposed;
+    `canonical` gives back the separate kernels bit for bit."""
+    config = model(fused=True, **kw)
+    params = sharp_params(config)
+    held = store(params, config)
+    attn, mlp = held.tree["layer_0"]["attn"], held.tree["layer_0"]["mlp"]
+    assert set(attn) == {"qkv", "o"}
+    assert attn["qkv"]["kernel"].shape == (8, 8, 32)  # [N + 2K, H, D]
+    np.testing.assert_array_equal(attn["qkv"]["kernel"][4:6],  # k's heads, transposed
+                                  np.moveaxis(params["layer_0"]["attn"]["k"]["kernel"], 0, -1))
+    if config.mlp == "gelu":
+        assert set(mlp) == {"up", "down"}
+    else:
+        assert set(mlp) == {"gate_up", "down"}
+        assert mlp["gate_up"]["kernel"].shape == (128, 32)  # [2F, D]
+    if config.qkv_bias:
+        assert attn["qkv"]["bias"].shape == (8, 8)
+        np.testing.assert_array_equal(attn["qkv"]["bias"][6:],
+                                      params["layer_0"]["attn"]["v"]["bias"])
+        np.testing.assert_array_equal(mlp["gate_up"]["bias"][64:],
+                                      params["layer_0"]["mlp"]["up"]["bias"])
+    jax.tree_util.tree_map(np.testing.assert_array_equal, canonical(held, config), params)
 
 
 def test_a_step_refuses_parameters_stored_otherwise_than_its_config_says():
     config = model()
     params = sharp_params(config)
     with pytest.raises(ValueError, match="stores .* transposed but the parameters hold"):
-        unstored(params, config.transposed)
+        unstored(params, config)
     with pytest.raises(ValueError, match="layout.store"):
-        unstored(store(params, ("q",)), config.transposed)
+        unstored(store(params, dataclasses.replace(config, transposed=("q",))), config)
+    fused = model(fused=True)
+    with pytest.raises(ValueError, match="and fused but the parameters hold"):
+        unstored(store(params, config), fused)
+    with pytest.raises(ValueError, match="hold .* fused"):
+        unstored(store(params, fused), config)
+    with pytest.raises(ConfigError, match="fused"):
+        model(fused=True, transposed=("q",), row_blocks=(("q", 0),))
+    with pytest.raises(ConfigError, match="fused"):
+        model(transposed=("qkv",), row_blocks=(("qkv", 0),))
     with pytest.raises(ConfigError, match="row block 0"):
         small_model(numerics="invariant", transposed=("q",))
     with pytest.raises(ConfigError, match="tied head"):
@@ -73,16 +115,27 @@ def compiled_steps(config, params) -> list[str]:
     return [extend.compile().as_text(), loop.compile().as_text()]
 
 
-def test_the_transposed_view_folds_into_its_product_in_every_step():
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_the_transposed_view_folds_into_its_product_in_every_step(fused):
     """No instruction of the views survives compilation: the products read the stored
     arrays. (Computing the views outside the decode loop's body, where they cannot fold,
-    leaves copies named by the scope: seen failing that way.)"""
-    config = model()
-    params = store(sharp_params(config), config.transposed)
+    leaves copies named by the scope: seen failing that way.) Fused kernels are one product
+    each: a layer's step runs 2 input-side dots instead of 5 (q, k, v, gate, up) and
+    concatenates no weight."""
+    config = model(fused=fused)
+    params = store(sharp_params(config), config)
     for text in compiled_steps(config, params):
         left = [line.strip() for line in text.splitlines()
                 if f"/{SCOPE}/" in line and " bitcast(" not in line]  # bitcasts are free
         assert left == [], left[:3]
+        projections = re.compile(r"/(attn/(q|k|v|qkv)|mlp/(gate|up|gate_up))/dot_general")
+        dots = [line for line in text.splitlines()
+                if " dot(" in line and projections.search(line)]
+        per_layer = 2 if fused else 5  # qkv and gate_up, or q, k, v, gate and up
+        assert len(dots) == config.num_layers * per_layer, dots
+        kernels = ("f32[8,8,32]", "f32[32,8,8]", "f32[128,32]", "f32[32,128]")  # fused
+        assert not [line for line in text.splitlines() if " concatenate(" in line
+                    and any(shape in line for shape in kernels)]
 
 
 def test_stored_kernels_give_the_plain_layouts_values():
@@ -95,12 +148,15 @@ def test_stored_kernels_give_the_plain_layouts_values():
     batch = BatchInfo(page_table=page_table([[0, 1, 2, 3]], 1, CACHE.block_pages),
                       lengths=np.zeros(1, np.int32), num_new=np.full(1, 8, np.int32))
     out = {}
-    for name, cfg, p in [("stored", config, store(params, config.transposed)),
+    fused = model(fused=True)
+    for name, cfg, p in [("stored", config, store(params, config)),
+                         ("fused", fused, store(params, fused)),
                          ("plain", fast, params)]:
         out[name], _ = steps.extend(p, cfg, init_cache(cfg, CACHE), tokens, batch)
-    np.testing.assert_allclose(np.asarray(out["stored"]), np.asarray(out["plain"]),
-                               rtol=0, atol=5e-5)
-    assert set(KERNELS) == set(EVERY)
+    for name in ("stored", "fused"):
+        np.testing.assert_allclose(np.asarray(out[name]), np.asarray(out["plain"]),
+                                   rtol=0, atol=5e-5)
+    assert set(KERNELS) == set(EVERY) | set(FUSED)
 
 
 def test_the_engine_shows_the_weights_as_loaded():
@@ -110,5 +166,6 @@ def test_the_engine_shows_the_weights_as_loaded():
     params = sharp_params(config)
     engine = Engine(params, config, EngineConfig())
     assert engine.config.transposed  # this backend stores some kernels transposed
+    assert engine.config.fused
     assert isinstance(engine.model.params, Stored)
     jax.tree_util.tree_map(np.testing.assert_array_equal, engine.params, params)

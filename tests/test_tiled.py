@@ -123,8 +123,8 @@ def test_the_engine_takes_the_cheapest_form_the_backend_keeps_invariant():
     """Per product, before anything is built (the choice is in the model config and the
     cache identity): one product of any row count where the probe finds the rows invariant
     (with the kernel stored transposed where only that holds), else the largest block that
-    holds. Measured on XLA CPU: the 512-wide q projection's rows change from 33 rows in one
-    plain product and at a 64-row block, and hold at every count stored transposed."""
+    holds. Measured on XLA CPU: the 512-wide q/k/v projection's rows change from 33 rows in
+    one plain product and at a 64-row block, and hold at every count stored transposed."""
     import warnings
 
     from kvjax import Engine, EngineConfig, init_params
@@ -138,8 +138,9 @@ def test_the_engine_takes_the_cheapest_form_the_backend_keeps_invariant():
             engines[transposed] = Engine(init_params(wide), wide,
                                          EngineConfig(transposed_kernels=transposed))
     stored, blocks = engines[True].config, engines[False].config
-    assert "q" in stored.transposed and stored.block("q") == 0
-    assert blocks.transposed == () and 2 <= blocks.block("q") < 64  # measured: 32
+    assert stored.fused and blocks.fused  # q, k and v as one product ("qkv")
+    assert "qkv" in stored.transposed and stored.block("qkv") == 0
+    assert blocks.transposed == () and 2 <= blocks.block("qkv") < 64  # measured: 32
     for engine in engines.values():
         assert engine.numerics_problems == []
         assert check_products(engine.config, PROBED._replace(keys=16)) == []

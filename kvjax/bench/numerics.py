@@ -43,7 +43,7 @@ class _Point:
 
     def __init__(self, model, params, cache_cfg: CacheConfig):
         self.model, self.cache_cfg = model, cache_cfg
-        self.params = jax.device_put(store(params, model.transposed))
+        self.params = jax.device_put(store(params, model))
         self.cache = filled_with_noise(init_cache(model, cache_cfg))
 
     def decode(self, batch: int) -> float:

@@ -85,7 +85,7 @@ def main(args) -> int:
     ec = dataclasses.replace(cfg.engine, cache=cache)
     loaded_config, loaded_params = config, params  # the Engine chooses its own forms
     config, problems = numerics_blocks([config], ec, 0)
-    params = jax.device_put(store(params, config.transposed))
+    params = jax.device_put(store(params, config))
     emit(f"bench peer: {args.model or 'random bench model'}, {config.num_layers} layers, "
          f"d_model {config.d_model}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32, "

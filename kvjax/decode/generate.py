@@ -1,9 +1,9 @@
 """`generate()`: validate, allocate pages, prefill in fixed chunks, decode on device, free.
 
-Under `ModelConfig(numerics="invariant")` the prompts are prefilled together, and the
-parameters must be stored as the config says (`kvjax.model.layout.store(params,
-config.transposed)`; the engine's start-up choice of forms is
-`kvjax.engine.engine.numerics_blocks`).
+Under `ModelConfig(numerics="invariant")` the prompts are prefilled together. The
+parameters must be stored as the config says (`kvjax.model.layout.store(params, config)`:
+kernels stored transposed, q/k/v and gate/up fused); the engine's start-up choice of forms
+is `kvjax.engine.engine.numerics_blocks`.
 
 The pages come from a `KVPool` (`kvjax.cache.pool.PagePool`, the engine's pool class).
 

@@ -42,7 +42,7 @@ def note_trace(step: str) -> None:
 def model_variables(params, lora: dict | None, config: ModelConfig) -> dict:
     """The variable collections for `Transformer.apply`: params (in their canonical layout:
     see `kvjax.model.layout`), and LoRA adapters if any."""
-    params = unstored(params, config.transposed)
+    params = unstored(params, config)
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 

@@ -64,7 +64,7 @@ from kvjax.engine.runner import StepRunner, TargetModel
 from kvjax.engine.stats import Timers, aggregate
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
-from kvjax.model.layout import Stored, store, unstored
+from kvjax.model.layout import canonical, store
 from kvjax.model.lora import stack_adapters
 from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
 from kvjax.speculative.plugin import Speculator
@@ -137,8 +137,7 @@ class Engine:
     def params(self):
         """The weights as loaded: the canonical tree (the steps may hold some kernels
         stored transposed, `kvjax.model.layout`)."""
-        held = self.model.params
-        return unstored(held, held.products) if isinstance(held, Stored) else held
+        return canonical(self.model.params, self.config)
 
     @property
     def cache(self):
@@ -175,7 +174,7 @@ class Engine:
             raise RuntimeError(f"load_params with {len(live)} live requests: finish or "
                                f"cancel them first")
         # Host arrays would be copied at every step: weights live on the device(s).
-        self.model.params = (jax.device_put(store(params, self.config.transposed))
+        self.model.params = (jax.device_put(store(params, self.config))
                               if self.sharding is None else self.sharding.place_params(params))
         self.pool.fingerprint = model_fingerprint(self.config, params)
 
@@ -329,7 +328,8 @@ def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) ->
     bits) does not change with max_slots, the chunk or gamma inside those bounds. Then what
     still fails, with the backend check (a warning names it). The blocks are part of the
     model config, hence of the cache identity."""
-    out = [dataclasses.replace(c, numerics=ec.numerics) for c in configs]
+    out = [dataclasses.replace(c, numerics=ec.numerics,
+                               fused=ec.fused_projections and ec.mesh is None) for c in configs]
     if ec.numerics != "invariant":
         return [*out, []]
     width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)

@@ -138,18 +138,24 @@ class MLP(nn.Module):
         """[B, T, D] -> [B, T, D]; adapter_ids int32[B] selects LoRA deltas (see lora.py)."""
         cfg = self.config
 
-        def dense(inputs: jax.Array, features: int, name: str) -> jax.Array:
-            product = "mlp down" if name == "down" else "mlp up"
-            y = nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
-                         dot_general=row_dot(cfg, product), name=name)(inputs)
-            return add_lora(self, name, inputs, y, adapter_ids, invariant=cfg.numerics ==
-                            "invariant")
+        def product(inputs: jax.Array, features: int, name: str) -> jax.Array:
+            return nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
+                            dot_general=row_dot(cfg, "mlp down" if name == "down" else
+                                                "mlp up"), name=name)(inputs)
 
-        if cfg.mlp == "swiglu":
-            hidden = nn.silu(dense(x, cfg.d_ff, "gate")) * dense(x, cfg.d_ff, "up")  # [B, T, F]
-        elif cfg.mlp == "geglu":  # tanh-approximated GELU gate (Gemma)
-            hidden = nn.gelu(dense(x, cfg.d_ff, "gate"), approximate=True) * dense(
-                x, cfg.d_ff, "up")
+        def lora(inputs: jax.Array, y: jax.Array, name: str) -> jax.Array:
+            return add_lora(self, name, inputs, y, adapter_ids,
+                            invariant=cfg.numerics == "invariant")
+
+        if cfg.mlp == "gelu":
+            hidden = nn.gelu(lora(x, product(x, cfg.d_ff, "up"), "up"), approximate=True)
         else:
-            hidden = nn.gelu(dense(x, cfg.d_ff, "up"), approximate=True)
-        return dense(hidden, cfg.d_model, "down")
+            if cfg.fused:  # one product, split after (kvjax.model.layout.fuse)
+                gate, up = jnp.split(product(x, 2 * cfg.d_ff, "gate_up"), 2, axis=-1)
+            else:
+                gate, up = product(x, cfg.d_ff, "gate"), product(x, cfg.d_ff, "up")
+            gate, up = lora(x, gate, "gate"), lora(x, up, "up")  # [B, T, F]
+            # swiglu, or geglu's tanh-approximated GELU gate (Gemma)
+            hidden = (nn.silu(gate) if cfg.mlp == "swiglu" else
+                      nn.gelu(gate, approximate=True)) * up
+        return lora(hidden, product(hidden, cfg.d_model, "down"), "down")

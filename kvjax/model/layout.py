@@ -11,7 +11,12 @@ the product: the dot reads the stored array, no copy is made, and one product of
 count replaces the loop of 32-row blocks (`kvjax.model.tiled.choose_blocks` probes which
 products gain). The parameter tree keeps its names and Flax sees its usual shapes.
 
-Legend: D model width, N heads, H head dim, F feed-forward width, V vocabulary.
+A fused config (`ModelConfig.fused`) also takes q, k and v as one kernel ("qkv", [D, N + 2K,
+H]) and a gated MLP's gate and up as one ("gate_up", [D, 2F]): `store` concatenates them
+once, the model splits the products' outputs, and `canonical` gives back the separate
+kernels users hold.
+
+Legend: D model width, N heads, K kv heads, H head dim, F feed-forward width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SCOPE = "stored_kernels"
 
 # product -> (module path inside a layer or at the top, inputs axes contracted at the front)
 KERNELS = {"q": ((("attn", "q"),), 1), "k/v": ((("attn", "k"), ("attn", "v")), 1),
-           "o": ((("attn", "o"),), 2), "mlp up": ((("mlp", "gate"), ("mlp", "up")), 1),
+           "qkv": ((("attn", "qkv"),), 1), "o": ((("attn", "o"),), 2),
+           "mlp up": ((("mlp", "gate"), ("mlp", "up"), ("mlp", "gate_up")), 1),
            "mlp down": ((("mlp", "down"),), 1), "head": ((("lm_head",),), 1)}
+# fused kernel -> (module holding it, the kernels it concatenates along the output axes)
+FUSED = {"qkv": ("attn", ("q", "k", "v")), "gate_up": ("mlp", ("gate", "up"))}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -38,13 +47,14 @@ class Stored:
 
     tree: Any
     products: tuple[str, ...]
+    fused: bool = False  # q/k/v and gate/up concatenated (`ModelConfig.fused`)
 
     def tree_flatten(self):
-        return (self.tree,), self.products
+        return (self.tree,), (self.products, self.fused)
 
     @classmethod
-    def tree_unflatten(cls, products, children):
-        return cls(children[0], products)
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
 
 
 def to_stored(kernel: jax.Array, inputs: int) -> jax.Array:
@@ -76,24 +86,81 @@ def _map_kernels(params: dict, products: tuple[str, ...], fn) -> dict:
     return jax.tree_util.tree_map_with_path(visit, params)
 
 
-def store(params: dict, products: tuple[str, ...]) -> dict | Stored:
-    """The parameters as the steps take them when `products` are stored transposed
-    (`ModelConfig.transposed`); the plain tree when there are none."""
-    if not products:
+def fuse(params: dict) -> dict:
+    """Each layer's q/k/v kernels (and biases) concatenated into "qkv", a gated MLP's gate and
+    up into "gate_up" (output axes: [D, N, H] + [D, K, H] x 2 -> [D, N + 2K, H])."""
+    out = dict(params)
+    for key, layer in params.items():
+        if not key.startswith("layer_"):
+            continue
+        layer = {part: dict(mods) for part, mods in layer.items()}
+        for name, (part, names) in FUSED.items():
+            if not all(n in layer[part] for n in names):
+                continue  # an ungated MLP has no gate
+            parts = [layer[part].pop(n) for n in names]
+            axis = 1 if name == "qkv" else -1  # the kernel's first output axis ([D, heads, H])
+            layer[part][name] = {leaf: jnp.concatenate(
+                [p[leaf] for p in parts], axis=(axis if leaf == "kernel" else 0))
+                for leaf in parts[0]}
+        out[key] = layer
+    return out
+
+
+def unfuse(params: dict, config) -> dict:
+    """`fuse` undone: the separate kernels of `config`'s q, k, v, gate and up."""
+    widths = {"qkv": (config.num_heads, config.num_kv_heads, config.num_kv_heads),
+              "gate_up": (config.d_ff, config.d_ff)}
+    out = dict(params)
+    for key, layer in params.items():
+        if not key.startswith("layer_"):
+            continue
+        layer = {part: dict(mods) for part, mods in layer.items()}
+        for name, (part, names) in FUSED.items():
+            if name not in layer[part]:
+                continue
+            fused = layer[part].pop(name)
+            cuts = np.cumsum(widths[name])[:-1]
+            axis = 1 if name == "qkv" else -1
+            pieces = {leaf: jnp.split(a, cuts, axis=axis if leaf == "kernel" else 0)
+                      for leaf, a in fused.items()}
+            for i, n in enumerate(names):
+                layer[part][n] = {leaf: pieces[leaf][i] for leaf in fused}
+        out[key] = layer
+    return out
+
+
+def store(params: dict, config) -> dict | Stored:
+    """The parameters as the steps of `config` take them: its `transposed` products' kernels
+    stored transposed and, for a fused config, q/k/v and gate/up concatenated; the plain
+    tree when there is neither."""
+    products, fused = tuple(config.transposed), config.fused
+    if not products and not fused:
         return params
-    return Stored(_map_kernels(params, products, to_stored), tuple(products))
+    tree = fuse(params) if fused else params
+    return Stored(_map_kernels(tree, products, to_stored), products, fused)
 
 
-def unstored(params: dict | Stored, products: tuple[str, ...]) -> dict:
-    """The canonical parameter tree, inside a jitted step, of parameters that must hold
-    `products` stored transposed; a clear error when they were not stored so (their rows
-    would silently lose invariance)."""
-    held = params.products if isinstance(params, Stored) else ()
-    if tuple(held) != tuple(products):
-        raise ValueError(f"the model config stores {list(products)} transposed but the "
-                         f"parameters hold {list(held)}: pass "
-                         f"kvjax.model.layout.store(params, config.transposed)")
-    if not products:
+def unstored(params: dict | Stored, config) -> dict:
+    """The tree `config`'s model takes, inside a jitted step, of parameters that must be
+    stored as `config` says (transposed views; fused kernels stay fused); a clear error when
+    they were not stored so (their rows would silently lose invariance)."""
+    products, fused = tuple(config.transposed), config.fused
+    held = (params.products, params.fused) if isinstance(params, Stored) else ((), False)
+    if held != (products, fused):
+        raise ValueError(f"the model config stores {list(products)} transposed"
+                         f"{' and fused' if fused else ''} but the parameters hold "
+                         f"{list(held[0])}{' fused' if held[1] else ''}: pass "
+                         f"kvjax.model.layout.store(params, config)")
+    if not products and not fused:
         return params
     with jax.named_scope(SCOPE):  # names what is left of the views in compiled HLO
         return _map_kernels(params.tree, products, from_stored)
+
+
+def canonical(params: dict | Stored, config) -> dict:
+    """The tree users hold (separate kernels in Flax's layout) of parameters stored for
+    `config`'s steps (`store`); plain parameters as they are."""
+    if not isinstance(params, Stored):
+        return params
+    tree = _map_kernels(params.tree, params.products, from_stored)
+    return unfuse(tree, config) if params.fused else tree

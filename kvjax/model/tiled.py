@@ -170,10 +170,14 @@ def _dot_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """(weight shape, contracted weight axes) of every token-row product of a ModelConfig,
     as the layers store them (the head as the tied embedding [V, D] when tied)."""
     c = config
-    dense = {"q": ((c.d_model, c.num_heads, c.head_dim), (0,)),
-             "k/v": ((c.d_model, c.num_kv_heads, c.head_dim), (0,)),
-             "o": ((c.num_heads, c.head_dim, c.d_model), (0, 1)),
-             "mlp up": ((c.d_model, c.d_ff), (0,)), "mlp down": ((c.d_ff, c.d_model), (0,))}
+    if c.fused:  # q, k and v as one product, a gated MLP's gate and up as one
+        dense = {"qkv": ((c.d_model, c.num_heads + 2 * c.num_kv_heads, c.head_dim), (0,))}
+    else:
+        dense = {"q": ((c.d_model, c.num_heads, c.head_dim), (0,)),
+                 "k/v": ((c.d_model, c.num_kv_heads, c.head_dim), (0,))}
+    up = 2 * c.d_ff if c.fused and c.mlp != "gelu" else c.d_ff
+    dense |= {"o": ((c.num_heads, c.head_dim, c.d_model), (0, 1)),
+              "mlp up": ((c.d_model, up), (0,)), "mlp down": ((c.d_ff, c.d_model), (0,))}
     dense["head"] = (((c.vocab_size, c.d_model), (1,)) if c.tie_embeddings
                      else ((c.d_model, c.vocab_size), (0,)))
     return dense

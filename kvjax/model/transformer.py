@@ -9,6 +9,7 @@ cache by the new tokens and returns their logits and the new cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from functools import partial
 from typing import TYPE_CHECKING
@@ -51,14 +52,19 @@ class Attention(nn.Module):
 
         invariant = cfg.numerics == "invariant"
 
-        def project(heads: int, name: str) -> jax.Array:  # [B, T, D] -> [B, T, heads, H]
-            y = nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.dtype,
-                                dot_general=row_dot(cfg, "q" if name == "q" else "k/v"),
-                                name=name)(x)
-            return add_lora(self, name, x, y, adapter_ids, invariant=invariant)
+        def project(heads: int, name: str, product: str) -> jax.Array:
+            # [B, T, D] -> [B, T, heads, H]
+            return nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias,
+                                   dtype=cfg.dtype, dot_general=row_dot(cfg, product),
+                                   name=name)(x)
 
-        q, k, v = project(cfg.num_heads, "q"), project(cfg.num_kv_heads, "k"), \
-            project(cfg.num_kv_heads, "v")
+        n, kv = cfg.num_heads, cfg.num_kv_heads
+        if cfg.fused:  # one product, its heads split after (kvjax.model.layout.fuse)
+            q, k, v = jnp.split(project(n + 2 * kv, "qkv", "qkv"), [n, n + kv], axis=2)
+        else:
+            q, k, v = project(n, "q", "q"), project(kv, "k", "k/v"), project(kv, "v", "k/v")
+        q, k, v = (add_lora(self, name, x, y, adapter_ids, invariant=invariant)
+                   for name, y in (("q", q), ("k", k), ("v", v)))
         if cfg.qk_norm:  # per head, over H
             q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
         if cfg.position == "rope":
@@ -210,10 +216,20 @@ class Transformer(nn.Module):
         return logits, cache
 
 
+def separate(config: ModelConfig) -> ModelConfig:
+    """`config` with separate q/k/v and gate/up products (the canonical parameter tree)."""
+    if not config.fused:
+        return config
+    return dataclasses.replace(config, fused=False, transposed=tuple(
+        p for p in config.transposed if p != "qkv"))
+
+
 def init_params(config: ModelConfig, seed: int = 0) -> dict:
-    """Random parameters for `config` (float32)."""
+    """Random parameters for `config` (float32), in the canonical tree (separate q/k/v and
+    gate/up kernels whatever `config.fused` says: `kvjax.model.layout.store` fuses them)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return Transformer(config).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+    model = Transformer(separate(config))
+    return model.init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -225,6 +241,7 @@ def param_shapes(config: ModelConfig):
 @partial(jax.jit, static_argnames=("config",))
 def _forward(params: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
              lora: dict | None, adapter_ids: jax.Array | None) -> jax.Array:
+    config = separate(config)  # the canonical tree
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
     return Transformer(config).apply(variables, tokens, positions, None, None, adapter_ids)[0]
 

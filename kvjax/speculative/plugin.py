@@ -45,7 +45,7 @@ class Speculator:
                 raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
                                   f"the target's {config.vocab_size}")
             self.sharding = None if mesh is None else ShardingPlan(mesh, draft_config)
-            self.params = (jax.device_put(store(params, draft_config.transposed))
+            self.params = (jax.device_put(store(params, draft_config))
                            if self.sharding is None else self.sharding.place_params(params))
             self.config = draft_config
             self.pool = PagePool.for_engine(draft_config, engine_config, hash_fn,
