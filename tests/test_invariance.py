@@ -166,10 +166,11 @@ def test_compiles_stay_bounded(p):
 
 
 def test_idle_slots_cost_nothing(p, alone, monkeypatch):
-    """A decode call of at most two live samples runs them alone, in two rows: a lone
-    request in an 8-slot engine decodes in 2 rows; three run in every slot's row, then in
-    two rows once one finishes; their bits are their alone bits. Under fast numerics, where
-    a row's bits may depend on the call's shape, every slot stays a row."""
+    """A decode call runs its live samples alone, in the next power of two of rows (at least
+    two) below the slots: a lone request in an 8-slot engine decodes in 2 rows; three in 4
+    rows, then in two rows once one finishes; five in every slot's row, then in fewer; their
+    bits are their alone bits. Under fast numerics, where a row's bits may depend on the
+    call's shape, every slot stays a row."""
     rows = []
     decode_loop = steps.decode_loop
     monkeypatch.setattr(steps, "decode_loop",
@@ -183,7 +184,14 @@ def test_idle_slots_cost_nothing(p, alone, monkeypatch):
     assert got[0].tokens == alone[0].tokens[:3]
     np.testing.assert_array_equal(got[0].logits, alone[0].logits[:3])
     assert_same(got[1:], alone[1:3])  # slots 1 and 2, then in rows 0 and 1
-    assert rows[0] == 8 and rows[-1] == 2 and set(rows) == {2, 8}
+    assert rows[0] == 4 and rows[-1] == 2 and set(rows) == {2, 4}
+    rows.clear()
+    five = [dataclasses.replace(r, max_new_tokens=n)
+            for r, n in zip(requests()[:5], [10, 10, 10, 10, 4], strict=True)]
+    for got, ref, r in zip(engine(p).generate(five), alone, five, strict=False):
+        assert got.tokens == ref.tokens[:r.max_new_tokens]
+        np.testing.assert_array_equal(got.logits, ref.logits[:r.max_new_tokens])
+    assert set(rows) == {2, 4, 8}, rows  # 4 live while one still prefills, 5, then fewer
     rows.clear()
     engine(p, numerics="fast").generate(requests()[:1])
     assert set(rows) == {8}

@@ -25,7 +25,7 @@ from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Request, Seq, sa
 from kvjax.engine.stats import Timers
 
 _sample = jax.jit(sample)
-LIVE_ROWS = 2  # a decode call of at most this many live samples runs them alone
+LIVE_ROWS = 2  # the fewest rows a decode call of live samples alone runs (a lone row pads)
 
 
 @dataclasses.dataclass
@@ -267,16 +267,18 @@ class StepRunner:
     def decode_rows(self, live: list[Seq], occupied: list[Seq | None]
                     ) -> tuple[int, dict[int, int]]:
         """(rows, each live sample's row) of a decode call. Under invariant numerics, where
-        a row's bits do not depend on the call's other rows, plain decoding of at most two
-        live samples runs them alone in two rows (a lone request in an 8-slot engine
-        decoded SmolLM2 at 20.5 instead of 12.6 tokens/s); more run a row per slot. Two row
-        counts, not every power of two: each is a decode loop to compile. Otherwise (fast
-        numerics, a mesh, speculative decoding) every slot is a row, live or not."""
+        a row's bits do not depend on the call's other rows, plain decoding runs the live
+        samples alone, in the next power of two of rows (at least 2) below `max_slots` (a
+        lone request in an 8-slot engine decoded SmolLM2 at 20.5 instead of 12.6 tokens/s;
+        attention costs per row, idle or not); as many as the slots' bucket, a row per
+        slot. Otherwise (fast numerics, a mesh, speculative decoding) every slot is a row,
+        live or not."""
         slots = self.engine_config.max_slots
+        rows = bucket(len(live), LIVE_ROWS)
         if (self.spec is not None or self.model.shardings is not None or not self.invariant
-                or len(live) > LIVE_ROWS or slots <= LIVE_ROWS):
+                or rows >= slots):
             return slots, {id(s): s.slot for s in live}
-        return LIVE_ROWS, {id(s): i for i, s in enumerate(live)}
+        return rows, {id(s): i for i, s in enumerate(live)}
 
     def packed_fill(self, rows: list[PrefillRow], longest: int = 1
                     ) -> tuple[steps.Fill | None, int]:
