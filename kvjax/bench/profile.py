@@ -3,9 +3,9 @@ decode loop of a `kvjax.models` checkpoint (or the config's random model) under 
 invariant numerics, beside its parts measured alone on the same weights:
 
 - products: the layers' token-row products and the head as a jitted chain of the same
-  dots on the model's own kernels (one row, as fast numerics decodes; two rows of the
-  kernels stored transposed, as invariant numerics decodes one token; two rows is what a
-  lone row is padded to there);
+  dots on the model's own kernels, q/k/v and gate/up fused where the engine fuses them
+  (one row, as fast numerics decodes; two rows of the kernels stored transposed, as
+  invariant numerics decodes one token; two rows is what a lone row is padded to there);
 - attention: every layer's paged attention over the same context, the loop alone;
 - the rest (norms, RoPE, cache writes, sampling): the step minus both.
 
@@ -31,6 +31,7 @@ from kvjax.engine.engine import numerics_blocks
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import filled_with_noise, median_seconds
 from kvjax.model.attention import paged_attention_reference
+from kvjax.model.layout import fuse
 
 
 def _model(args):
@@ -45,13 +46,18 @@ def _model(args):
     return config, init_params(config)
 
 
-def _kernels(params, layers: int) -> list[dict[str, jax.Array]]:
-    """Per layer the 2-D [inputs, outputs] kernels of its token-row products."""
+def _kernels(params, layers: int, fused: bool) -> list[dict[str, jax.Array]]:
+    """Per layer the 2-D [inputs, outputs] kernels of its token-row products; `fused`: q/k/v
+    as one ("qkv") and gate/up as one ("gate_up"), as the steps of a fused config take them
+    (`kvjax.model.layout.fuse`)."""
+    if fused:
+        params = fuse(params)
     out = []
     for i in range(layers):
         layer = params[f"layer_{i}"]
         kernels = {name: layer[part][name]["kernel"] for part, names in
-                   (("attn", ("q", "k", "v")), ("mlp", ("gate", "up", "down")))
+                   (("attn", ("q", "k", "v", "qkv")),
+                    ("mlp", ("gate", "up", "gate_up", "down")))
                    for name in names if name in layer[part]}
         kernels = {n: k.reshape(k.shape[0], -1) for n, k in kernels.items()}
         o = layer["attn"]["o"]["kernel"]
@@ -61,7 +67,8 @@ def _kernels(params, layers: int) -> list[dict[str, jax.Array]]:
 
 def _products(params, config, rows: int, stored: bool, reps: int) -> float:
     """Seconds of one token's products as a chain of dots (see the module docstring)."""
-    layers = _kernels(params, config.num_layers)
+    layers = _kernels(params, config.num_layers, config.fused)
+    q_width = config.num_heads * config.head_dim
     if stored:
         layers = [{n: jnp.asarray(k.T) for n, k in ks.items()} for ks in layers]
     head = params["embed"]["embedding"] if config.tie_embeddings else \
@@ -72,10 +79,18 @@ def _products(params, config, rows: int, stored: bool, reps: int) -> float:
 
     def chain(x, layers, head):
         for k in layers:
-            q = dot(x, k["q"])
-            kv = dot(x, k["k"]).sum() + dot(x, k["v"]).sum()
-            up = dot(x, k["up"])
-            h = jax.nn.silu(dot(x, k["gate"])) * up if "gate" in k else up
+            if "qkv" in k:
+                qkv = dot(x, k["qkv"])
+                q, kv = qkv[:, :q_width], qkv[:, q_width:].sum()
+            else:
+                q = dot(x, k["q"])
+                kv = dot(x, k["k"]).sum() + dot(x, k["v"]).sum()
+            if "gate_up" in k:
+                gate, up = jnp.split(dot(x, k["gate_up"]), 2, axis=1)
+                h = jax.nn.silu(gate) * up
+            else:
+                up = dot(x, k["up"])
+                h = jax.nn.silu(dot(x, k["gate"])) * up if "gate" in k else up
             x = x + dot(q, k["o"]) + dot(h, k["down"]) + kv * 1e-9
         return jax.lax.dot_general(x, head, (((1,), (1,)), ((), ())))
 
@@ -115,14 +130,15 @@ def main(args) -> int:
     emit(f"bench profile: {args.model or args.config}, {config.num_layers} layers, "
          f"{gigabytes:.3f} GB of weights, context {CONTEXT}, batch 1")
     start = time.perf_counter()
-    step = {}
+    step, models = {}, {}
     for mode in ("fast", "invariant"):
-        model = numerics_blocks([config], dataclasses.replace(engine, numerics=mode), 0)[0]
-        run = _Point(model, params, cache_cfg).decode(1)
+        models[mode] = numerics_blocks([config], dataclasses.replace(engine, numerics=mode),
+                                       0)[0]
+        run = _Point(models[mode], params, cache_cfg).decode(1)
         run()
         step[mode] = median_seconds(run, args.reps) / DECODE_STEPS
-    products = {"fast": _products(params, config, 1, False, args.reps),
-                "invariant": _products(params, config, 2, True, args.reps)}
+    products = {"fast": _products(params, models["fast"], 1, False, args.reps),
+                "invariant": _products(params, models["invariant"], 2, True, args.reps)}
     attention = _attention(config, cache_cfg, args.reps)
     rows = []
     for mode in ("fast", "invariant"):
