@@ -86,47 +86,48 @@ def _map_kernels(params: dict, products: tuple[str, ...], fn) -> dict:
     return jax.tree_util.tree_map_with_path(visit, params)
 
 
+def _each_fused(params: dict, fn) -> dict:
+    """params with fn(module dict, fused name, separate names, axis) applied, on copies, to
+    every layer's module of each `FUSED` kernel; axis: the kernel's first output axis (a
+    bias's is 0)."""
+    out = dict(params)
+    for key, layer in params.items():
+        if key.startswith("layer_"):
+            layer = {part: dict(mods) for part, mods in layer.items()}
+            for name, (part, names) in FUSED.items():
+                fn(layer[part], name, names, 1 if name == "qkv" else -1)  # [D, heads, H]
+            out[key] = layer
+    return out
+
+
 def fuse(params: dict) -> dict:
     """Each layer's q/k/v kernels (and biases) concatenated into "qkv", a gated MLP's gate and
     up into "gate_up" (output axes: [D, N, H] + [D, K, H] x 2 -> [D, N + 2K, H])."""
-    out = dict(params)
-    for key, layer in params.items():
-        if not key.startswith("layer_"):
-            continue
-        layer = {part: dict(mods) for part, mods in layer.items()}
-        for name, (part, names) in FUSED.items():
-            if not all(n in layer[part] for n in names):
-                continue  # an ungated MLP has no gate
-            parts = [layer[part].pop(n) for n in names]
-            axis = 1 if name == "qkv" else -1  # the kernel's first output axis ([D, heads, H])
-            layer[part][name] = {leaf: jnp.concatenate(
-                [p[leaf] for p in parts], axis=(axis if leaf == "kernel" else 0))
-                for leaf in parts[0]}
-        out[key] = layer
-    return out
+
+    def join(module, name, names, axis):
+        if all(n in module for n in names):  # an ungated MLP has no gate
+            parts = [module.pop(n) for n in names]
+            module[name] = {leaf: jnp.concatenate([p[leaf] for p in parts],
+                                                  axis=axis if leaf == "kernel" else 0)
+                            for leaf in parts[0]}
+
+    return _each_fused(params, join)
 
 
 def unfuse(params: dict, config) -> dict:
     """`fuse` undone: the separate kernels of `config`'s q, k, v, gate and up."""
     widths = {"qkv": (config.num_heads, config.num_kv_heads, config.num_kv_heads),
               "gate_up": (config.d_ff, config.d_ff)}
-    out = dict(params)
-    for key, layer in params.items():
-        if not key.startswith("layer_"):
-            continue
-        layer = {part: dict(mods) for part, mods in layer.items()}
-        for name, (part, names) in FUSED.items():
-            if name not in layer[part]:
-                continue
-            fused = layer[part].pop(name)
-            cuts = np.cumsum(widths[name])[:-1]
-            axis = 1 if name == "qkv" else -1
+
+    def split(module, name, names, axis):
+        if name in module:
+            fused, cuts = module.pop(name), np.cumsum(widths[name])[:-1]
             pieces = {leaf: jnp.split(a, cuts, axis=axis if leaf == "kernel" else 0)
                       for leaf, a in fused.items()}
             for i, n in enumerate(names):
-                layer[part][n] = {leaf: pieces[leaf][i] for leaf in fused}
-        out[key] = layer
-    return out
+                module[n] = {leaf: pieces[leaf][i] for leaf in fused}
+
+    return _each_fused(params, split)
 
 
 def store(params: dict, config) -> dict | Stored:
