@@ -136,9 +136,10 @@ class ModelConfig:
                      f"one product of any row count (row block 0)")
             _require(name != "head" or not self.tie_embeddings, "transposed",
                      "a tied head is the embedding [V, D], stored transposed already")
-            _require((name == "qkv") == self.fused or name not in ("q", "k/v", "qkv"),
-                     "transposed", f"{name}: {'not ' if self.fused else ''}a product of a "
-                     f"{'fused' if self.fused else 'plain'} model (fused: q, k, v as 'qkv')")
+            if name in ("q", "k/v", "qkv"):  # a fused model has "qkv", a plain one q and k/v
+                _require((name == "qkv") == self.fused, "transposed",
+                         f"{name} is not a product of a {'fused' if self.fused else 'plain'} "
+                         f"model (a fused model has 'qkv' for q and k/v)")
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",

@@ -36,8 +36,9 @@ KERNELS = {"q": ((("attn", "q"),), 1), "k/v": ((("attn", "k"), ("attn", "v")), 1
            "qkv": ((("attn", "qkv"),), 1), "o": ((("attn", "o"),), 2),
            "mlp up": ((("mlp", "gate"), ("mlp", "up"), ("mlp", "gate_up")), 1),
            "mlp down": ((("mlp", "down"),), 1), "head": ((("lm_head",),), 1)}
-# fused kernel -> (module holding it, the kernels it concatenates along the output axes)
-FUSED = {"qkv": ("attn", ("q", "k", "v")), "gate_up": ("mlp", ("gate", "up"))}
+# fused kernel -> (module holding it, the kernels it concatenates, the kernels' first output
+# axis: q/k/v are [D, heads, H], gate/up [D, F]; a bias's is 0)
+FUSED = {"qkv": ("attn", ("q", "k", "v"), 1), "gate_up": ("mlp", ("gate", "up"), -1)}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -87,15 +88,14 @@ def _map_kernels(params: dict, products: tuple[str, ...], fn) -> dict:
 
 
 def _each_fused(params: dict, fn) -> dict:
-    """params with fn(module dict, fused name, separate names, axis) applied, on copies, to
-    every layer's module of each `FUSED` kernel; axis: the kernel's first output axis (a
-    bias's is 0)."""
+    """params with fn(module dict, fused name, separate names, output axis) applied, on
+    copies, to every layer's module of each `FUSED` kernel."""
     out = dict(params)
     for key, layer in params.items():
         if key.startswith("layer_"):
             layer = {part: dict(mods) for part, mods in layer.items()}
-            for name, (part, names) in FUSED.items():
-                fn(layer[part], name, names, 1 if name == "qkv" else -1)  # [D, heads, H]
+            for name, (part, names, axis) in FUSED.items():
+                fn(layer[part], name, names, axis)
             out[key] = layer
     return out
 
