@@ -44,8 +44,11 @@ ROPE_SCALING = {
              "beta_slow", "truncate"),
 }
 
-# the token-row products whose row blocks `ModelConfig.row_blocks` sets
-ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "attention")
+# the token-row products whose row blocks `ModelConfig.row_blocks` sets ("lora": both
+# products of every LoRA delta, `kvjax.model.lora.stacked_delta`)
+ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "lora", "attention")
+# those whose kernels the steps may take stored transposed (`ModelConfig.transposed`)
+STORED_PRODUCTS = ROW_PRODUCTS[:-2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +134,7 @@ class ModelConfig:
                      f"{name}: a block is 0 or >= 2, got {block}")
         object.__setattr__(self, "transposed", tuple(self.transposed))
         for name in self.transposed:
-            _choice(name, "transposed", ROW_PRODUCTS[:-1])
+            _choice(name, "transposed", STORED_PRODUCTS)
             _require(self.block(name) == 0, "transposed", f"{name}: a transposed kernel is "
                      f"one product of any row count (row block 0)")
             _require(name != "head" or not self.tie_embeddings, "transposed",

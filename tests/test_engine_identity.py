@@ -12,6 +12,7 @@ from engine_helpers import CACHE, CONFIG, assert_matches_forward, assert_same, e
 import kvjax
 from kvjax import CacheNamespace, ModelConfig, PageAllocator, Request, SamplingConfig
 from kvjax.cache.trie import PrefixTrie, history_digests
+from kvjax.engine.runner import StepRunner
 
 PROMPT = list(range(2, 32))  # 30 tokens: 7 full pages of 4
 V = CONFIG.vocab_size
@@ -49,19 +50,26 @@ def test_adapter_is_part_of_the_namespace(p, adapters):
     assert_same([again], fresh)
 
 
-def test_mixed_adapters_in_one_batch_match_their_fresh_outputs(p, adapters):
-    requests = [Request(PROMPT[:n], 5, adapter=a, return_logits=True)
-                for n, a in ((30, None), (25, "a"), (27, "b"), (29, "a"))]
+def test_mixed_adapters_in_one_batch_match_their_fresh_outputs(p, adapters, monkeypatch):
+    """While a request decodes, prompts with adapters "a", "b" and none arrive and are
+    prefilled inside its decode calls (packed steps): every request gets the bits it gets
+    alone and the full-sequence reference's values."""
+    filled = []  # the adapter index of every prompt row a packed step prefilled
+    packed_fill = StepRunner.packed_fill
+    monkeypatch.setattr(StepRunner, "packed_fill", lambda self, rows, *a: filled.extend(
+        r.adapter_index for r in rows) or packed_fill(self, rows, *a))
+    requests = [Request(PROMPT[:n], new, adapter=a, return_logits=True)
+                for n, new, a in ((30, 16, "a"), (25, 5, None), (27, 5, "b"), (29, 5, "a"))]
     eng = engine(p, adapters=adapters)
-    batched = eng.generate(requests)
-    # prompts wait for the pages they share and arrive while others decode, but with
-    # adapters loaded they are not packed into decode steps (which moved bits here)
-    assert not eng.rounds._packing()
-    for request, result in zip(requests, batched, strict=True):
-        alone = engine(p, adapters=adapters, max_slots=4).generate([request])
-        assert_same([result], alone)
-        assert_matches_forward(p, [request], [result],
-                               adapter=adapters.get(request.adapter))
+    ids = [eng.submit(requests[0])]
+    eng.step()
+    ids += [eng.submit(r) for r in requests[1:]]
+    done = eng.run()
+    assert set(filled) == {0, 1, 2}
+    for request, rid in zip(requests, ids, strict=True):
+        alone = engine(p, adapters=adapters, max_slots=1, prefix_cache=False)
+        assert_same([done[rid]], alone.generate([request]))
+        assert_matches_forward(p, [request], [done[rid]], adapter=adapters.get(request.adapter))
 
 
 def test_a_prompt_prefilled_in_packed_steps_keeps_its_position_base(p):

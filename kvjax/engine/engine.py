@@ -65,7 +65,7 @@ from kvjax.engine.stats import Timers, aggregate
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.layout import canonical, store
-from kvjax.model.lora import stack_adapters
+from kvjax.model.lora import choose_block, stack_adapters, stacked_shapes
 from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
 from kvjax.speculative.plugin import Speculator
 
@@ -84,7 +84,10 @@ class Engine:
             spec = SpecConfig()
         configs = [config] + ([] if draft is None else [draft[1]])
         gamma = 0 if spec is None else spec.gamma
-        config, *draft_config, self.numerics_problems = numerics_blocks(configs, ec, gamma)
+        self.adapters = dict(adapters or {})
+        lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
+        config, *draft_config, self.numerics_problems = numerics_blocks(
+            configs, ec, gamma, [] if lora is None else stacked_shapes(lora))
         if draft is not None:
             draft = (draft[0], draft_config[0])
         self.config = config
@@ -97,12 +100,10 @@ class Engine:
             raise ValueError(f"{len(set(self.eos_tokens))} eos_tokens: at most "
                              f"{MAX_STOP_TOKENS}")
         self.cache_config = ec.cache
-        self.adapters = dict(adapters or {})
         self._adapter_index = {name: i for i, name in enumerate(self.adapters, start=1)}
         self._adapter_ids = {name: adapter_identity(name, a) for name, a in self.adapters.items()}
         mesh = sharding.resolve_mesh(ec.mesh)
         self.sharding = None if mesh is None else sharding.ShardingPlan(mesh, config)
-        lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
         if self.sharding is not None and lora is not None:
             lora = self.sharding.place_replicated(lora)
         self.pool = PagePool.for_engine(config, ec, hash_fn, self.sharding)
@@ -317,7 +318,8 @@ class Engine:
         return req.id
 
 
-def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) -> list:
+def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
+                    lora_shapes: list[tuple[int, int, int, int]] = ()) -> list:
     """`configs` (the target's, the draft's) with the engine's numerics and, under invariant
     numerics, each product's row block (`kvjax.model.tiled.choose_blocks`, probed per shape
     on the running backend and cached) for the engine's largest calls: `bucket(max_slots)`
@@ -325,9 +327,11 @@ def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) ->
     them: prefill keeps the last token's), or one prompt with all of a call's tokens
     (a widened prefill call), attention over blocks of `attn_block` keys, and
     never less than `kvjax.model.tiled.PROBED`, so that the choice (and so a request's
-    bits) does not change with max_slots, the chunk or gamma inside those bounds. Then what
-    still fails, with the backend check (a warning names it). The blocks are part of the
-    model config, hence of the cache identity."""
+    bits) does not change with max_slots, the chunk or gamma inside those bounds; with
+    `lora_shapes` (the target's stacked adapters, `kvjax.model.lora.stacked_shapes`) the
+    LoRA deltas' block too (`kvjax.model.lora.choose_block`). Then what still fails, with
+    the backend check (a warning names it). The blocks are part of the model config, hence
+    of the cache identity."""
     out = [dataclasses.replace(c, numerics=ec.numerics,
                                fused=ec.fused_projections and ec.mesh is None) for c in configs]
     if ec.numerics != "invariant":
@@ -345,6 +349,10 @@ def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int) ->
     for i, c in enumerate(out):
         blocks, transposed, failed = choose_blocks(
             c, calls, transpose=ec.transposed_kernels and ec.mesh is None)
+        if i == 0 and lora_shapes:  # the target's adapters (the draft runs without)
+            block = choose_block(lora_shapes, calls.rows, c.row_block)
+            blocks += (("lora", c.row_block if block is None else block),)
+            failed += [] if block is not None else ["lora"]
         out[i] = dataclasses.replace(c, row_blocks=blocks, transposed=transposed)
         problems += [p for p in failed if p not in problems]
     problems += check_backend()

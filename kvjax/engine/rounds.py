@@ -109,12 +109,9 @@ class Rounds:
 
     def _packing(self) -> bool:
         """Whether decode calls prefill the prompts in their steps (`packed_prefill`): only
-        where a token's bits do not depend on what shares its step, in plain decoding, and
-        without LoRA adapters (with adapters loaded, a packed step changed a request's
-        last bits, up to 7e-6 in the logits, even for requests without one: not yet
-        explained, so those engines keep separate prefill calls)."""
+        where a token's bits do not depend on what shares its step, in plain decoding."""
         return (self.engine_config.packed_prefill and self.runner.invariant
-                and self.spec is None and self.runner.model.lora is None)
+                and self.spec is None)
 
     def _plan_group(self) -> None:
         """Adds waiting requests to `prefilling` in the scheduler's order, seated and with

@@ -143,9 +143,10 @@ class MLP(nn.Module):
                             dot_general=row_dot(cfg, "mlp down" if name == "down" else
                                                 "mlp up"), name=name)(inputs)
 
+        lora_block = cfg.block("lora") if cfg.numerics == "invariant" else None
+
         def lora(inputs: jax.Array, y: jax.Array, name: str) -> jax.Array:
-            return add_lora(self, name, inputs, y, adapter_ids,
-                            invariant=cfg.numerics == "invariant")
+            return add_lora(self, name, inputs, y, adapter_ids, block=lora_block)
 
         if cfg.mlp == "gelu":
             hidden = nn.gelu(lora(x, product(x, cfg.d_ff, "up"), "up"), approximate=True)

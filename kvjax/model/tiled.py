@@ -314,7 +314,7 @@ def check_products(config, calls: Calls | None = None) -> list[str]:
     return failed
 
 
-def _rows_bound(rows: int) -> int:
+def rows_bound(rows: int) -> int:
     """The row count a whole-product probe goes up to for calls of `rows`: the next power of
     two, at least 64 (one probe serves every engine whose calls fit under it)."""
     return max(64, 1 << max(rows - 1, 0).bit_length())
@@ -323,13 +323,13 @@ def _rows_bound(rows: int) -> int:
 def _whole(shape: tuple[int, ...], contract: tuple[int, ...], rows: int, backend_name: str,
            stored: bool = False) -> bool:
     """`_probe_whole` for calls of up to `rows` rows."""
-    return _probe_whole(shape, contract, _rows_bound(rows), backend_name, stored)
+    return _probe_whole(shape, contract, rows_bound(rows), backend_name, stored)
 
 
 def _attention_whole(config, calls: Calls, backend_name: str) -> bool:
     """`_probe_attention` for `config`'s heads in `calls`."""
     return _probe_attention(config.num_kv_heads, config.head_dim, calls.keys,
-                            _rows_bound(calls.queries * config.group_size), backend_name)
+                            rows_bound(calls.queries * config.group_size), backend_name)
 
 
 def choose_blocks(config, calls: Calls, transpose: bool = True,

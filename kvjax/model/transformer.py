@@ -50,7 +50,7 @@ class Attention(nn.Module):
                  groups: Groups | None = None) -> tuple[jax.Array, Cache]:
         cfg = self.config
 
-        invariant = cfg.numerics == "invariant"
+        lora_block = cfg.block("lora") if cfg.numerics == "invariant" else None
 
         def project(heads: int, name: str, product: str) -> jax.Array:
             # [B, T, D] -> [B, T, heads, H]
@@ -63,7 +63,7 @@ class Attention(nn.Module):
             q, k, v = jnp.split(project(n + 2 * kv, "qkv", "qkv"), [n, n + kv], axis=2)
         else:
             q, k, v = project(n, "q", "q"), project(kv, "k", "k/v"), project(kv, "v", "k/v")
-        q, k, v = (add_lora(self, name, x, y, adapter_ids, invariant=invariant)
+        q, k, v = (add_lora(self, name, x, y, adapter_ids, block=lora_block)
                    for name, y in (("q", q), ("k", k), ("v", v)))
         if cfg.qk_norm:  # per head, over H
             q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
@@ -85,7 +85,7 @@ class Attention(nn.Module):
                 out = dense_attention(q, cache, self.layer, batch, window, **score)
         y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
                             dot_general=row_dot(cfg, "o"), name="o")(out)
-        return add_lora(self, "o", out, y, adapter_ids, in_dims=2, invariant=invariant), cache
+        return add_lora(self, "o", out, y, adapter_ids, in_dims=2, block=lora_block), cache
 
     @property
     def score_math(self) -> dict:
