@@ -52,14 +52,16 @@ def test_adapter_is_part_of_the_namespace(p, adapters):
 
 def test_mixed_adapters_in_one_batch_match_their_fresh_outputs(p, adapters, monkeypatch):
     """While a request decodes, prompts with adapters "a", "b" and none arrive and are
-    prefilled inside its decode calls (packed steps): every request gets the bits it gets
-    alone and the full-sequence reference's values."""
+    prefilled inside its decode calls (packed steps; none shares more than a page with
+    another of its namespace, so each has more than a chunk to prefill): every request gets
+    the bits it gets alone and the full-sequence reference's values."""
     filled = []  # the adapter index of every prompt row a packed step prefilled
     packed_fill = StepRunner.packed_fill
     monkeypatch.setattr(StepRunner, "packed_fill", lambda self, rows, *a: filled.extend(
         r.adapter_index for r in rows) or packed_fill(self, rows, *a))
-    requests = [Request(PROMPT[:n], new, adapter=a, return_logits=True)
-                for n, new, a in ((30, 16, "a"), (25, 5, None), (27, 5, "b"), (29, 5, "a"))]
+    requests = [Request(tokens, new, adapter=a, return_logits=True) for tokens, new, a in (
+        (PROMPT, 16, "a"), (PROMPT[:25], 5, None), (PROMPT[:27], 5, "b"),
+        (PROMPT[::-1][:29], 5, "a"))]  # all but the first with more than a chunk to prefill
     eng = engine(p, adapters=adapters)
     ids = [eng.submit(requests[0])]
     eng.step()

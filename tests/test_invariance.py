@@ -211,18 +211,19 @@ def _long_prompt_arrives(p, cache, a_new=30, b_len=60, b_new=6, **knobs):
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "calls"])
 def test_a_long_prompt_is_prefilled_while_others_decode(p, monkeypatch, packed):
-    """The 60-token prompt while the short request decodes: packed, inside the decode
-    calls' steps (8 tokens, the chunk, beside each of the 2 decode steps; no prefill call
-    at all: 4 rounds), else one 8-token prefill call per round (8 rounds). The short one
-    gets tokens every round (it is not stalled for the prompt), and both get their alone
-    bits."""
+    """The 52-token prompt while the short request decodes: packed, inside the decode
+    calls' steps (8 tokens, the chunk, beside each of the 2 decode steps; its last 4
+    tokens too, though one call would finish them: a packed prompt stays packed, so no
+    prefill call at all: 4 rounds), else one 8-token prefill call per round (7 rounds).
+    The short one gets tokens every round (it is not stalled for the prompt), and both get
+    their alone bits."""
     from kvjax.engine.runner import StepRunner
 
     calls = []
     prefill_call = StepRunner.prefill_call
     monkeypatch.setattr(StepRunner, "prefill_call",
                         lambda self, *a, **k: calls.append(1) or prefill_call(self, *a, **k))
-    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8),
+    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8), b_len=52,
                                                  packed_prefill=packed)
     calls.clear()  # a's own prefill
     rounds_before_b = 0
@@ -230,8 +231,31 @@ def test_a_long_prompt_is_prefilled_while_others_decode(p, monkeypatch, packed):
         events = e.step()
         assert any(ev.request_id == a for ev in events)  # a decodes every round
         rounds_before_b += 1
-    assert rounds_before_b == (4 if packed else 8)  # 16 or 8 of its tokens per round
-    assert len(calls) == (0 if packed else 8)
+    assert rounds_before_b == (4 if packed else 7)  # 16 or 8 of its tokens per round
+    assert len(calls) == (0 if packed else 7)
+    done = e.run()
+    alone = engine(p, max_slots=1, prefix_cache=False)
+    assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))
+
+
+def test_a_prompt_one_call_finishes_takes_a_call_while_others_decode(p, monkeypatch):
+    """A prompt that arrives with at most one chunk to prefill (here 6 tokens, chunk 8)
+    takes one prefill call before the next decode call instead of packed steps (which
+    gather its cached pages at every step); its first token comes after that round, and
+    both requests get their alone bits."""
+    from kvjax.engine.runner import StepRunner
+
+    calls, packed = [], []
+    prefill_call, packed_fill = StepRunner.prefill_call, StepRunner.packed_fill
+    monkeypatch.setattr(StepRunner, "prefill_call",
+                        lambda self, rows, *a, **k: calls.append(len(rows))
+                        or prefill_call(self, rows, *a, **k))
+    monkeypatch.setattr(StepRunner, "packed_fill", lambda self, rows, *a: packed.extend(
+        rows) or packed_fill(self, rows, *a))
+    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8), b_len=6)
+    calls.clear()  # a's own prefill
+    e.step()
+    assert calls == [1] and packed == [] and e.rounds.live[b].seqs[0].generated
     done = e.run()
     alone = engine(p, max_slots=1, prefix_cache=False)
     assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))

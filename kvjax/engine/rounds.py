@@ -29,6 +29,7 @@ class Prefill:
     row: PrefillRow  # its pages; its next chunk starts at row.start
     draft: PrefillRow | None  # the draft's, committed with the target's, prefilled alongside
     seconds: float = 0.0  # its shares of the prefill calls it took part in
+    packed: bool = False  # a decode call's steps prefilled some of it (it stays packed)
 
 
 class Rounds:
@@ -77,16 +78,21 @@ class Rounds:
         chunks: each call takes one chunk of every prompt being prefilled (of the first one
         only when a token's bits may depend on its batch). While other sequences decode,
         at most `prefill_calls_per_round` calls run before their decode call (0: no limit),
-        so a long prompt does not stall them; when none decodes, prefill runs to the end,
-        in wider chunks when fewer prompts share a call (`StepRunner.call_width`)."""
+        so a long prompt does not stall them, and with packed steps (`_packing`) only for
+        the prompts a call finishes (`_one_call_left`): longer ones are prefilled in the
+        decode call's steps. When none decodes, prefill runs to the end, in wider chunks
+        when fewer prompts share a call (`StepRunner.call_width`)."""
         limit, calls = self.engine_config.prefill_calls_per_round, 0
         while True:
             self._plan_group()
             if not self.prefilling:
                 return
-            if self._decoding() and (self._packing() or (limit and calls >= limit)):
-                return  # the decode call prefills them in its steps, or the next round
             rows = list(self.prefilling if self.runner.invariant else self.prefilling[:1])
+            if self._decoding():
+                if self._packing():  # long prompts ride in the decode call's steps
+                    rows = [e for e in rows if self._one_call_left(e)]
+                if not rows or (limit and calls >= limit):
+                    return  # the decode call prefills them in its steps, or the next round
             logits, seconds = self.runner.prefill_call(
                 [e.row for e in rows], [e.draft for e in rows if e.draft is not None],
                 widen=not self._decoding())  # wider calls stall no one
@@ -103,6 +109,15 @@ class Rounds:
                 self.prefilling.remove(entry)
                 entry.req.prefilling = False
                 self._start(entry, last, events)
+
+    def _one_call_left(self, entry: Prefill) -> bool:
+        """Whether a prompt not yet in packed steps has at most one prefill call (one chunk)
+        left: it takes a call before the decode call (one chunk's stall for the others)
+        rather than packed steps, which gather its cached pages again at every step (32
+        own tokens after 1,024 shared ones: prefill 3.5x the ideal time packed, 1.2x in
+        calls, measured). A prompt packed once stays packed to its end."""
+        left = len(entry.row.tokens) - entry.row.start
+        return not entry.packed and left <= self.engine_config.cache.prefill_chunk
 
     def _decoding(self) -> bool:
         return any(not s.req.prefilling for s in self.scheduler.running)
@@ -267,7 +282,10 @@ class Rounds:
         if not live:
             return
         live_reqs = list({s.req.id: s.req for s in live}.values())
-        fill = list(self.prefilling) if self._packing() else []
+        fill = ([e for e in self.prefilling if not self._one_call_left(e)]
+                if self._packing() else [])  # the others wait for the next round's call
+        for entry in fill:
+            entry.packed = True
         checked = {seq.slot: len(seq.generated) for seq in live}
         logits, seconds = self.runner.decode(live, budgets, gamma, self.scheduler.slots,
                                              [e.row for e in fill])
