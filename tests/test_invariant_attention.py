@@ -71,3 +71,23 @@ def test_the_untiled_products_do_change_with_the_number_of_queries():
     for t in range(16):
         np.testing.assert_array_equal(
             tiled[t], _attend(cache, rows[:1], q[:1, t:t + 1], bp, [24 + t], [1])[0, 0])
+
+
+@pytest.mark.parametrize("new", [1, 3])  # decode, a verify-sized call
+def test_rows_of_any_length_share_a_call_with_their_alone_bits(new):
+    """Rows whose caches end in different attention blocks (1, 3 and 10 blocks of 16 keys,
+    and an idle row with none): every row visits its own blocks (the longest row's extra
+    blocks run for it alone), and each keeps the bits it has alone, and the grouped path's
+    values (which visits every block of every row)."""
+    cache, _, q, cc = _case(8, 2)
+    bp = cc.attn_block // cc.page_size
+    rows = [[0, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(12, 52)), []]
+    lengths, num_new = [5, 40 - new, 158 - new, 0], [new, new, new, 0]
+    qs = jnp.concatenate([q, q[:1]])[:, :new]  # [4, new, N, H]
+    batched = _attend(cache, rows, qs, bp, lengths, num_new)
+    grouped = _attend(cache, rows, qs, bp, lengths, num_new, None)
+    for i in range(3):
+        alone = _attend(cache, rows[i:i + 1], qs[i:i + 1], bp, lengths[i:i + 1],
+                        num_new[i:i + 1])[0]
+        np.testing.assert_array_equal(batched[i], alone)
+        np.testing.assert_allclose(batched[i], grouped[i], rtol=0, atol=TOL)

@@ -104,27 +104,29 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
 
     def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        """[B, K, nt, S, H] keys or values of `pages` [B, block_pages] in this layer.
+        """[b, K, nt, S, H] keys or values of `pages` [b, block_pages] in this layer.
 
         One gather from the whole pool: slicing the layer out first (`pool[layer]`) would
         materialise a copy of the layer's pages at every step, a cost that grows with the
         pool's size instead of the sequence's length (measured: 1.2 ms -> 4.3 ms per decode
         step from 16 to 1024 pages).
         """
-        picked = pool[layer, :, pages]  # [B, block_pages, K, page_size, H]
-        picked = picked.transpose(0, 2, 1, 3, 4).reshape(b, kv, 1, block_len, h)
-        return jnp.broadcast_to(picked.astype(q.dtype), (b, kv, nt, block_len, h))
+        rows_ = pages.shape[0]
+        picked = pool[layer, :, pages]  # [b, block_pages, K, page_size, H]
+        picked = picked.transpose(0, 2, 1, 3, 4).reshape(rows_, kv, 1, block_len, h)
+        return jnp.broadcast_to(picked.astype(q.dtype), (rows_, kv, nt, block_len, h))
 
-    def step(index, carry):
-        m, l, acc = carry  # [B, K, nt, R] and acc [B, K, nt, R, H]
-        pages = jax.lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [B, block_pages]
+    def update(carry, index, pages, qg_, q_pos_, end_):
+        """One block of keys `index` for the rows of `pages` [b, block_pages] (all rows, or
+        one): their queries qg_ [b, K, nt, R, H] at q_pos_ [b, nt, R], written up to end_."""
+        m, l, acc = carry  # [b, K, nt, R] and acc [b, K, nt, R, H]
         k, v = gather(cache.k, pages), gather(cache.v, pages)
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
-        written = k_pos[None, :] < end[:, None]  # [B, S]
+        written = k_pos[None, :] < end_[:, None]  # [b, S]
         v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in
-        mask = _mask(q_pos, k_pos[None, None, :], True, window)  # [B, nt, R, S]
-        mask = (mask & written[:, None, None, :])[:, None]  # [B, 1, nt, R, S]
-        s = _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg, k), softcap)
+        mask = _mask(q_pos_, k_pos[None, None, :], True, window)  # [b, nt, R, S]
+        mask = (mask & written[:, None, None, :])[:, None]  # [b, 1, nt, R, S]
+        s = _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg_, k), softcap)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
@@ -133,16 +135,42 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         acc = acc * correction[..., None] + jnp.einsum("BKnRS,BKnSH->BKnRH", p, v)
         return m_new, l, acc
 
+    def step(index, carry):  # block `index` of every row
+        pages = jax.lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [B, block_pages]
+        return update(carry, index, pages, qg, q_pos, end)
+
     shape = (b, kv, nt, tile)
     init = (jnp.full(shape, _M_INIT, q.dtype), jnp.zeros(shape, q.dtype),
             jnp.zeros((*shape, h), q.dtype))
     # Only blocks that some query can see are visited; the skipped ones are fully masked and
     # would contribute exactly nothing, so skipping them changes no bit of the result.
-    stop = jnp.minimum((jnp.max(end) + block_len - 1) // block_len, num_blocks)
+    row_stop = jnp.minimum((end + block_len - 1) // block_len, num_blocks)  # [B]
+    stop = jnp.max(row_stop)
     start = jnp.int32(0)
     if window is not None:
         start = jnp.maximum(jnp.min(batch.lengths) - window + 1, 0) // block_len
-    _, l, acc = jax.lax.fori_loop(start, stop, step, init)
+    # Row-invariant attention (row_tile set) visits every row's blocks together only up to
+    # the shortest written row's last block, then each row's further blocks on their own
+    # (a row alone is a batch of one: the probe checks the products at both batch counts),
+    # so a long row does not make the others visit its blocks. Fast numerics visit every
+    # block of every row together (their products may change bits with the batch).
+    mid = stop
+    if row_tile is not None:
+        mid = jnp.clip(jnp.min(jnp.where(end > 0, row_stop, num_blocks)), start, stop)
+    carry = jax.lax.fori_loop(start, mid, step, init)
+    extra = jnp.maximum(row_stop - mid, 0)  # [B] each row's blocks past `mid`
+    last = jnp.cumsum(extra)  # [B] one past each row's last task
+
+    def ragged(task, carry):  # one row's next block past `mid`
+        r = jnp.searchsorted(last, task, side="right")
+        index = mid + task - (last[r] - extra[r])
+        one = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)  # noqa: E731
+        part = update(tuple(map(one, carry)), index, one(blocks[index]), one(qg), one(q_pos),
+                      one(end))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, r, 0)
+                     for c, x in zip(carry, part, strict=True))
+
+    _, l, acc = jax.lax.fori_loop(0, last[-1], ragged, carry)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
     out = out.reshape(b, kv, nt * tile, h)[:, :, :rows].reshape(b, kv, t, g, h)
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h)
