@@ -259,9 +259,12 @@ class EngineConfig:
     # sequences decode; 0: prefill every admitted prompt to the end first
     prefill_calls_per_round: int = 1
     # invariant numerics, no speculation: while others decode, the decode call prefills the
-    # prompts in the same steps (packed steps: each step takes every prompt's next
-    # ceil(prefill_chunk / decode_steps) tokens, at least 16), not in prefill calls
-    packed_prefill: bool = True
+    # prompts with more than one call left in the same steps (packed steps: each step takes
+    # every such prompt's next ceil(prefill_chunk / decode_steps) tokens, at least 16), not
+    # in prefill calls. Off by default: with attention visiting each row's own blocks, one
+    # prefill call per round measured as good or better for the running requests' latency
+    # and better for prefill time and TTFT (README, "Decode latency under arrivals")
+    packed_prefill: bool = False
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)

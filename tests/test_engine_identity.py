@@ -62,7 +62,7 @@ def test_mixed_adapters_in_one_batch_match_their_fresh_outputs(p, adapters, monk
     requests = [Request(tokens, new, adapter=a, return_logits=True) for tokens, new, a in (
         (PROMPT, 16, "a"), (PROMPT[:25], 5, None), (PROMPT[:27], 5, "b"),
         (PROMPT[::-1][:29], 5, "a"))]  # all but the first with more than a chunk to prefill
-    eng = engine(p, adapters=adapters)
+    eng = engine(p, adapters=adapters, packed_prefill=True)
     ids = [eng.submit(requests[0])]
     eng.step()
     ids += [eng.submit(r) for r in requests[1:]]
@@ -80,7 +80,7 @@ def test_a_prompt_prefilled_in_packed_steps_keeps_its_position_base(p):
     they get alone, and the full-sequence reference's values."""
     first = Request(PROMPT[:9], 24, return_logits=True)
     second = Request(list(range(10, 50)), 5, position_base=3, return_logits=True)
-    eng = engine(p, decode_steps=2)
+    eng = engine(p, decode_steps=2, packed_prefill=True)
     ids = [eng.submit(first)]
     eng.step()
     ids.append(eng.submit(second))

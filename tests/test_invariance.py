@@ -54,7 +54,8 @@ def alone(p):
     dict(max_slots=8), dict(max_slots=2), dict(max_slots=16),
     dict(cache=with_cache(prefill_chunk=8)), dict(cache=with_cache(prefill_chunk=32)),
     dict(decode_steps=1), dict(decode_steps=16), dict(schedule="lpm"),
-    dict(prefix_cache=False), dict(prefill_calls_per_round=0)], ids=str)
+    dict(prefix_cache=False), dict(prefill_calls_per_round=0), dict(packed_prefill=True),
+    dict(packed_prefill=True, max_slots=2)], ids=str)
 def test_a_request_gets_the_same_bits_whatever_the_knobs(p, alone, knobs):
     assert_same(engine(p, **knobs).generate(requests()), alone)
 
@@ -136,11 +137,13 @@ def test_fast_numerics_do_change_with_the_batch(p, alone):
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.integers(0, 3), min_size=8, max_size=8), st.sampled_from([2, 8]),
-       st.sampled_from([1, 4]))
-def test_random_arrivals_give_every_request_its_alone_bits(p, alone, arrivals, slots, steps_):
+       st.sampled_from([1, 4]), st.booleans())
+def test_random_arrivals_give_every_request_its_alone_bits(p, alone, arrivals, slots, steps_,
+                                                           packed):
     """Requests arrive over the first rounds (request i before round `arrivals[i]`), with a
-    random batch size and decode length: each gets the logits it gets alone."""
-    e = engine(p, max_slots=slots, decode_steps=steps_)
+    random batch size, decode length and prefill (packed steps or calls) while others
+    decode: each gets the logits it gets alone."""
+    e = engine(p, max_slots=slots, decode_steps=steps_, packed_prefill=packed)
     ids = {}
     for round_ in range(4):
         for i, r in enumerate(requests()):
@@ -252,7 +255,8 @@ def test_a_prompt_one_call_finishes_takes_a_call_while_others_decode(p, monkeypa
                         or prefill_call(self, rows, *a, **k))
     monkeypatch.setattr(StepRunner, "packed_fill", lambda self, rows, *a: packed.extend(
         rows) or packed_fill(self, rows, *a))
-    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8), b_len=6)
+    e, a, b, a_req, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8), b_len=6,
+                                                 packed_prefill=True)
     calls.clear()  # a's own prefill
     e.step()
     assert calls == [1] and packed == [] and e.rounds.live[b].seqs[0].generated
@@ -322,7 +326,7 @@ def test_per_request_prefill_seconds_add_up_to_the_engines(p):
     total = e.metrics()["prefill_s"]
     assert total > 0
     assert sum(r.stats["prefill_s"] for r in results) == pytest.approx(total, rel=1e-9)
-    e, a, b, *_ = _long_prompt_arrives(p, with_cache(prefill_chunk=8))
+    e, a, b, *_ = _long_prompt_arrives(p, with_cache(prefill_chunk=8), packed_prefill=True)
     before = e.metrics()["prefill_s"]  # a's own prefill call
     done = e.run()
     packed = done[b].stats["prefill_s"]

@@ -8,8 +8,8 @@ per-token latency in a round is the round's wall time over the tokens it got. Re
 its first `--after` tokens: the running requests' median (and steady-state median), p99
 and worst per-token latency, and the newcomer's time to first token, for three ways to
 prefill while others decode: packed (the decode call's steps prefill the prompt beside the
-decode tokens, `packed_prefill`, the default), one prefill call per round between decode
-calls (`prefill_calls_per_round` 1), and the whole prompt before the next decode call (0).
+decode tokens, `packed_prefill`), one prefill call per round between decode calls
+(`prefill_calls_per_round` 1, the default), and the whole prompt before the next decode call (0).
 One untimed run compiles first; the settings alternate over `--reps` runs; the figures are
 medians over runs.
 """
@@ -72,7 +72,7 @@ def main(args) -> int:
     model = config.model
     params = init_params(model, seed=0)
     base = EngineConfig(cache=config.cache, max_slots=RUNNING + 1)
-    settings = {"packed": base} | {
+    settings = {"packed": dataclasses.replace(base, packed_prefill=True)} | {
         f"calls {calls}": dataclasses.replace(base, packed_prefill=False,
                                               prefill_calls_per_round=calls)
         for calls in (1, 0)}
