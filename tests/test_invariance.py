@@ -265,24 +265,30 @@ def test_a_prompt_one_call_finishes_takes_a_call_while_others_decode(p, monkeypa
     assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))
 
 
-def test_preempting_or_cancelling_a_prompt_being_prefilled_loses_nothing(p, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True], ids=["calls", "packed"])
+def test_preempting_or_cancelling_a_prompt_being_prefilled_loses_nothing(p, monkeypatch,
+                                                                         packed):
     """The decoding request outgrows a tight cache while the long prompt is half
-    prefilled: the younger one is preempted (its pages back, the full ones it wrote into
-    the trie), recomputed later with its alone bits; a cancelled half-prefilled prompt
-    returns every page, and the pages it wrote serve its next run, bitwise."""
+    prefilled (in prefill calls, or in packed steps): the younger one is preempted (its
+    pages back, the full ones it wrote into the trie), recomputed later with its alone
+    bits; a cancelled half-prefilled prompt returns every page, and the pages it wrote
+    serve its next run, bitwise."""
     dropped = []
     drop = Rounds._drop_prefill
     monkeypatch.setattr(Rounds, "_drop_prefill",
                         lambda self, req: dropped.append(req.id) or drop(self, req))
     tight = with_cache(prefill_chunk=8, num_pages=24)
-    e, a, b, a_req, b_req = _long_prompt_arrives(p, tight, a_new=40, b_len=80, b_new=8)
+    e, a, b, a_req, b_req = _long_prompt_arrives(p, tight, a_new=40, b_len=80, b_new=8,
+                                                 packed_prefill=packed)
     done = e.run()
     assert dropped == [b] and done[b].stats["preemptions"] == 1
     alone = engine(p, max_slots=1, prefix_cache=False)
     assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))
     assert e.allocator.num_free == tight.num_pages - e.trie.num_nodes
-    e, a, b, _, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8))
+    e, a, b, _, b_req = _long_prompt_arrives(p, with_cache(prefill_chunk=8),
+                                             packed_prefill=packed)
     e.step()
+    assert e.rounds.prefilling[0].packed == packed
     written = e.rounds.prefilling[0].row.start
     assert e.rounds.live[b].prefilling and written >= 8
     e.cancel(b)

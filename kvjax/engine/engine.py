@@ -35,7 +35,7 @@ import dataclasses
 import json
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -319,7 +319,7 @@ class Engine:
 
 
 def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
-                    lora_shapes: list[tuple[int, int, int, int]] = ()) -> list:
+                    lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
     """`configs` (the target's, the draft's) with the engine's numerics and, under invariant
     numerics, each product's row block (`kvjax.model.tiled.choose_blocks`, probed per shape
     on the running backend and cached) for the engine's largest calls: `bucket(max_slots)`

@@ -151,7 +151,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         start = jnp.maximum(jnp.min(batch.lengths) - window + 1, 0) // block_len
     # Row-invariant attention (row_tile set) visits every row's blocks together only up to
     # the shortest written row's last block, then each row's further blocks on their own
-    # (a row alone is a batch of one: the probe checks the products at both batch counts),
+    # (a row alone is a batch of one: the start-up probe checks a sequence of three against
+    # itself alone, and the invariance tests every row of mixed-length batches),
     # so a long row does not make the others visit its blocks. Fast numerics visit every
     # block of every row together (their products may change bits with the batch).
     mid = stop

@@ -90,16 +90,18 @@ def stacked_delta(x: jax.Array, a: jax.Array, b: jax.Array, adapter_ids: jax.Arr
     """Every row's delta from its own adapter as two products of fixed weights, every
     adapter's factors side by side, each product in `row_blocks` of `block` rows
     (`kvjax.model.tiled`), so a row's bits do not depend on the other rows: x @ a gives
-    every adapter's x @ a_n, the other adapters' columns are zeroed (times 0.0: exact), and
-    the product with b sums the row's own adapter's terms and exact zeros.
+    every adapter's x @ a_n, the other adapters' columns are set to zero (a non-finite
+    adapter cannot leak into other rows), and the product with b sums the row's own
+    adapter's terms and exact zeros. A row's bits depend on its adapter's index, the
+    number of adapters and the largest rank: they hold within one engine's adapter set.
 
     Args:
       x: [M, I] rows; a: [I, A, R]; b: [A, R, O]; adapter_ids: int32[M]. Returns [M, O].
     """
     i, count, rank = a.shape
     xa = row_blocks(lambda rows: rows @ a.reshape(i, count * rank), x, block)  # [M, A * R]
-    keep = (adapter_ids[:, None] == jnp.arange(count)).astype(x.dtype)  # [M, A]
-    xa = (xa.reshape(-1, count, rank) * keep[:, :, None]).reshape(xa.shape)
+    keep = adapter_ids[:, None] == jnp.arange(count)  # [M, A]
+    xa = jnp.where(keep[:, :, None], xa.reshape(-1, count, rank), 0).reshape(xa.shape)
     return row_blocks(lambda rows: rows @ b.reshape(count * rank, -1), xa, block)
 
 
