@@ -166,8 +166,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         r = jnp.searchsorted(last, task, side="right")
         index = mid + task - (last[r] - extra[r])
         one = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)  # noqa: E731
-        part = update(tuple(map(one, carry)), index, one(blocks[index]), one(qg), one(q_pos),
-                      one(end))
+        part = update(tuple(map(one, carry)), index, blocks[index, r][None], one(qg),
+                      one(q_pos), one(end))
         return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, r, 0)
                      for c, x in zip(carry, part, strict=True))
 

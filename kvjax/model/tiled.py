@@ -234,12 +234,18 @@ def _rows_agree(w_shape: tuple[int, ...], contract: tuple[int, ...], block: int,
         w = layout.from_stored(w, inputs) if stored else w
         return RowInvariantDot(block)(r, w, (dims, ((), ())))
 
+    return rows_keep_bits(lambda lo, hi: np.asarray(dot(x[lo:hi], w)), counts)
+
+
+def rows_keep_bits(call: Callable[[int, int], np.ndarray], counts: Sequence[int]) -> bool:
+    """Whether rows 0, 2 and the last of `call(0, m)` (a computation of rows 0..m) have the
+    bits of `call(i, i + 1)` (the row alone), for every m in `counts`."""
     alone = {}
     for m in counts:
-        out = np.asarray(dot(x[:m], w))
+        out = call(0, m)
         for i in {0, min(2, m - 1), m - 1}:
             if i not in alone:
-                alone[i] = np.asarray(dot(x[i:i + 1], w))[0]
+                alone[i] = call(i, i + 1)[0]
             if not np.array_equal(out[i], alone[i]):
                 return False
     return True
