@@ -1,10 +1,12 @@
 """Start-up probe results kept on disk (`kvjax.model.probe_cache`): read back by a later
-call without probing, keyed by the environment, off with KVJAX_PROBE_CACHE=0, and a broken
-file costs a probe, not an error."""
+call without probing, keyed by the environment and by the probe's own code, off with
+KVJAX_PROBE_CACHE=0, and a broken file costs a probe, not an error."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 
 import jax
 
@@ -29,6 +31,25 @@ def test_a_result_is_read_back_and_keyed_by_the_environment(tmp_path, monkeypatc
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")  # another backend
     assert probe((4, 8), 3) is True
     assert calls == [3, 1, 3]
+
+
+def test_an_edited_probe_module_probes_again(tmp_path, monkeypatch):
+    """A result found by older code is not read back: the key holds a digest of the source
+    of the module that defines the probe."""
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", str(tmp_path / "probes.json"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "edited_probe.py"
+    source = ("from kvjax.model import probe_cache\nCALLS = []\n\n"
+              "@probe_cache.persistent\ndef probe(n):\n    CALLS.append(n)\n    return {}\n")
+    module.write_text(source.format("True"))
+    mod = importlib.import_module("edited_probe")
+    assert mod.probe(3) is True and mod.probe(3) is True and mod.CALLS == [3]
+    module.write_text(source.format("False"))  # the probe now finds otherwise
+    probe_cache.code_digest.cache_clear()
+    mod = importlib.reload(mod)
+    assert mod.probe(3) is False and mod.CALLS == [3]
+    sys.modules.pop("edited_probe")
+    probe_cache.code_digest.cache_clear()
 
 
 def test_off_and_broken_files(tmp_path, monkeypatch):

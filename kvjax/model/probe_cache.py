@@ -2,9 +2,10 @@
 found on the same machine with the same software (the probes of `kvjax.model.tiled` take
 about 8 s for the bench model or SmolLM2-135M, 3.5 s for the test model).
 
-A result is keyed by the probe's name and arguments and by everything that picks the kernels
-XLA runs: the jax and jaxlib versions, the backend and its device kind, `XLA_FLAGS`, and the
-CPU (model name and instruction-set flags). `KVJAX_PROBE_CACHE` names the file (default
+A result is keyed by the probe's name and arguments, by the source of the module that defines
+it (an edited probe, or a helper beside it, probes again), and by everything that picks the
+kernels XLA runs: the jax and jaxlib versions, the backend and its device kind, `XLA_FLAGS`,
+and the CPU (model name and instruction-set flags). `KVJAX_PROBE_CACHE` names the file (default
 `~/.cache/kvjax/probes.json`); `KVJAX_PROBE_CACHE=0` turns the cache off. A file that
 cannot be read is ignored (the probe runs) and one that cannot be written is skipped.
 """
@@ -17,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -48,6 +50,16 @@ def environment() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=16)
+def code_digest(module: str) -> str:
+    """A digest of the source file of `module` (empty when it has none)."""
+    try:
+        source = pathlib.Path(sys.modules[module].__file__).read_bytes()
+    except (KeyError, TypeError, OSError):
+        return ""
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
 def _load(path: pathlib.Path) -> dict:
     try:
         table = json.loads(path.read_text())
@@ -77,7 +89,8 @@ def persistent(probe: Callable[..., bool]) -> Callable[..., bool]:
         path = cache_path()
         if path is None:
             return probe(*args)
-        key = json.dumps([probe.__name__, list(args), environment()])
+        key = json.dumps([probe.__name__, list(args), code_digest(probe.__module__),
+                          environment()])
         table = _load(path)
         if isinstance(table.get(key), bool):
             return table[key]
