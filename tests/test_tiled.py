@@ -82,6 +82,30 @@ def test_the_probes_find_a_row_count_dependence():
         assert invariant_block(256, 384) == 2
 
 
+def test_the_attention_probe_checks_every_sequence_alone(monkeypatch):
+    """A product whose bits for the second and later sequences change when they share the
+    call (the first sequence's do not) is caught."""
+    from kvjax.model import tiled
+
+    real = tiled.attention_products
+
+    def later_sequences_move(q, p, k):
+        scores, mixed = real(q, p, k)
+        if q.shape[0] == 1:
+            return scores, mixed
+        moved = jnp.arange(q.shape[0])[:, None, None, None, None] > 0
+        return scores, jnp.where(moved, mixed * (1 + 2 ** -20), mixed)
+
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", "0")
+    args = (2, 16, 16, 9, jax.default_backend())
+    tiled._probe_attention.cache_clear()
+    assert tiled._probe_attention(*args)
+    monkeypatch.setattr(tiled, "attention_products", later_sequences_move)
+    tiled._probe_attention.cache_clear()
+    assert not tiled._probe_attention(*args)
+    tiled._probe_attention.cache_clear()
+
+
 def test_model_shapes_names_every_token_matmul():
     shapes = model_shapes(small_model())
     assert set(shapes) == {"q", "k/v", "o", "mlp up", "mlp down", "head"}

@@ -251,35 +251,42 @@ def rows_keep_bits(call: Callable[[int, int], np.ndarray], counts: Sequence[int]
     return True
 
 
+def attention_products(q, p, k):
+    """The two products `_probe_attention` checks: [B, K, 1, R, S] scores and [B, K, 1, R, H]
+    mixed values."""
+    return (jnp.einsum("BKnRH,BKnSH->BKnRS", q, k), jnp.einsum("BKnRS,BKnSH->BKnRH", p, k))
+
+
 @functools.lru_cache(maxsize=32)
 @probe_cache.persistent  # and on disk, across processes
 def _probe_attention(kv_heads: int, head_dim: int, keys: int, max_rows: int,
                      backend: str) -> bool:
     """Paged attention's two products (`kvjax.model.attention`: a KV head's query rows
     against a block of `keys` keys, then their probabilities against the values) as one
-    product of any row count: a row's bits alone == among every probed count of rows, and
-    among three sequences."""
+    product of any row count: each of three sequences' rows have the bits they have in
+    that sequence alone, at every probed count of rows."""
     rng = np.random.default_rng(0)
     n = max(max_rows, 2)
     q = jnp.asarray(rng.standard_normal((3, kv_heads, 1, n, head_dim)).astype(np.float32))
     p = jnp.asarray(rng.random((3, kv_heads, 1, n, keys)).astype(np.float32))
     k = jnp.asarray(rng.standard_normal((3, kv_heads, 1, keys, head_dim)).astype(np.float32))
 
-    @jax.jit
-    def both(q, p, k):  # [B, K, 1, R, S] scores and [B, K, 1, R, H] mixed values
-        return (jnp.einsum("BKnRH,BKnSH->BKnRS", q, k), jnp.einsum("BKnRS,BKnSH->BKnRH", p, k))
+    both = jax.jit(lambda q, p, k: attention_products(q, p, k))
 
-    def rows(m: int, lo: int = 0, seqs: int = 3) -> list[np.ndarray]:
-        return [np.asarray(a) for a in both(q[:seqs, :, :, lo:m], p[:seqs, :, :, lo:m],
-                                            k[:seqs])]
+    def rows(m: int, lo: int = 0, seqs: slice = slice(0, 3)) -> list[np.ndarray]:
+        return [np.asarray(a) for a in both(q[seqs, :, :, lo:m], p[seqs, :, :, lo:m],
+                                            k[seqs])]
 
-    pair = rows(2, seqs=1)
+    alone = [slice(b, b + 1) for b in range(3)]
+    pairs = [rows(2, seqs=b) for b in alone]
     for m in probe_counts(max_rows):
-        last = rows(m, m - 2, seqs=1)
-        for out, two, end in zip(rows(m), pair, last, strict=True):
-            if not (np.array_equal(out[:1, :, :, :2], two)
-                    and np.array_equal(out[:1, :, :, m - 1], end[:, :, :, 1])):
-                return False
+        together = rows(m)
+        for b, pair in zip(alone, pairs, strict=True):
+            last = rows(m, m - 2, seqs=b)
+            for out, two, end in zip(together, pair, last, strict=True):
+                if not (np.array_equal(out[b, :, :, :2], two)
+                        and np.array_equal(out[b, :, :, m - 1], end[:, :, :, 1])):
+                    return False
     return True
 
 
