@@ -244,9 +244,9 @@ def test_the_engine_probes_calls_as_wide_as_it_makes(monkeypatch):
 
 def test_lora_deltas_are_row_invariant_products_of_the_stacked_factors():
     """`stacked_delta`: every row's delta from its own adapter (values of (x a_n) b_n), and
-    its bits the same alone, among 67 rows of mixed adapters and in a loop of blocks; the
-    probe finds the form (here 32-row blocks: as one product the rows change with their
-    count, measured) and can say no."""
+    its bits the same alone, among 67 rows of mixed adapters and in a loop of blocks, at
+    the form the probe finds (on this CPU 32-row blocks: as one product the rows change
+    with their count, so there the probe says no to one product)."""
     from kvjax import init_adapter
     from kvjax.model.lora import _probe_lora, choose_block, stacked_delta, stacked_shapes
     from kvjax.model.lora import stack_adapters as stack
@@ -257,8 +257,9 @@ def test_lora_deltas_are_row_invariant_products_of_the_stacked_factors():
     shapes = stacked_shapes(lora)
     assert (64, 4, 4, 128) in shapes and (128, 4, 4, 64) in shapes  # (I, A, R, O)
     block = choose_block(shapes, 2048, 32)
-    assert block == 32
-    assert not all(_probe_lora(s, 0, 2048, jax.default_backend()) for s in shapes)
+    assert block in (0, 32, 16, 8, 4, 2)  # measured here: 32
+    if block != 0:  # one product was tried first and refused
+        assert not all(_probe_lora(s, 0, 2048, jax.default_backend()) for s in shapes)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((67, 64)).astype(np.float32)
     ids = rng.integers(0, 4, 67).astype(np.int32)
@@ -289,7 +290,8 @@ def test_the_engine_probes_its_adapters_products(monkeypatch):
 
     adapters = {"a": init_adapter(CONFIG, rank=4, seed=1)}
     engine = Engine(params(), CONFIG, EngineConfig(cache=CACHE), adapters=adapters)
-    assert engine.config.block("lora") == 32 and engine.numerics_problems == []
+    assert "lora" in dict(engine.config.row_blocks) and engine.numerics_problems == []
+    assert engine.config.block("lora") in (0, 32, 16, 8, 4, 2)  # measured here: 32
     assert engine.runner.invariant
     plain = Engine(params(), CONFIG, EngineConfig(cache=CACHE))
     assert "lora" not in dict(plain.config.row_blocks)
