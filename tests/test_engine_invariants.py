@@ -1,6 +1,6 @@
 """Hypothesis state machines over the engine: random submit / step / cancel / evict, on a
-plain engine and on one with a draft model (whose page pool, trie and copy-on-write run
-beside the target's).
+plain engine (prompts prefilled in prefill calls, or in packed decode steps) and on one
+with a draft model (whose page pool, trie and copy-on-write run beside the target's).
 
 Invariants after every rule, in every page pool: each page's reference count equals the
 references the live sequences and the trie hold; a page a sequence has decoded into is
@@ -19,7 +19,13 @@ from engine_helpers import CACHE, CONFIG, engine, params, with_cache
 from helpers import fresh_prefill, small_model
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 import kvjax
 from kvjax import Engine, EngineConfig, Request, SamplingConfig, SpecConfig
@@ -36,12 +42,18 @@ DRAFT_P = kvjax.init_params(DRAFT, seed=5)
 class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.eng = self.make_engine()
+        self.eng: Engine | None = None
         self.ids: list[int] = []
 
-    def make_engine(self) -> Engine:
+    @initialize(packed=st.booleans())
+    def start(self, packed):
+        self.eng = self.make_engine(packed)
+
+    def make_engine(self, packed: bool) -> Engine:
+        """Prompts of up to 36 tokens in 16-token chunks: with `packed`, those with more
+        than one chunk left are prefilled in the decode call's steps."""
         return engine(P, cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
-                      partial_page_copy=True, poison_freed=True)
+                      partial_page_copy=True, poison_freed=True, packed_prefill=packed)
 
     def pools(self):
         """(allocator, trie, a sequence's (pages, cached length), model config, params) per
@@ -49,7 +61,7 @@ class EngineMachine(RuleBasedStateMachine):
         return [(self.eng.allocator, self.eng.trie, lambda seq: (seq.pages, seq.length),
                  self.eng.config, self.eng.model.params)]
 
-    @rule(prefix=st.integers(0, len(SYSTEM)), suffix=st.lists(st.integers(0, 5), max_size=9),
+    @rule(prefix=st.integers(0, len(SYSTEM)), suffix=st.lists(st.integers(0, 5), max_size=30),
           max_new=st.integers(1, 12), n=st.integers(1, 2), tenant=st.sampled_from([None, "t"]),
           hot=st.booleans())
     def submit(self, prefix, suffix, max_new, n, tenant, hot):
@@ -122,7 +134,7 @@ class EngineMachine(RuleBasedStateMachine):
 class SpecEngineMachine(EngineMachine):
     """The same rules on an engine drafting with a model (γ 2): both pools checked."""
 
-    def make_engine(self) -> Engine:
+    def make_engine(self, packed: bool) -> Engine:  # packed steps are plain decoding only
         ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
                           partial_page_copy=True, poison_freed=True)
         return Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
