@@ -31,11 +31,30 @@ def _case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int = 8,
     return cache, rows, jnp.asarray(q), cache_cfg
 
 
-def _attend(cache, rows, q, block_pages, lengths, num_new, row_tile=TILE):
+def _attend(cache, rows, q, block_pages, lengths, num_new, row_tile=TILE, window=None):
     batch = BatchInfo(page_table=jnp.asarray(page_table(rows, len(rows), block_pages)),
                       lengths=jnp.asarray(lengths, jnp.int32),
                       num_new=jnp.asarray(num_new, jnp.int32))
-    return np.asarray(paged_attention_reference(q, cache, 0, batch, None, row_tile))
+    return np.asarray(paged_attention_reference(q, cache, 0, batch, window, row_tile))
+
+
+@pytest.mark.parametrize("window", [None, 8, 20])
+def test_each_row_of_a_ragged_batch_has_its_bits_alone(window):
+    """Rows of very different lengths (a long row's extra blocks, past the shortest row's
+    last, run on their own, from its own window's first block under a sliding window):
+    every row's output equals the row alone bitwise, and the untiled products within
+    float32 rounding."""
+    cache, rows, q, cc = _case(8, 2)
+    bp = cc.attn_block // cc.page_size
+    lengths, num_new = [24, 48, 0], [16, 8, 4]
+    batched = _attend(cache, rows, q, bp, lengths, num_new, window=window)
+    grouped = _attend(cache, rows, q, bp, lengths, num_new, None, window)
+    for r in range(3):
+        n = num_new[r]
+        alone = _attend(cache, rows[r:r + 1], q[r:r + 1, :n], bp, lengths[r:r + 1], [n],
+                        window=window)[0]
+        np.testing.assert_array_equal(batched[r, :n], alone)
+        np.testing.assert_allclose(batched[r, :n], grouped[r, :n], rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (6, 2)])  # G = 4, 1, 3

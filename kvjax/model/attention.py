@@ -159,12 +159,15 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     if row_tile is not None:
         mid = jnp.clip(jnp.min(jnp.where(end > 0, row_stop, num_blocks)), start, stop)
     carry = jax.lax.fori_loop(start, mid, step, init)
-    extra = jnp.maximum(row_stop - mid, 0)  # [B] each row's blocks past `mid`
+    first = jnp.full(b, mid)  # [B] each row's first block past the shared ones
+    if window is not None:  # from its own window's first block
+        first = jnp.maximum(first, jnp.maximum(batch.lengths - window + 1, 0) // block_len)
+    extra = jnp.maximum(row_stop - first, 0)  # [B] each row's blocks from `first`
     last = jnp.cumsum(extra)  # [B] one past each row's last task
 
-    def ragged(task, carry):  # one row's next block past `mid`
+    def ragged(task, carry):  # one row's next block past the shared ones
         r = jnp.searchsorted(last, task, side="right")
-        index = mid + task - (last[r] - extra[r])
+        index = first[r] + task - (last[r] - extra[r])
         one = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)  # noqa: E731
         part = update(tuple(map(one, carry)), index, blocks[index, r][None], one(qg),
                       one(q_pos), one(end))
