@@ -50,7 +50,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.eng = self.make_engine(packed)
 
     def make_engine(self, packed: bool) -> Engine:
-        """Prompts of up to 36 tokens in 16-token chunks: with `packed`, those with more
+        """Prompts of up to 57 tokens in 16-token chunks: with `packed`, those with more
         than one chunk left are prefilled in the decode call's steps."""
         return engine(P, cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
                       partial_page_copy=True, poison_freed=True, packed_prefill=packed)

@@ -263,15 +263,15 @@ def _probe_attention(kv_heads: int, head_dim: int, keys: int, max_rows: int,
                      backend: str) -> bool:
     """Paged attention's two products (`kvjax.model.attention`: a KV head's query rows
     against a block of `keys` keys, then their probabilities against the values) as one
-    product of any row count: each of three sequences' rows have the bits they have in
-    that sequence alone, at every probed count of rows."""
+    product of any row count: each of three sequences' rows has the bits it has in that
+    sequence alone, at every probed count of rows."""
     rng = np.random.default_rng(0)
     n = max(max_rows, 2)
     q = jnp.asarray(rng.standard_normal((3, kv_heads, 1, n, head_dim)).astype(np.float32))
     p = jnp.asarray(rng.random((3, kv_heads, 1, n, keys)).astype(np.float32))
     k = jnp.asarray(rng.standard_normal((3, kv_heads, 1, keys, head_dim)).astype(np.float32))
 
-    both = jax.jit(lambda q, p, k: attention_products(q, p, k))
+    both = jax.jit(attention_products)
 
     def rows(m: int, lo: int = 0, seqs: slice = slice(0, 3)) -> list[np.ndarray]:
         return [np.asarray(a) for a in both(q[seqs, :, :, lo:m], p[seqs, :, :, lo:m],
