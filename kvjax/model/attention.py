@@ -146,9 +146,10 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     # would contribute exactly nothing, so skipping them changes no bit of the result.
     row_stop = jnp.minimum((end + block_len - 1) // block_len, num_blocks)  # [B]
     stop = jnp.max(row_stop)
-    start = jnp.int32(0)
+    row_start = jnp.zeros(b, jnp.int32)  # [B] each row's first visible block
     if window is not None:
-        start = jnp.maximum(jnp.min(batch.lengths) - window + 1, 0) // block_len
+        row_start = jnp.maximum(batch.lengths - window + 1, 0) // block_len
+    start = jnp.min(row_start)
     # Row-invariant attention (row_tile set) visits every row's blocks together only up to
     # the shortest written row's last block, then each row's further blocks on their own
     # (a row alone is a batch of one: the start-up probe checks a sequence of three against
@@ -159,9 +160,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     if row_tile is not None:
         mid = jnp.clip(jnp.min(jnp.where(end > 0, row_stop, num_blocks)), start, stop)
     carry = jax.lax.fori_loop(start, mid, step, init)
-    first = jnp.full(b, mid)  # [B] each row's first block past the shared ones
-    if window is not None:  # from its own window's first block
-        first = jnp.maximum(first, jnp.maximum(batch.lengths - window + 1, 0) // block_len)
+    first = jnp.maximum(mid, row_start)  # [B] each row's first block past the shared ones
     extra = jnp.maximum(row_stop - first, 0)  # [B] each row's blocks from `first`
     last = jnp.cumsum(extra)  # [B] one past each row's last task
 

@@ -2,11 +2,11 @@
 found on the same machine with the same software (the probes of `kvjax.model.tiled` take
 about 8 s for the bench model or SmolLM2-135M, 3.5 s for the test model).
 
-A result is keyed by the probe's name and arguments, by the source of the module that defines
-it and of the modules whose code the probes run (`PROBE_CODE`: edited probe code probes
-again), and by everything that picks the
-kernels XLA runs: the jax and jaxlib versions, the backend and its device kind, `XLA_FLAGS`,
-and the CPU (model name and instruction-set flags). `KVJAX_PROBE_CACHE` names the file (default
+A result is keyed by the probe's name and arguments, by the source of the package that
+defines it (every module beside the probe's: edited probe code, or code it runs, probes
+again), and by everything that picks the kernels XLA runs: the jax and jaxlib versions, the
+backend and its device kind, `XLA_FLAGS`, and the CPU (model name and instruction-set
+flags). `KVJAX_PROBE_CACHE` names the file (default
 `~/.cache/kvjax/probes.json`); `KVJAX_PROBE_CACHE=0` turns the cache off. A file that
 cannot be read is ignored (the probe runs) and one that cannot be written is skipped.
 """
@@ -52,19 +52,14 @@ def environment() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-# the modules whose code the probes run besides their own (products, layouts, LoRA deltas)
-PROBE_CODE = ("kvjax.model.tiled", "kvjax.model.layout", "kvjax.model.lora")
-
-
 @functools.lru_cache(maxsize=16)
 def code_digest(module: str) -> str:
-    """A digest of the source files of `module` and of `PROBE_CODE` (a module not loaded,
-    or without a file, counts as empty)."""
+    """A digest of the Python files in the folder of `module`'s file (the probes and the
+    products, layouts and deltas they run; empty when it has no file)."""
     digest = hashlib.sha256()
-    for name in sorted({module, *PROBE_CODE}):
-        with contextlib.suppress(KeyError, TypeError, OSError):
-            digest.update(pathlib.Path(sys.modules[name].__file__).read_bytes())
-        digest.update(b"\0")
+    with contextlib.suppress(KeyError, TypeError, OSError):
+        for file in sorted(pathlib.Path(sys.modules[module].__file__).parent.glob("*.py")):
+            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
