@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kvjax import Engine, EngineConfig, Request, SamplingConfig
 from kvjax.decode import steps
 from kvjax.engine.rounds import Rounds
+from kvjax.engine.runner import StepRunner
 
 LENGTHS = [3, 9, 14, 22, 17, 6, 30, 11]  # 8 prompts, most crossing 4-token pages
 SAMPLED = SamplingConfig(temperature=0.8, top_p=0.9, top_k=20)
@@ -114,6 +115,38 @@ def test_preemption_and_recompute_change_no_bit(p, alone):
     assert_same(e.generate(requests()), alone)
     assert e.metrics()["preemptions"] > 0
     assert e.allocator.num_free == tight.num_pages - e.trie.num_nodes  # nothing leaked
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["cache_on", "cache_off"])
+def test_a_preempted_request_resumes_from_the_answer_it_had_cached(p, monkeypatch,
+                                                                   prefix_cache):
+    """Long answers in a tight cache: running requests are preempted after some of their
+    answer, and their next admission prefills prompt + answer so far (teacher-forced)
+    instead of decoding it again. Every answer token after the first is decoded exactly
+    once, the logits are still the alone bits, and with the prefix cache the resume
+    reuses the answer pages the preemption cached (less than a page recomputed)."""
+    decoded = []
+    decode = StepRunner.decode
+
+    def counting(self, live, budgets, *args, **kw):
+        decoded.append(sum(budgets[s.slot] for s in live))
+        return decode(self, live, budgets, *args, **kw)
+
+    monkeypatch.setattr(StepRunner, "decode", counting)
+    reqs = requests([9, 22, 17, 30], new=32)
+    solo = engine(p, max_slots=1, prefix_cache=False)
+    alone_long = [solo.generate([r])[0] for r in reqs]
+    e = engine(p, cache=with_cache(num_pages=22), max_slots=4, prefix_cache=prefix_cache)
+    decoded.clear()
+    got = e.generate(reqs)
+    assert_same(got, alone_long)
+    assert sum(decoded) == sum(len(r.tokens) - 1 for r in got)  # 124; re-decoding: more
+    m = e.metrics()
+    assert m["preemptions"] > 0 and m["resumed_tokens"] > 0  # 5 and 56 / 60
+    if prefix_cache:
+        assert any(s["resumed_tokens"] > 0 and s["recomputed_tokens"] < CACHE.page_size
+                   for s in (r.stats for r in got))
+    assert e.allocator.num_free == e.cache_config.num_pages - e.trie.num_nodes
 
 
 def test_page_size_at_one_attention_block(p):

@@ -8,8 +8,7 @@ import pytest
 from helpers import small_model
 
 from kvjax import CacheConfig, KVPool, PagePool, Request
-from kvjax.cache.trie import history_digests
-from kvjax.engine.requests import LiveRequest, salts_per_page
+from kvjax.engine.requests import LiveRequest, context
 from kvjax.engine.scheduler import plan_admission
 
 CONFIG = small_model(max_seq_len=64)
@@ -19,15 +18,14 @@ CACHE = CacheConfig(page_size=4, num_pages=8, prefill_chunk=8)
 def _live(pool: PagePool, tokens: list[int]) -> LiveRequest:
     request = Request(tokens=tokens)
     return LiveRequest(id=0, request=request, tokens=tokens, namespace=pool.namespace(0),
-                       salts=salts_per_page(request, len(tokens), 4),
-                       digests=history_digests(tokens, 4), adapter_index=0, submitted=0.0)
+                       context=context(request, tokens, 4), adapter_index=0, submitted=0.0)
 
 
 def _cached(pool: PagePool, tokens: list[int]) -> list[int]:
     """Caches `tokens`' full pages in the pool's trie (as a finished prompt would)."""
     req = _live(pool, tokens)
     pages = pool.allocator.allocate(len(tokens) // 4)
-    pool.trie.insert(req.namespace, tokens, req.salts, req.digests, pages)
+    pool.trie.insert(req.namespace, tokens, req.context.salts, req.context.digests, pages)
     pool.release(pages)  # the trie's reference stays
     return pages
 

@@ -18,9 +18,10 @@ a decode step or a verification, alone or in any batch. The trie therefore takes
 full page a sample writes: the prompt's at admission, the answer's when the sample
 finishes, is preempted or cancelled. Under `numerics="fast"` only prefill-written pages
 (one fixed chunk shape) are shared, which keeps cache on == cache off but not batch
-invariance. A preempted request is recomputed from its prompt; its sampling keys depend
-only on (seed, sample, position), so it regenerates the same tokens bit for bit, which the
-engine checks against what it already streamed (a request that recomputes differently ends
+invariance. A preempted one-sample request resumes: its next admission prefills its prompt
+and the answer tokens its cache held (`Rounds._preempt`); another is recomputed from its
+prompt. Its sampling keys depend only on (seed, sample, position), so it regenerates the
+same tokens bit for bit, which the engine checks against what it already streamed (a request that recomputes differently ends
 with status "error" instead of streaming a contradiction).
 
 What a request is told (its stats, stream events, errors) depends only on what its own
@@ -43,7 +44,6 @@ import numpy as np
 from kvjax import sharding
 from kvjax.cache.identity import CacheNamespace, adapter_identity, model_fingerprint
 from kvjax.cache.pool import PagePool
-from kvjax.cache.trie import history_digests
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket
 from kvjax.decode.sampling import sequence_keys
@@ -54,8 +54,8 @@ from kvjax.engine.requests import (
     RequestResult,
     Seq,
     StreamEvent,
+    context,
     render,
-    salts_per_page,
     stop_ids,
     validate,
 )
@@ -298,11 +298,9 @@ class Engine:
                           self.config, self.cache_config, self.engine_config.max_slots,
                           self.adapters, None if self.spec is None else self.spec.max_seq_len,
                           0 if self.spec is None else self.spec.spec.gamma)
-        ps = self.cache_config.page_size
         req = LiveRequest(id=-1, request=request, tokens=tokens,
                           namespace=self.namespace(request),
-                          salts=salts_per_page(request, len(tokens), ps),
-                          digests=history_digests(tokens, ps),
+                          context=context(request, tokens, self.cache_config.page_size),
                           adapter_index=self._adapter_index.get(request.adapter, 0),
                           submitted=0.0,  # set when queued
                           stops=stop_ids(request, self.eos_tokens))

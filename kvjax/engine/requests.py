@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvjax.cache.identity import CacheNamespace
+from kvjax.cache.trie import history_digests
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode.batching import pages_for
 from kvjax.decode.prompts import check_token_ids
@@ -121,17 +122,32 @@ class Seq:
     prev: int = -1  # the token at index length - 1, when the draft lags one behind
 
 
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """The ids an admission matches in the trie and prefills, with each page's salt and
+    chained digest: a request's prompt, or after a preemption its prompt and the answer
+    tokens its sample had cached (`Rounds._preempt`)."""
+
+    tokens: list[int]
+    salts: list[str | None]
+    digests: list[bytes]
+
+
+def context(request: Request, tokens: list[int], page_size: int) -> Context:
+    return Context(tokens, salts_per_page(request, len(tokens), page_size),
+                   history_digests(tokens, page_size))
+
+
 @dataclasses.dataclass(eq=False)
 class LiveRequest:
-    """A validated request from submission to result: its rendered ids, namespace, salts
-    per page, samples and statistics."""
+    """A validated request from submission to result: its rendered ids, namespace, what its
+    next admission prefills (`context`), samples and statistics."""
 
     id: int
     request: Request
-    tokens: list[int]
+    tokens: list[int]  # the rendered prompt
     namespace: CacheNamespace
-    salts: list[str | None]
-    digests: list[bytes]
+    context: Context
     adapter_index: int
     submitted: float
     stops: tuple[int, ...] = ()  # every id that ends this request's answers

@@ -14,7 +14,7 @@ import dataclasses
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode.prefill import PrefillRow
 from kvjax.engine import results, scheduler, stop_strings
-from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent
+from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent, context
 from kvjax.engine.runner import StepRunner
 from kvjax.engine.stats import Timers, record_admission
 from kvjax.speculative.plugin import finish_request_stats
@@ -160,10 +160,11 @@ class Rounds:
                 self.counters["partial_copies"] += 1
             req.prefilling = True
             base = req.request.position_base
+            tokens = req.context.tokens
             draft = None if adm.draft is None else PrefillRow(
-                req.tokens, draft_pages, _reused_tokens(adm.draft), base)
+                tokens, draft_pages, _reused_tokens(adm.draft), base)
             self.prefilling.append(Prefill(
-                req, adm, PrefillRow(req.tokens, pages, adm.start, base, req.adapter_index),
+                req, adm, PrefillRow(tokens, pages, adm.start, base, req.adapter_index),
                 draft))
 
     def _drop_prefill(self, req: LiveRequest) -> None:
@@ -181,15 +182,16 @@ class Rounds:
             self.draft_pool.release(entry.draft.pages)
 
     def _start(self, entry: Prefill, logits, events: list[StreamEvent]) -> None:
-        """After its prefill: caches the prompt, finishes the draft's prefill (chunks it has
-        left when it reused less than the target), samples each sample's first token,
-        records the admission and streams."""
+        """After its prefill: caches the context, finishes the draft's prefill (chunks it
+        has left when it reused less than the target), samples each sample's next token
+        (after the answer tokens a resumed sample kept), records the admission and
+        streams."""
         ec = self.engine_config
         req, adm, pages, prefill_s = entry.req, entry.adm, entry.row.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if entry.draft is None else \
             (self.runner.prefill_draft(req, entry.draft), _reused_tokens(adm.draft))
-        first = self.runner.first_tokens(req, logits)
+        first, n_tok = self.runner.first_tokens(req, logits), len(req.context.tokens)
         for j, seq in enumerate(req.seqs):
             seq.pages, seq.draft_pages = list(pages), list(draft_pages)
             if j > 0:  # the samples share the prompt's pages (copy on write)
@@ -197,10 +199,13 @@ class Rounds:
                     self.pool.allocator.share(page)
                 for page in draft_pages:
                     self.draft_pool.allocator.share(page)
-            seq.length, seq.last, seq.generated = len(req.tokens), int(first[j]), [int(first[j])]
-            seq.logits = [logits] if req.request.return_logits else []
-            seq.done = req.request.max_new_tokens == 1 or seq.last in req.stops
-            seq.draft_length, seq.prev = len(req.tokens), -1
+            seq.length, seq.last = n_tok, int(first[j])
+            seq.generated.append(seq.last)
+            if req.request.return_logits:
+                seq.logits.append(logits)
+            seq.done = (len(seq.generated) == req.request.max_new_tokens
+                        or seq.last in req.stops)
+            seq.draft_length, seq.prev = n_tok, -1
             stop_strings.apply(seq, self.tokenizer, 0)
         for seq in req.seqs:
             if seq.done:
@@ -229,17 +234,33 @@ class Rounds:
         return ok
 
     def _preempt(self, req: LiveRequest) -> None:
-        """Returns a running request's pages and queues it first: it is recomputed from its
-        prompt. What it streamed stays; the regenerated tokens are checked against it."""
+        """Returns a running request's pages and queues it first. A resumable one (`_resumes`)
+        keeps the answer tokens its cache held (and their logits): its next admission
+        prefills them after the prompt (teacher-forced, reusing the pages its release
+        cached), the same bits as decoding them; another is recomputed from its prompt.
+        What it streamed stays; the regenerated tokens are checked against it."""
+        if self._resumes(req) and not req.prefilling:
+            seq = req.seqs[0]
+            history = (req.tokens + seq.generated)[: max(seq.length, len(req.tokens))]
+            req.context = context(req.request, history, self.pool.cache_config.page_size)
+        kept = len(req.context.tokens) - len(req.tokens)
         self._release(req)
         for seq in req.seqs:
-            seq.generated, seq.logits, seq.done, seq.length = [], [], False, 0
-            seq.draft_length, seq.prev, seq.checked = 0, -1, 0
+            seq.generated, seq.logits = seq.generated[:kept], seq.logits[:kept]
+            seq.done, seq.length, seq.checked = False, 0, min(seq.checked, kept)
+            seq.draft_length, seq.prev = 0, -1
         req.calls = 0
         req.stats.pop("spec", None)  # counts the tokens it returns, not the discarded work
         req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
         self.counters["preemptions"] += 1
         self.scheduler.waiting.appendleft(req)
+
+    def _resumes(self, req: LiveRequest) -> bool:
+        """Whether a preempted `req` resumes from the answer tokens it had cached instead of
+        decoding them again: one sample (samples share one context), plain decoding (a
+        speculative request replays its calls' γ), invariant numerics (a prefill writes
+        those tokens' decode-written bits)."""
+        return req.request.n == 1 and self.spec is None and self.runner.invariant
 
     def _release(self, req: LiveRequest, cache: bool = True) -> None:
         if req.prefilling:
@@ -360,9 +381,10 @@ def _shares_uncached(req: LiveRequest, reused: int, prefilling: list[Prefill],
         if other.namespace != req.namespace:
             continue
         common = 0
-        for i in range(min(len(req.tokens), len(other.tokens)) // page_size):
+        mine, theirs = req.context, other.context
+        for i in range(min(len(mine.tokens), len(theirs.tokens)) // page_size):
             span = slice(i * page_size, (i + 1) * page_size)
-            if req.tokens[span] != other.tokens[span] or req.salts[i] != other.salts[i]:
+            if mine.tokens[span] != theirs.tokens[span] or mine.salts[i] != theirs.salts[i]:
                 break
             common += 1
         if common > reused:

@@ -116,23 +116,26 @@ class StepRunner:
         return min(chunk * share, bucket(longest, min(chunk, 16)))
 
     def cache_prompt(self, req: LiveRequest, pages: list[int]) -> int:
-        """Inserts the prompt's full pages into the trie; returns how many of its blocks an
-        unbounded cache would have held (for `unbounded_reused_tokens`)."""
+        """Inserts the context's full pages (the prompt's; a resumed request's answer
+        tokens' too) into the trie; returns how many of its blocks an unbounded cache would
+        have held (for `unbounded_reused_tokens`)."""
+        ctx = req.context
         with self.timers("host_s"):
             trie = self.pool.trie
-            unbounded = trie.unbounded_blocks(req.namespace, req.tokens, req.salts)
-            trie.insert(req.namespace, req.tokens, req.salts, req.digests, pages)
+            unbounded = trie.unbounded_blocks(req.namespace, ctx.tokens, ctx.salts)
+            trie.insert(req.namespace, ctx.tokens, ctx.salts, ctx.digests, pages)
         return unbounded
 
     def cache_written(self, req: LiveRequest, row: PrefillRow, draft: PrefillRow | None
                       ) -> None:
         """Inserts the full pages a prompt's prefill has written so far (up to each row's
         start) into the target's trie and the draft's."""
+        ctx = req.context
         with self.timers("host_s"):
-            self.pool.trie.insert(req.namespace, req.tokens[:row.start], req.salts,
-                                  req.digests, row.pages)
+            self.pool.trie.insert(req.namespace, ctx.tokens[:row.start], ctx.salts,
+                                  ctx.digests, row.pages)
             if draft is not None:
-                self._draft_insert(req, req.tokens[:draft.start], req.salts, req.digests,
+                self._draft_insert(req, ctx.tokens[:draft.start], ctx.salts, ctx.digests,
                                    draft.pages)
 
     def _draft_insert(self, req: LiveRequest, tokens: list[int], salts, digests,
@@ -171,14 +174,16 @@ class StepRunner:
                                              sharding=spec.step_shardings)
             row.start = len(row.tokens)
         if self.engine_config.prefix_cache:
-            self._draft_insert(req, req.tokens, req.salts, req.digests, row.pages)
+            ctx = req.context
+            self._draft_insert(req, ctx.tokens, ctx.salts, ctx.digests, row.pages)
         return row.pages
 
     @staticmethod
     def first_tokens(req: LiveRequest, logits: np.ndarray) -> np.ndarray:
-        """Each sample's first token from the prompt's last logits [V]."""
+        """Each sample's next token from the context's last logits [V] (the first token, or
+        the one after the answer tokens a resumed request prefilled)."""
         n = req.request.n
-        position = req.request.position_base + len(req.tokens)
+        position = req.request.position_base + len(req.context.tokens)
         return np.asarray(_sample(np.repeat(logits[None], n, 0),
                                   np.stack([s.key for s in req.seqs]),
                                   np.full(n, position, np.int32), *knobs([req.request] * n)))

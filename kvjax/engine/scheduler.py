@@ -97,19 +97,20 @@ class Admission:
 
 
 def match(pool: PagePool, req: LiveRequest, prefix_cache: bool, draft: bool = False) -> Match:
-    """The pool's longest cached prefix of the request (the draft's namespace has no
-    adapter)."""
+    """The pool's longest cached prefix of the request's context (the draft's namespace
+    has no adapter)."""
     if not prefix_cache:
         return Match([], "prefix_cache_off")
     namespace = pool.namespace(req.request.position_base) if draft else req.namespace
-    return pool.trie.match(namespace, req.tokens, req.salts, req.digests, touch=False)
+    ctx = req.context
+    return pool.trie.match(namespace, ctx.tokens, ctx.salts, ctx.digests, touch=False)
 
 
 def plan_admission(req: LiveRequest, target: PagePool, draft: PagePool | None,
                    prefix_cache: bool, partial_page_copy: bool) -> Admission | None:
     """The admission of `req` with every reused page referenced, or None (nothing held)
     when a pool has no room for it yet."""
-    ps, n_tok = target.cache_config.page_size, len(req.tokens)
+    ps, n_tok = target.cache_config.page_size, len(req.context.tokens)
     found = match(target, req, prefix_cache)
     reuse = min(len(found.nodes), (n_tok - 1) // ps)  # at least one token is computed
     # Every matched node is touched, the last full page's too when it is recomputed.

@@ -33,19 +33,21 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
     """Sets a request's admission stats (what its namespace can see) and its operator miss.
 
     A request re-admitted after a preemption keeps its first admission's reuse figures and
-    adds the tokens it computed again.
+    adds the tokens it computed again (`recomputed_tokens`), and the answer tokens it
+    prefilled instead of decoding them again (`resumed_tokens`).
     """
-    n_tok = len(req.tokens)
+    n_tok = len(req.context.tokens)
     cause, operator_cause = match.cause, match.operator_cause
     if reuse < len(match.nodes):
         cause = operator_cause = None  # all cached; the last page is recomputed for logits
     if "prompt_tokens" in req.stats:
         req.stats["recomputed_tokens"] += n_tok - start
+        req.stats["resumed_tokens"] += n_tok - len(req.tokens)
         req.stats["prefill_s"] += prefill_s
         return
     unbounded = min(unbounded_blocks, (n_tok - 1) // page_size) * page_size
     req.stats = {
-        "prompt_tokens": n_tok,
+        "prompt_tokens": len(req.tokens),
         "reused_tokens": start,
         "computed_tokens": n_tok - start,
         "reused_pages": reuse,
@@ -57,6 +59,7 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
         "unbounded_reused_tokens": max(unbounded, start),
         "preemptions": req.stats.get("preemptions", 0),  # while its prompt was prefilled
         "recomputed_tokens": 0,
+        "resumed_tokens": 0,
         "ttft_s": time.perf_counter() - req.submitted,
     }
     req.operator_miss = (operator_cause,
@@ -87,6 +90,7 @@ def aggregate(log: list[dict], operator_log: list[tuple[str | None, tuple[str, .
         "reused_tokens": reused,
         "computed_tokens": prompt - reused,
         "recomputed_tokens": sum(s["recomputed_tokens"] for s in log),
+        "resumed_tokens": sum(s["resumed_tokens"] for s in log),
         "misses_by_cause": dict(causes),  # the operator's view (see the module docstring)
         "namespace_misses_by_field": dict(fields),
         "unbounded_request_hit_rate": ratio(
