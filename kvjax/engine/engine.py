@@ -21,8 +21,9 @@ finishes, is preempted or cancelled. Under `numerics="fast"` only prefill-writte
 invariance. A preempted one-sample request resumes: its next admission prefills its prompt
 and the answer tokens its cache held (`Rounds._preempt`); another is recomputed from its
 prompt. Its sampling keys depend only on (seed, sample, position), so it regenerates the
-same tokens bit for bit, which the engine checks against what it already streamed (a request that recomputes differently ends
-with status "error" instead of streaming a contradiction).
+same tokens bit for bit, which the engine checks against what it already streamed (a
+request that recomputes differently ends with status "error" instead of streaming a
+contradiction).
 
 What a request is told (its stats, stream events, errors) depends only on what its own
 namespace can see; `metrics()` adds the operator's view (misses another tenant's private
