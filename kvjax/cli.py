@@ -142,6 +142,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvjax.bench import arrivals as bench_arrivals
 
         return bench_arrivals.main(args)
+    if args.which == "preemption":
+        from kvjax.bench import preemption as bench_preemption
+
+        return bench_preemption.main(args)
     if args.which == "numerics":
         from kvjax.bench import numerics as bench_numerics
 
@@ -245,11 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "decoding operating point), tiles (row-invariant "
                                          "matmul tiles: bits and cost), numerics (fast vs "
                                          "invariant numerics), arrivals (decode latency "
-                                         "while a long prompt is prefilled), profile "
-                                         "(where a decode token's time goes)")
+                                         "while a long prompt is prefilled), preemption "
+                                         "(resume vs recompute under memory pressure), "
+                                         "profile (where a decode token's time goes)")
     bench.add_argument("which", nargs="?",
                        choices=("decode", "prefix", "peer", "spec", "tiles", "numerics",
-                                "arrivals", "profile"),
+                                "arrivals", "preemption", "profile"),
                        default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -261,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--contexts", default="512,2048")
     decode.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     prefix = bench.add_argument_group("prefix")
-    prefix.add_argument("--requests", type=int, default=32)
+    prefix.add_argument("--requests", type=int, default=None,
+                        help="requests (default 32 prefix, 8 preemption)")
     prefix.add_argument("--system-len", type=int, default=1024)
     prefix.add_argument("--suffix-len", type=int, default=32)
     prefix.add_argument("--conversations", type=int, default=8)
@@ -277,8 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--workloads", default="system_prompt,multi_turn,few_shot",
                         help="(prefix) which workloads to run, comma-separated")
     peer = bench.add_argument_group("peer")
-    peer.add_argument("--prompt-len", type=int, default=512, help="(peer, spec)")
-    peer.add_argument("--gen-tokens", type=int, default=128, help="(peer, spec)")
+    peer.add_argument("--prompt-len", type=int, default=None,
+                      help="(peer, spec, preemption) default 512; 64 preemption")
+    peer.add_argument("--gen-tokens", type=int, default=None,
+                      help="(peer, spec, arrivals, preemption) default 128; 448 preemption")
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
     peer.add_argument("--model", default=None,
                       help="(peer, profile) a kvjax.models checkpoint instead of the random "
@@ -294,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(arrivals) rounds are timed until the newcomer has this many tokens")
     bench.add_argument("--steady", type=int, default=4,
                        help="(arrivals) rounds timed before the arrival")
+    bench.add_argument("--fit", type=int, default=4,
+                       help="(preemption) requests the cache holds at full length")
     spec = bench.add_argument_group("spec")
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")
@@ -312,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or f"results/bench_{args.which}.json"
         args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3,
                                   "tiles": 7, "numerics": 3,
-                                  "arrivals": 3, "profile": 5}[args.which]
+                                  "arrivals": 3, "preemption": 3, "profile": 5}[args.which]
+        pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
+        args.requests = args.requests or (8 if pressure else 32)
+        args.prompt_len = args.prompt_len or (64 if pressure else 512)
+        args.gen_tokens = args.gen_tokens or (448 if pressure else 128)
         args.slots = args.slots or (1 if args.which == "spec" else 8)
     try:
         return args.func(args)

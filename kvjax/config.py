@@ -265,6 +265,10 @@ class EngineConfig:
     # prefill call per round measured as good or better for the running requests' latency
     # and better for prefill time and TTFT (README, "Decode latency under arrivals")
     packed_prefill: bool = False
+    # a preempted request's next admission: "resume" prefills its prompt and the answer
+    # tokens its cache held (one sample, plain decoding, invariant numerics; the others are
+    # recomputed), "recompute" starts again from its prompt and decodes the answer again
+    preemption: str = "resume"
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
@@ -289,6 +293,7 @@ class EngineConfig:
                  f"must be >= 0, got {self.prefill_calls_per_round}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
+        _choice(self.preemption, "preemption", ("resume", "recompute"))
         _choice(self.attention, "attention", ("auto", "reference", "pallas_gpu", "pallas_tpu"))
         if isinstance(self.mesh, str):
             parse_mesh(self.mesh)

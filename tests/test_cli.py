@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvjax.cli import main
@@ -30,3 +31,17 @@ def test_memory_command(capsys):
     assert main(["memory", "--config", str(ROOT / "configs/bench.toml"), "--batch", "8",
                  "--context", "2048"]) == 0
     assert "8 layers, d_model 512" in capsys.readouterr().out
+
+
+def test_bench_preemption_runs_both_settings_on_the_same_workload(tmp_path, capsys):
+    """The preemption benchmark at a toy size: requests are preempted under both settings,
+    only "resume" prefills answer tokens, and the two return the same tokens (the bench
+    raises otherwise)."""
+    out = tmp_path / "preemption.json"
+    assert main(["bench", "preemption", "--config", str(ROOT / "configs/tiny.toml"),
+                 "--requests", "4", "--prompt-len", "12", "--gen-tokens", "40", "--fit", "2",
+                 "--slots", "4", "--reps", "1", "--out", str(out)]) == 0
+    rows = {r["preemption"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["resume"]["preemptions"] > 0 and rows["recompute"]["preemptions"] > 0
+    assert rows["resume"]["resumed_tokens"] > 0 == rows["recompute"]["resumed_tokens"]
+    assert "| resume |" in capsys.readouterr().out

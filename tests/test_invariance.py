@@ -17,7 +17,7 @@ from helpers import random_tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvjax import Engine, EngineConfig, Request, SamplingConfig
+from kvjax import ConfigError, Engine, EngineConfig, Request, SamplingConfig
 from kvjax.decode import steps
 from kvjax.engine.rounds import Rounds
 from kvjax.engine.runner import StepRunner
@@ -121,10 +121,11 @@ def test_preemption_and_recompute_change_no_bit(p, alone):
 def test_a_preempted_request_resumes_from_the_answer_it_had_cached(p, monkeypatch,
                                                                    prefix_cache):
     """Long answers in a tight cache: running requests are preempted after some of their
-    answer, and their next admission prefills prompt + answer so far (teacher-forced)
-    instead of decoding it again. Every answer token after the first is decoded exactly
-    once, the logits are still the alone bits, and with the prefix cache the resume
-    reuses the answer pages the preemption cached (less than a page recomputed)."""
+    answer. With `preemption="resume"` (the default) their next admission prefills prompt +
+    answer so far (teacher-forced): every answer token after the first is decoded exactly
+    once, and with the prefix cache the resume reuses the answer pages the preemption
+    cached (less than a page recomputed). `"recompute"` decodes the answers again. Both
+    give the alone bits."""
     decoded = []
     decode = StepRunner.decode
 
@@ -136,17 +137,25 @@ def test_a_preempted_request_resumes_from_the_answer_it_had_cached(p, monkeypatc
     reqs = requests([9, 22, 17, 30], new=32)
     solo = engine(p, max_slots=1, prefix_cache=False)
     alone_long = [solo.generate([r])[0] for r in reqs]
-    e = engine(p, cache=with_cache(num_pages=22), max_slots=4, prefix_cache=prefix_cache)
-    decoded.clear()
-    got = e.generate(reqs)
-    assert_same(got, alone_long)
-    assert sum(decoded) == sum(len(r.tokens) - 1 for r in got)  # 124; re-decoding: more
-    m = e.metrics()
-    assert m["preemptions"] > 0 and m["resumed_tokens"] > 0  # 5 and 56 / 60
-    if prefix_cache:
-        assert any(s["resumed_tokens"] > 0 and s["recomputed_tokens"] < CACHE.page_size
-                   for s in (r.stats for r in got))
-    assert e.allocator.num_free == e.cache_config.num_pages - e.trie.num_nodes
+    answers = sum(len(r.tokens) - 1 for r in alone_long)  # 124
+    work = {}
+    for mode in ("resume", "recompute"):
+        e = engine(p, cache=with_cache(num_pages=22), max_slots=4, prefix_cache=prefix_cache,
+                   preemption=mode)
+        decoded.clear()
+        got = e.generate(reqs)
+        assert_same(got, alone_long)
+        m = e.metrics()
+        assert m["preemptions"] > 0
+        assert e.allocator.num_free == e.cache_config.num_pages - e.trie.num_nodes
+        work[mode] = sum(decoded), m["resumed_tokens"]
+        if mode == "resume" and prefix_cache:
+            assert any(s["resumed_tokens"] > 0 and s["recomputed_tokens"] < CACHE.page_size
+                       for s in (r.stats for r in got))
+    assert work["resume"][0] == answers < work["recompute"][0]  # 124 < 188 / 192
+    assert work["resume"][1] > 0 == work["recompute"][1]  # 56 / 60 answer tokens prefilled
+    with pytest.raises(ConfigError, match="preemption"):
+        EngineConfig(preemption="swap")
 
 
 def test_page_size_at_one_attention_block(p):

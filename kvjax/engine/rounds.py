@@ -257,10 +257,11 @@ class Rounds:
 
     def _resumes(self, req: LiveRequest) -> bool:
         """Whether a preempted `req` resumes from the answer tokens it had cached instead of
-        decoding them again: one sample (samples share one context), plain decoding (a
-        speculative request replays its calls' γ), invariant numerics (a prefill writes
-        those tokens' decode-written bits)."""
-        return req.request.n == 1 and self.spec is None and self.runner.invariant
+        decoding them again (`EngineConfig.preemption`): one sample (samples share one
+        context), plain decoding (a speculative request replays its calls' γ), invariant
+        numerics (a prefill writes those tokens' decode-written bits)."""
+        return (self.engine_config.preemption == "resume" and req.request.n == 1
+                and self.spec is None and self.runner.invariant)
 
     def _release(self, req: LiveRequest, cache: bool = True) -> None:
         if req.prefilling:
