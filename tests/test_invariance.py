@@ -313,8 +313,8 @@ def test_preempting_or_cancelling_a_prompt_being_prefilled_loses_nothing(p, monk
     """The decoding request outgrows a tight cache while the long prompt is half
     prefilled (in prefill calls, or in packed steps): the younger one is preempted (its
     pages back, the full ones it wrote into the trie), recomputed later with its alone
-    bits; a cancelled half-prefilled prompt returns every page, and the pages it wrote
-    serve its next run, bitwise."""
+    bits and the stats of its first attempt; a cancelled half-prefilled prompt returns
+    every page, and the pages it wrote serve its next run, bitwise."""
     dropped = []
     drop = Rounds._drop_prefill
     monkeypatch.setattr(Rounds, "_drop_prefill",
@@ -324,6 +324,14 @@ def test_preempting_or_cancelling_a_prompt_being_prefilled_loses_nothing(p, monk
                                                  packed_prefill=packed)
     done = e.run()
     assert dropped == [b] and done[b].stats["preemptions"] == 1
+    # its stats describe its first attempt (a cold cache: its own dropped chunks are not
+    # reuse) and count the dropped attempt's seconds (before: 40 / 52 tokens "reused" and
+    # the requests' prefill_s 0.68x / 0.001x the engine's)
+    stats = done[b].stats
+    assert (stats["reused_tokens"], stats["computed_tokens"], stats["miss_cause"]) == \
+        (0, 80, "cold")
+    assert done[a].stats["prefill_s"] + stats["prefill_s"] == \
+        pytest.approx(e.metrics()["prefill_s"], rel=1e-9)
     alone = engine(p, max_slots=1, prefix_cache=False)
     assert_same([done[a], done[b]], alone.generate([a_req]) + alone.generate([b_req]))
     assert e.allocator.num_free == tight.num_pages - e.trie.num_nodes

@@ -158,6 +158,10 @@ class LiveRequest:
     gammas: list[int] = dataclasses.field(default_factory=list)  # γ of each decode call
     calls: int = 0  # decode calls since its (latest) admission
     prefilling: bool = False  # seated, its prompt not fully prefilled yet
+    # what prefills dropped before their last chunk (preemption) did, for the admission that
+    # completes (`kvjax.engine.stats.record_dropped`): their seconds, the tokens they computed
+    # again, the end of what they computed, and the first one's (match, reuse, start, copied)
+    dropped: dict = dataclasses.field(default_factory=dict)
 
     @property
     def replaying(self) -> bool:

@@ -16,7 +16,7 @@ from kvjax.decode.prefill import PrefillRow
 from kvjax.engine import results, scheduler, stop_strings
 from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent, context
 from kvjax.engine.runner import StepRunner
-from kvjax.engine.stats import Timers, record_admission
+from kvjax.engine.stats import Timers, record_admission, record_dropped
 from kvjax.speculative.plugin import finish_request_stats
 
 
@@ -171,10 +171,14 @@ class Rounds:
         """Ends a prefill before its last chunk (preemption, cancellation): the full pages
         its chunks wrote enter the tries (they hold what any prefill of that prefix writes,
         so a recompute reuses them), then its pages go back, in the target's pool and the
-        draft's."""
+        draft's. What it did counts in the stats of the admission that completes."""
         entry = next(e for e in self.prefilling if e.req is req)
         self.prefilling.remove(entry)
         req.prefilling = False
+        adm = entry.adm
+        record_dropped(req, adm.match, adm.reuse, adm.start, adm.target.copied,
+                       self.runner.unbounded_blocks(req) if self.engine_config.prefix_cache
+                       else 0, entry.row.start, entry.seconds)
         if self.engine_config.prefix_cache:
             self.runner.cache_written(req, entry.row, entry.draft)
         self.pool.release(entry.row.pages)

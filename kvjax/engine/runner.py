@@ -119,12 +119,16 @@ class StepRunner:
         """Inserts the context's full pages (the prompt's; a resumed request's answer
         tokens' too) into the trie; returns how many of its blocks an unbounded cache would
         have held (for `unbounded_reused_tokens`)."""
-        ctx = req.context
+        ctx, unbounded = req.context, self.unbounded_blocks(req)
         with self.timers("host_s"):
-            trie = self.pool.trie
-            unbounded = trie.unbounded_blocks(req.namespace, ctx.tokens, ctx.salts)
-            trie.insert(req.namespace, ctx.tokens, ctx.salts, ctx.digests, pages)
+            self.pool.trie.insert(req.namespace, ctx.tokens, ctx.salts, ctx.digests, pages)
         return unbounded
+
+    def unbounded_blocks(self, req: LiveRequest) -> int:
+        """How many blocks of the context an unbounded cache would hold now."""
+        with self.timers("host_s"):
+            return self.pool.trie.unbounded_blocks(req.namespace, req.context.tokens,
+                                                   req.context.salts)
 
     def cache_written(self, req: LiveRequest, row: PrefillRow, draft: PrefillRow | None
                       ) -> None:

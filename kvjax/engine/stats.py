@@ -28,23 +28,44 @@ class Timers(collections.Counter):
             self[key] += time.perf_counter() - t0
 
 
+def record_dropped(req: LiveRequest, match: Match, reuse: int, start: int, copied: int,
+                   unbounded_blocks: int, end: int, prefill_s: float) -> None:
+    """Remembers a prefill that ended before its last chunk (a preemption) having computed
+    tokens [start, end), for the admission that completes (`record_admission`): its seconds,
+    the tokens it computed again, and, when no admission has completed yet, the first
+    attempt's reuse figures (what the cache held when the request came)."""
+    d = req.dropped
+    d["prefill_s"] = d.get("prefill_s", 0.0) + prefill_s
+    before = len(req.context.tokens) if "prompt_tokens" in req.stats else d.get("end", 0)
+    d["recomputed"] = d.get("recomputed", 0) + max(0, min(end, before) - start)
+    d["end"] = max(end, d.get("end", 0))
+    d.setdefault("first", (match, reuse, start, copied, unbounded_blocks))
+
+
 def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, copied: int,
                      prefill_s: float, unbounded_blocks: int, page_size: int) -> None:
     """Sets a request's admission stats (what its namespace can see) and its operator miss.
 
     A request re-admitted after a preemption keeps its first admission's reuse figures and
     adds the tokens it computed again (`recomputed_tokens`), and the answer tokens it
-    prefilled instead of decoding them again (`resumed_tokens`).
+    prefilled instead of decoding them again (`resumed_tokens`). Prefills dropped before
+    their last chunk count too (`record_dropped`): their seconds, the tokens they computed
+    again, and the first one's reuse figures when it was the request's first admission.
     """
     n_tok = len(req.context.tokens)
-    cause, operator_cause = match.cause, match.operator_cause
-    if reuse < len(match.nodes):
-        cause = operator_cause = None  # all cached; the last page is recomputed for logits
+    dropped, req.dropped = req.dropped, {}
+    prefill_s += dropped.get("prefill_s", 0.0)
     if "prompt_tokens" in req.stats:
-        req.stats["recomputed_tokens"] += n_tok - start
+        req.stats["recomputed_tokens"] += n_tok - start + dropped.get("recomputed", 0)
         req.stats["resumed_tokens"] += n_tok - len(req.tokens)
         req.stats["prefill_s"] += prefill_s
         return
+    recomputed = dropped.get("recomputed", 0) + max(0, min(n_tok, dropped.get("end", 0)) - start)
+    match, reuse, start, copied, unbounded_blocks = dropped.get(
+        "first", (match, reuse, start, copied, unbounded_blocks))
+    cause, operator_cause = match.cause, match.operator_cause
+    if reuse < len(match.nodes):
+        cause = operator_cause = None  # all cached; the last page is recomputed for logits
     unbounded = min(unbounded_blocks, (n_tok - 1) // page_size) * page_size
     req.stats = {
         "prompt_tokens": len(req.tokens),
@@ -58,7 +79,7 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
         "prefill_s": prefill_s,
         "unbounded_reused_tokens": max(unbounded, start),
         "preemptions": req.stats.get("preemptions", 0),  # while its prompt was prefilled
-        "recomputed_tokens": 0,
+        "recomputed_tokens": recomputed,
         "resumed_tokens": 0,
         "ttft_s": time.perf_counter() - req.submitted,
     }
