@@ -324,9 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "tiles": 7, "numerics": 3,
                                   "arrivals": 3, "preemption": 3, "profile": 5}[args.which]
         pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
-        args.requests = args.requests or (8 if pressure else 32)
-        args.prompt_len = args.prompt_len or (64 if pressure else 512)
-        args.gen_tokens = args.gen_tokens or (448 if pressure else 128)
+        for key, default in (("requests", 8 if pressure else 32),
+                             ("prompt_len", 64 if pressure else 512),
+                             ("gen_tokens", 448 if pressure else 128)):
+            if getattr(args, key) is None:
+                setattr(args, key, default)
         args.slots = args.slots or (1 if args.which == "spec" else 8)
     try:
         return args.func(args)

@@ -266,7 +266,7 @@ class EngineConfig:
     # and better for prefill time and TTFT (README, "Decode latency under arrivals")
     packed_prefill: bool = False
     # a preempted request's next admission: "resume" prefills its prompt and the answer
-    # tokens its cache held (one sample, plain decoding, invariant numerics; the others are
+    # tokens its cache held and continues (one sample, invariant numerics; the others are
     # recomputed), "recompute" starts again from its prompt and decodes the answer again
     preemption: str = "resume"
     poison_freed: bool = False  # debug: fill freed pages with NaN on device

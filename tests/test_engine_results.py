@@ -3,6 +3,8 @@ preempted and recomputed tells exactly what it returns (checked against what it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -121,7 +123,8 @@ def test_preempted_sampled_requests_stream_and_return_what_they_would_unpreempte
 
 def test_a_recomputation_that_contradicts_the_stream_is_an_error(p, monkeypatch):
     """Break determinism on purpose: a preempted request gets another sampling key, so its
-    recomputed tokens differ from what it streamed. The engine ends that request with
+    recomputed tokens differ from what it streamed (`preemption="recompute"`: a resumed
+    request samples none of its streamed tokens again). The engine ends that request with
     status "error" (its result holds the streamed tokens), keeps serving the others
     exactly, and leaks no page."""
     preempt = Rounds._preempt
@@ -133,7 +136,7 @@ def test_a_recomputation_that_contradicts_the_stream_is_an_error(p, monkeypatch)
 
     monkeypatch.setattr(Rounds, "_preempt", preempt_and_rekey)
     requests = _sampled_workload()
-    tight = _tight(p)
+    tight = _tight(p, preemption="recompute")
     ids = [tight.submit(r) for r in requests]
     streamed, ends = {i: [] for i in ids}, {}
     for event in tight.stream():
@@ -163,17 +166,25 @@ DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=
                     max_seq_len=256, tie_embeddings=False)
 
 
-def test_preemption_resets_the_speculative_stats_of_a_request(p):
+@pytest.mark.parametrize("preemption", ["resume", "recompute"])
+def test_preemption_resets_the_speculative_stats_of_a_request(p, preemption):
     """Per-request speculative counters describe the tokens returned: every token after
     the prefill's first was emitted by exactly one verification round, so emitted equals
-    len(tokens) - 1, also for requests preempted (and recomputed) midway."""
+    len(tokens) - 1, also for requests preempted midway (resumed: the counters of the
+    rounds before stay, and the resume's prefill gives the last streamed token back
+    without a round; recomputed: they start over)."""
     requests = _sampled_workload()
     cache = with_cache(num_pages=30)
-    ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=4)
+    ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=4, preemption=preemption)
     spec = Engine(p, CONFIG, ec, draft=(kvjax.init_params(DRAFT, seed=5), DRAFT),
                   spec=SpecConfig(gamma=3))
     results = spec.generate(requests)
-    assert spec.metrics()["preemptions"] > 0
+    m = spec.metrics()
+    assert m["preemptions"] > 0 and m["errors"] == 0
+    assert (m["resumed_tokens"] > 0) == (preemption == "resume")
+    roomy = Engine(p, CONFIG, dataclasses.replace(ec, cache=with_cache(num_pages=256)),
+                   draft=(kvjax.init_params(DRAFT, seed=5), DRAFT), spec=SpecConfig(gamma=3))
+    assert [r.tokens for r in results] == [r.tokens for r in roomy.generate(requests)]
     assert any(r.stats["preemptions"] for r in results)
     for r in results:
         assert r.stats["spec"]["emitted"] == len(r.tokens) - 1
@@ -218,9 +229,14 @@ def test_a_contradiction_found_while_decoding_ends_every_open_stream_once(p, mon
     assert m["free_pages"] == 30 - m["resident_pages"]
 
 
-def test_cancelling_a_preempted_request_returns_what_it_streamed(p):
-    tight = _tight(p)
-    ids = [tight.submit(r) for r in _sampled_workload()]
+@pytest.mark.parametrize("preemption", ["resume", "recompute"])
+def test_cancelling_a_preempted_request_returns_what_it_streamed(p, preemption):
+    """A request cancelled while it waits after a preemption returns what it streamed; a
+    resumable one kept its answer's logits (the unpreempted run's, bitwise), a recomputed
+    one has none left."""
+    tight = _tight(p, preemption=preemption)
+    requests = _sampled_workload()
+    ids = [tight.submit(r) for r in requests]
     streamed = {i: [] for i in ids}
     victim = None
     while victim is None:
@@ -232,8 +248,12 @@ def test_cancelling_a_preempted_request_returns_what_it_streamed(p):
     tight.cancel(victim)
     result = tight.result(victim)
     assert result.status == "cancelled" and result.tokens == streamed[victim]
-    # a preemption keeps the logits of the answer tokens its cache held, not of the last
-    assert len(result.tokens) > 1 and result.logits is None
+    assert len(result.tokens) > 1
+    if preemption == "resume":
+        ref = engine(p, prefix_cache=False).generate([requests[ids.index(victim)]])[0]
+        np.testing.assert_array_equal(result.logits, ref.logits[:len(result.tokens)])
+    else:
+        assert result.logits is None
     tight.run()
     m = tight.metrics()
     assert m["free_pages"] == 30 - m["resident_pages"]
@@ -248,15 +268,17 @@ def _sharp(params) -> dict:
 
 
 def test_adaptive_gamma_recomputes_what_it_streamed(p):
-    """Sampled speculative tokens depend on where rounds start, so a preempted request is
-    recomputed under the γ each of its calls had (adaptive γ moves 4 -> 3 -> 2 here, with a
-    draft half-way between the target and another model, α 0.41): no recomputation
-    contradicts its stream (without the replayed γ, one of the 4 preempted requests here
-    failed)."""
+    """Sampled speculative tokens depend on where rounds start, so a preempted request that
+    is recomputed (`preemption="recompute"`; a resumed one decodes none of its streamed
+    tokens again) decodes them again under the γ each of its calls had (adaptive γ moves 4
+    -> 3 -> 2 here, with a draft half-way between the target and another model, α 0.41): no
+    recomputation contradicts its stream (without the replayed γ, one of the 4 preempted
+    requests here failed)."""
     target = _sharp(kvjax.init_params(CONFIG, seed=1))
     other = _sharp(kvjax.init_params(CONFIG, seed=9))
     draft = jax.tree_util.tree_map(lambda a, b: 0.5 * a + 0.5 * b, target, other)
-    ec = EngineConfig(cache=with_cache(num_pages=40), max_slots=SLOTS, decode_steps=4)
+    ec = EngineConfig(cache=with_cache(num_pages=40), max_slots=SLOTS, decode_steps=4,
+                      preemption="recompute")
     spec = Engine(target, CONFIG, ec, draft=(draft, CONFIG),
                   spec=SpecConfig(gamma=4, adaptive=True, cost_ratio=0.05, verify_slope=0.0))
     requests = _sampled_workload()

@@ -135,6 +135,8 @@ def test_a_preempted_request_resumes_from_the_answer_it_had_cached(p, monkeypatc
 
     monkeypatch.setattr(StepRunner, "decode", counting)
     reqs = requests([9, 22, 17, 30], new=32)
+    # the youngest (preempted first) has a tenant's salt and its own position base
+    reqs[-1] = dataclasses.replace(reqs[-1], tenant="acme", position_base=7)
     solo = engine(p, max_slots=1, prefix_cache=False)
     alone_long = [solo.generate([r])[0] for r in reqs]
     answers = sum(len(r.tokens) - 1 for r in alone_long)  # 124
@@ -146,7 +148,7 @@ def test_a_preempted_request_resumes_from_the_answer_it_had_cached(p, monkeypatc
         got = e.generate(reqs)
         assert_same(got, alone_long)
         m = e.metrics()
-        assert m["preemptions"] > 0
+        assert m["preemptions"] > 0 and got[-1].stats["preemptions"] > 0
         assert e.allocator.num_free == e.cache_config.num_pages - e.trie.num_nodes
         work[mode] = sum(decoded), m["resumed_tokens"]
         if mode == "resume" and prefix_cache:

@@ -18,12 +18,13 @@ a decode step or a verification, alone or in any batch. The trie therefore takes
 full page a sample writes: the prompt's at admission, the answer's when the sample
 finishes, is preempted or cancelled. Under `numerics="fast"` only prefill-written pages
 (one fixed chunk shape) are shared, which keeps cache on == cache off but not batch
-invariance. A preempted one-sample request resumes: its next admission prefills its prompt
-and the answer tokens its cache held (`Rounds._preempt`); another is recomputed from its
-prompt. Its sampling keys depend only on (seed, sample, position), so it regenerates the
-same tokens bit for bit, which the engine checks against what it already streamed (a
-request that recomputes differently ends with status "error" instead of streaming a
-contradiction).
+invariance. A preempted one-sample request under invariant numerics resumes
+(`EngineConfig.preemption="resume"`, the default): its next admission prefills its prompt and
+the answer tokens its cache held, and it continues from its last token (`Rounds._preempt`).
+Another (n > 1, fast numerics, "recompute") is recomputed from its prompt: its sampling keys
+depend only on (seed, sample, position), so it regenerates the same tokens bit for bit, which
+the engine checks against what it already streamed (a request that recomputes
+differently ends with status "error" instead of streaming a contradiction).
 
 What a request is told (its stats, stream events, errors) depends only on what its own
 namespace can see; `metrics()` adds the operator's view (misses another tenant's private

@@ -187,8 +187,8 @@ class Rounds:
 
     def _start(self, entry: Prefill, logits, events: list[StreamEvent]) -> None:
         """After its prefill: caches the context, finishes the draft's prefill (chunks it
-        has left when it reused less than the target), samples each sample's next token
-        (after the answer tokens a resumed sample kept), records the admission and
+        has left when it reused less than the target), samples each sample's first token
+        (a resumed sample holds its next one already), records the admission and
         streams."""
         ec = self.engine_config
         req, adm, pages, prefill_s = entry.req, entry.adm, entry.row.pages, entry.seconds
@@ -203,14 +203,17 @@ class Rounds:
                     self.pool.allocator.share(page)
                 for page in draft_pages:
                     self.draft_pool.allocator.share(page)
-            seq.length, seq.last = n_tok, int(first[j])
-            seq.generated.append(seq.last)
-            if req.request.return_logits:
-                seq.logits.append(logits)
+            fresh = len(seq.generated) == n_tok - len(req.tokens)  # not resumed
+            if fresh:
+                seq.generated.append(int(first[j]))
+                if req.request.return_logits:
+                    seq.logits.append(logits)
+            seq.length, seq.last = n_tok, seq.generated[-1]
             seq.done = (len(seq.generated) == req.request.max_new_tokens
                         or seq.last in req.stops)
             seq.draft_length, seq.prev = n_tok, -1
-            stop_strings.apply(seq, self.tokenizer, 0)
+            if fresh:  # a resumed answer's stop strings were checked as it was generated
+                stop_strings.apply(seq, self.tokenizer, 0)
         for seq in req.seqs:
             if seq.done:
                 self._release_seq(seq)
@@ -239,22 +242,26 @@ class Rounds:
 
     def _preempt(self, req: LiveRequest) -> None:
         """Returns a running request's pages and queues it first. A resumable one (`_resumes`)
-        keeps the answer tokens its cache held (and their logits): its next admission
-        prefills them after the prompt (teacher-forced, reusing the pages its release
-        cached), the same bits as decoding them; another is recomputed from its prompt.
-        What it streamed stays; the regenerated tokens are checked against it."""
-        if self._resumes(req) and not req.prefilling:
+        keeps its answer (tokens and logits): its next admission prefills the tokens its
+        cache held after the prompt (teacher-forced, reusing the pages its release cached:
+        the same bits as decoding them) and continues from the last one. Another is
+        recomputed from its prompt; what it streamed stays, and the regenerated tokens are
+        checked against it."""
+        resumes = self._resumes(req)
+        if resumes and not req.prefilling:
             seq = req.seqs[0]
             history = (req.tokens + seq.generated)[: max(seq.length, len(req.tokens))]
             req.context = context(req.request, history, self.pool.cache_config.page_size)
-        kept = len(req.context.tokens) - len(req.tokens)
+        cached = len(req.context.tokens) - len(req.tokens)  # answer tokens it prefills
         self._release(req)
         for seq in req.seqs:
-            seq.generated, seq.logits = seq.generated[:kept], seq.logits[:kept]
-            seq.done, seq.length, seq.checked = False, 0, min(seq.checked, kept)
+            keep = min(len(seq.generated), cached + 1) if resumes else 0  # + the next one
+            seq.generated, seq.logits = seq.generated[:keep], seq.logits[:keep]
+            seq.done, seq.length, seq.checked = False, 0, min(seq.checked, keep)
             seq.draft_length, seq.prev = 0, -1
-        req.calls = 0
-        req.stats.pop("spec", None)  # counts the tokens it returns, not the discarded work
+        if not resumes:  # it decodes its answer again, replaying its calls' γ
+            req.calls = 0
+            req.stats.pop("spec", None)  # counts the tokens it returns, not discarded work
         req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
         self.counters["preemptions"] += 1
         self.scheduler.waiting.appendleft(req)
@@ -262,10 +269,13 @@ class Rounds:
     def _resumes(self, req: LiveRequest) -> bool:
         """Whether a preempted `req` resumes from the answer tokens it had cached instead of
         decoding them again (`EngineConfig.preemption`): one sample (samples share one
-        context), plain decoding (a speculative request replays its calls' γ), invariant
-        numerics (a prefill writes those tokens' decode-written bits)."""
+        context) and invariant numerics (a prefill writes those tokens' decode-written
+        bits). A speculative one keeps its counters (they count the rounds that emitted
+        the answer it keeps) and its call count: it never replays a γ. (Its next token is
+        kept, not sampled again from the prefill: a sampled verification's token need not
+        be the plain sample at its position.)"""
         return (self.engine_config.preemption == "resume" and req.request.n == 1
-                and self.spec is None and self.runner.invariant)
+                and self.runner.invariant)
 
     def _release(self, req: LiveRequest, cache: bool = True) -> None:
         if req.prefilling:

@@ -47,8 +47,9 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
     """Sets a request's admission stats (what its namespace can see) and its operator miss.
 
     A request re-admitted after a preemption keeps its first admission's reuse figures and
-    adds the tokens it computed again (`recomputed_tokens`), and the answer tokens it
-    prefilled instead of decoding them again (`resumed_tokens`). Prefills dropped before
+    adds the tokens it computed again (`recomputed_tokens`), and the answer tokens a resume
+    took back instead of decoding them again (`resumed_tokens`, summed over resumes; reused
+    from the cache or prefilled). Prefills dropped before
     their last chunk count too (`record_dropped`): their seconds, the tokens they computed
     again, and the first one's reuse figures when it was the request's first admission.
     """

@@ -73,7 +73,7 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
 
     drafts, q = draw(0, logits[:, 0], drafts, q)
 
-    def body(i: int, carry):  # feeds d_i, drafts d_{i+1}
+    def body(i, carry):  # feeds d_i, drafts d_{i+1} (i: the loop's int32 index)
         cache, draft_lengths, drafts, q = carry
         on = active.astype(jnp.int32)
         batch = BatchInfo(table, draft_lengths, on, offset)
