@@ -265,18 +265,16 @@ class EngineConfig:
     # prefill call per round measured as good or better for the running requests' latency
     # and better for prefill time and TTFT (README, "Decode latency under arrivals")
     packed_prefill: bool = False
-    # a preempted request's next admission: "resume" prefills its prompt and the answer
-    # tokens its cache held and continues (one sample, invariant numerics; the others are
-    # recomputed), "recompute" starts again from its prompt and decodes the answer again
+    # after a preemption: "resume" prefills prompt + the answer its cache held and goes on
+    # (one sample, invariant numerics; others recompute); "recompute" decodes it again
     preemption: str = "resume"
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
     attention: str = "auto"  # decode kernel: auto | reference | pallas_gpu | pallas_tpu
     attention_interpret: bool = False  # run a Pallas kernel in interpret mode (CPU tests)
-    # the arithmetic of the model and the draft (ModelConfig.numerics): "invariant" makes a
-    # request's bits independent of everything but its own history; "fast" shares only
-    # prefill-written pages
+    # the model's and the draft's arithmetic (ModelConfig.numerics): "invariant" makes a
+    # request's bits depend on its own history alone; "fast" shares prefill-written pages only
     numerics: str = "invariant"
     # invariant numerics: store a product's kernel transposed where that lets one product of
     # any row count replace a loop of 32-row blocks (kvjax.model.layout): faster prefill,

@@ -146,8 +146,9 @@ class Rounds:
                                                ec.prefix_cache, ec.partial_page_copy)
                 if adm is None:
                     return
-                if ec.prefix_cache and _shares_uncached(req, adm.reuse, self.prefilling,
-                                                        self.pool.cache_config.page_size):
+                others = [e.req for e in self.prefilling]
+                if ec.prefix_cache and scheduler.shares_uncached(
+                        req, adm.reuse, others, self.pool.cache_config.page_size):
                     adm.abort()
                     return
                 pages = adm.target.commit()
@@ -162,7 +163,7 @@ class Rounds:
             base = req.request.position_base
             tokens = req.context.tokens
             draft = None if adm.draft is None else PrefillRow(
-                tokens, draft_pages, _reused_tokens(adm.draft), base)
+                tokens, draft_pages, scheduler.reused_tokens(adm.draft), base)
             self.prefilling.append(Prefill(
                 req, adm, PrefillRow(tokens, pages, adm.start, base, req.adapter_index),
                 draft))
@@ -194,7 +195,7 @@ class Rounds:
         req, adm, pages, prefill_s = entry.req, entry.adm, entry.row.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if entry.draft is None else \
-            (self.runner.prefill_draft(req, entry.draft), _reused_tokens(adm.draft))
+            (self.runner.prefill_draft(req, entry.draft), scheduler.reused_tokens(adm.draft))
         first, n_tok = self.runner.first_tokens(req, logits), len(req.context.tokens)
         for j, seq in enumerate(req.seqs):
             seq.pages, seq.draft_pages = list(pages), list(draft_pages)
@@ -387,26 +388,3 @@ class Rounds:
             self.operator_log.append(req.operator_miss)
         del self.live[req.id]
 
-
-def _shares_uncached(req: LiveRequest, reused: int, prefilling: list[Prefill],
-                     page_size: int) -> bool:
-    """Whether `req` has a full page past its `reused` cached pages equal (tokens, salt,
-    namespace) to one a request being prefilled is about to write."""
-    for other in (e.req for e in prefilling):
-        if other.namespace != req.namespace:
-            continue
-        common = 0
-        mine, theirs = req.context, other.context
-        for i in range(min(len(mine.tokens), len(theirs.tokens)) // page_size):
-            span = slice(i * page_size, (i + 1) * page_size)
-            if mine.tokens[span] != theirs.tokens[span] or mine.salts[i] != theirs.salts[i]:
-                break
-            common += 1
-        if common > reused:
-            return True
-    return False
-
-
-def _reused_tokens(plan: scheduler.PoolPlan) -> int:
-    """Tokens of the prompt a pool's plan reuses (its whole cached pages)."""
-    return len(plan.reused) * plan.pool.cache_config.page_size

@@ -193,3 +193,27 @@ class Scheduler:
         """The request to preempt for `requester`: the youngest admitted after it."""
         younger = {s.req for s in self.running if s.req.admitted_order > requester.admitted_order}
         return max(younger, key=lambda r: r.admitted_order) if younger else None
+
+
+def shares_uncached(req: LiveRequest, reused: int, prefilling: list[LiveRequest],
+                    page_size: int) -> bool:
+    """Whether `req` has a full page past its `reused` cached pages equal (tokens, salt,
+    namespace) to one a request being prefilled is about to write."""
+    for other in prefilling:
+        if other.namespace != req.namespace:
+            continue
+        common = 0
+        mine, theirs = req.context, other.context
+        for i in range(min(len(mine.tokens), len(theirs.tokens)) // page_size):
+            span = slice(i * page_size, (i + 1) * page_size)
+            if mine.tokens[span] != theirs.tokens[span] or mine.salts[i] != theirs.salts[i]:
+                break
+            common += 1
+        if common > reused:
+            return True
+    return False
+
+
+def reused_tokens(plan: PoolPlan) -> int:
+    """Tokens of the context a pool's plan reuses (its whole cached pages)."""
+    return len(plan.reused) * plan.pool.cache_config.page_size
