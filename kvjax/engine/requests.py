@@ -138,6 +138,17 @@ def context(request: Request, tokens: list[int], page_size: int) -> Context:
                    history_digests(tokens, page_size))
 
 
+@dataclasses.dataclass
+class Dropped:
+    """What prefills dropped before their last chunk (preemption) did, for the admission
+    that completes (`kvjax.engine.stats.record_dropped`)."""
+
+    prefill_s: float = 0.0
+    recomputed: int = 0  # tokens they computed that had been computed before
+    end: int = 0  # the end of what they computed
+    first: tuple | None = None  # the first one's (match, reuse, start, copied, unbounded)
+
+
 @dataclasses.dataclass(eq=False)
 class LiveRequest:
     """A validated request from submission to result: its rendered ids, namespace, what its
@@ -158,10 +169,7 @@ class LiveRequest:
     gammas: list[int] = dataclasses.field(default_factory=list)  # γ of each decode call
     calls: int = 0  # decode calls since its (latest) admission
     prefilling: bool = False  # seated, its prompt not fully prefilled yet
-    # what prefills dropped before their last chunk (preemption) did, for the admission that
-    # completes (`kvjax.engine.stats.record_dropped`): their seconds, the tokens they computed
-    # again, the end of what they computed, and the first one's (match, reuse, start, copied)
-    dropped: dict = dataclasses.field(default_factory=dict)
+    dropped: Dropped = dataclasses.field(default_factory=lambda: Dropped())
 
     @property
     def replaying(self) -> bool:

@@ -196,7 +196,9 @@ class Rounds:
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if entry.draft is None else \
             (self.runner.prefill_draft(req, entry.draft), scheduler.reused_tokens(adm.draft))
-        first, n_tok = self.runner.first_tokens(req, logits), len(req.context.tokens)
+        n_tok = len(req.context.tokens)
+        fresh = [len(s.generated) == n_tok - len(req.tokens) for s in req.seqs]  # not resumed
+        first = self.runner.first_tokens(req, logits) if any(fresh) else None
         for j, seq in enumerate(req.seqs):
             seq.pages, seq.draft_pages = list(pages), list(draft_pages)
             if j > 0:  # the samples share the prompt's pages (copy on write)
@@ -204,8 +206,7 @@ class Rounds:
                     self.pool.allocator.share(page)
                 for page in draft_pages:
                     self.draft_pool.allocator.share(page)
-            fresh = len(seq.generated) == n_tok - len(req.tokens)  # not resumed
-            if fresh:
+            if fresh[j]:
                 seq.generated.append(int(first[j]))
                 if req.request.return_logits:
                     seq.logits.append(logits)
@@ -213,7 +214,7 @@ class Rounds:
             seq.done = (len(seq.generated) == req.request.max_new_tokens
                         or seq.last in req.stops)
             seq.draft_length, seq.prev = n_tok, -1
-            if fresh:  # a resumed answer's stop strings were checked as it was generated
+            if fresh[j]:  # a resumed answer's stop strings were checked as it was generated
                 stop_strings.apply(seq, self.tokenizer, 0)
         for seq in req.seqs:
             if seq.done:

@@ -12,7 +12,7 @@ import contextlib
 import time
 
 from kvjax.cache.trie import Match
-from kvjax.engine.requests import LiveRequest
+from kvjax.engine.requests import Dropped, LiveRequest
 
 
 class Timers(collections.Counter):
@@ -35,11 +35,12 @@ def record_dropped(req: LiveRequest, match: Match, reuse: int, start: int, copie
     the tokens it computed again, and, when no admission has completed yet, the first
     attempt's reuse figures (what the cache held when the request came)."""
     d = req.dropped
-    d["prefill_s"] = d.get("prefill_s", 0.0) + prefill_s
-    before = len(req.context.tokens) if "prompt_tokens" in req.stats else d.get("end", 0)
-    d["recomputed"] = d.get("recomputed", 0) + max(0, min(end, before) - start)
-    d["end"] = max(end, d.get("end", 0))
-    d.setdefault("first", (match, reuse, start, copied, unbounded_blocks))
+    d.prefill_s += prefill_s
+    before = len(req.context.tokens) if "prompt_tokens" in req.stats else d.end
+    d.recomputed += max(0, min(end, before) - start)
+    d.end = max(end, d.end)
+    if d.first is None:
+        d.first = (match, reuse, start, copied, unbounded_blocks)
 
 
 def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, copied: int,
@@ -49,21 +50,21 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
     A request re-admitted after a preemption keeps its first admission's reuse figures and
     adds the tokens it computed again (`recomputed_tokens`), and the answer tokens a resume
     took back instead of decoding them again (`resumed_tokens`, summed over resumes; reused
-    from the cache or prefilled). Prefills dropped before
-    their last chunk count too (`record_dropped`): their seconds, the tokens they computed
-    again, and the first one's reuse figures when it was the request's first admission.
+    from the cache or prefilled). Prefills dropped before their last chunk count too
+    (`record_dropped`): their seconds, the tokens they computed again, and the first one's
+    reuse figures when it was the request's first admission.
     """
     n_tok = len(req.context.tokens)
-    dropped, req.dropped = req.dropped, {}
-    prefill_s += dropped.get("prefill_s", 0.0)
+    dropped, req.dropped = req.dropped, Dropped()
+    prefill_s += dropped.prefill_s
     if "prompt_tokens" in req.stats:
-        req.stats["recomputed_tokens"] += n_tok - start + dropped.get("recomputed", 0)
+        req.stats["recomputed_tokens"] += n_tok - start + dropped.recomputed
         req.stats["resumed_tokens"] += n_tok - len(req.tokens)
         req.stats["prefill_s"] += prefill_s
         return
-    recomputed = dropped.get("recomputed", 0) + max(0, min(n_tok, dropped.get("end", 0)) - start)
-    match, reuse, start, copied, unbounded_blocks = dropped.get(
-        "first", (match, reuse, start, copied, unbounded_blocks))
+    recomputed = dropped.recomputed + max(0, min(n_tok, dropped.end) - start)
+    if dropped.first is not None:
+        match, reuse, start, copied, unbounded_blocks = dropped.first
     cause, operator_cause = match.cause, match.operator_cause
     if reuse < len(match.nodes):
         cause = operator_cause = None  # all cached; the last page is recomputed for logits
