@@ -35,6 +35,7 @@ def assert_same(a_results, b_results) -> None:
     assert len(a_results) == len(b_results)
     for a, b in zip(a_results, b_results, strict=True):
         assert a.tokens == b.tokens
+        assert (a.logits is None) == (b.logits is None), "logits on one side only"
         if a.logits is not None:
             la = a.logits if isinstance(a.logits, list) else [a.logits]
             lb = b.logits if isinstance(b.logits, list) else [b.logits]

@@ -64,7 +64,7 @@ def test_text_prompts_get_the_special_tokens_the_tokenizer_adds(tok_folders, bos
         ids = hf(text)["input_ids"]
         assert tok.encode_prompt(text) == ids
         assert (ids[0] == tok.token_id("<|begin|>")) == bos
-        assert tok.encode(text) == ids[1:] if bos else ids  # encode adds nothing
+        assert tok.encode(text) == (ids[1:] if bos else ids)  # encode adds nothing
 
 
 def test_stop_strings_are_found_across_multi_character_tokens(tok_folders):
