@@ -6,13 +6,15 @@ Invariants after every rule, in every page pool: each page's reference count equ
 references the live sequences and the trie hold; a page a sequence has decoded into is
 referenced by it alone; free + referenced pages account for the whole cache. At the end:
 nothing leaked, and every page a trie holds contains exactly the K/V a fresh prefill of its
-history computes (the draft's pages with the draft model). Derandomized: CI runs the same
-examples every time.
+history computes (the draft's pages with the draft model). Each run asserts that the pages
+it compared include every writer: prefill calls, packed steps, decode steps, verification
+and draft steps. Derandomized: CI runs the same examples every time.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import ClassVar
 
 import numpy as np
 from engine_helpers import CACHE, CONFIG, engine, params, with_cache
@@ -25,6 +27,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 import kvjax
@@ -40,20 +43,49 @@ DRAFT_P = kvjax.init_params(DRAFT, seed=5)
 
 
 class EngineMachine(RuleBasedStateMachine):
+    # pages compared at teardown, per (pool, writer), summed over the run's examples
+    checked: ClassVar[collections.Counter] = collections.Counter()
+    answer_writer = "decode"
+
     def __init__(self):
         super().__init__()
         self.eng: Engine | None = None
         self.ids: list[int] = []
+        self.prompts: list[tuple[int, ...]] = []
+        self.packed_spans: list[tuple[tuple[int, ...], int, int]] = []  # (prompt, start, stop)
 
     @initialize(packed=st.booleans())
     def start(self, packed):
         self.eng = self.make_engine(packed)
+        runner = self.eng.rounds.runner
+        packed_fill = runner.packed_fill
+
+        def recording_fill(rows, longest=1):
+            fill, tokens = packed_fill(rows, longest)
+            if fill is not None:
+                for row, count in zip(rows, np.asarray(fill.count), strict=False):
+                    self.packed_spans.append((tuple(row.tokens), row.start, row.start + count))
+            return fill, tokens
+
+        runner.packed_fill = recording_fill
 
     def make_engine(self, packed: bool) -> Engine:
         """Prompts of up to 57 tokens in 16-token chunks: with `packed`, those with more
         than one chunk left are prefilled in the decode call's steps."""
         return engine(P, cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
                       partial_page_copy=True, poison_freed=True, packed_prefill=packed)
+
+    def writer(self, history: tuple[int, ...], pool: int) -> str:
+        """Which step wrote a cached page (the last block of `history`): a packed step if a
+        prompt with this history had those positions in one, a prefill call if a prompt
+        continues the history, else a step that decoded the answer."""
+        lo, hi = len(history) - PS, len(history)
+        for prompt, start, stop in self.packed_spans:
+            if prompt[:hi] == history and start < hi and stop > lo:
+                return "packed"
+        if any(p[:hi] == history for p in self.prompts):
+            return "prefill"
+        return "draft" if pool else self.answer_writer
 
     def pools(self):
         """(allocator, trie, a sequence's (pages, cached length), model config, params) per
@@ -68,6 +100,7 @@ class EngineMachine(RuleBasedStateMachine):
         tokens = SYSTEM[:prefix] + suffix
         if not tokens:
             return
+        self.prompts.append(tuple(tokens))
         sampling = SamplingConfig(temperature=1.0, seed=len(self.ids)) if hot else \
             SamplingConfig()
         self.ids.append(self.eng.submit(Request(tokens, max_new, sampling=sampling, n=n,
@@ -113,31 +146,51 @@ class EngineMachine(RuleBasedStateMachine):
                         assert alloc.refcount(page) == 1
 
     def teardown(self):
+        """Nothing leaked, and every cached page holds its history's fresh-prefill K/V: one
+        fresh prefill per leaf history covers every page on the path to it."""
         for _ in self.eng.stream():
             pass
         draft = self.eng.draft_pool
         caches = [self.eng.cache] + ([] if draft is None else [draft.cache])
-        for (alloc, trie, _, config, p), cache in zip(self.pools(), caches, strict=True):
+        for i, ((alloc, trie, _, config, p), cache) in enumerate(
+                zip(self.pools(), caches, strict=True)):
             trie_pages = trie.pages()
             assert alloc.num_free + len(trie_pages) == NUM_PAGES
             assert all(alloc.refcount(page) == 1 for page in trie_pages)
+            pages = collections.defaultdict(list)  # history -> its pages (one per namespace)
+            for _, history, page in trie.entries():
+                pages[tuple(history)].append(page)
+            assert sum(map(len, pages.values())) == len(trie_pages)
+            longer = {h[:-PS] for h in pages}
             k, v = np.asarray(cache.k), np.asarray(cache.v)
-            for _, history, page in trie.entries()[:12]:
-                pages = list(range(len(history) // PS))
-                fresh = fresh_prefill(p, config, CACHE, history)
-                np.testing.assert_array_equal(k[:, :, page],
-                                              np.asarray(fresh.k)[:, :, pages[-1]])
-                np.testing.assert_array_equal(v[:, :, page],
-                                              np.asarray(fresh.v)[:, :, pages[-1]])
+            compared = set()
+            for leaf in (h for h in pages if h not in longer):
+                fresh = fresh_prefill(p, config, CACHE, list(leaf))
+                fk, fv = np.asarray(fresh.k), np.asarray(fresh.v)
+                for end in range(PS, len(leaf) + 1, PS):
+                    history = leaf[:end]
+                    if history in compared:
+                        continue
+                    compared.add(history)
+                    for page in pages[history]:
+                        np.testing.assert_array_equal(k[:, :, page], fk[:, :, end // PS - 1])
+                        np.testing.assert_array_equal(v[:, :, page], fv[:, :, end // PS - 1])
+                    type(self).checked[i, self.writer(history, i)] += len(pages[history])
+            assert compared == set(pages)
 
 
 class SpecEngineMachine(EngineMachine):
-    """The same rules on an engine drafting with a model (γ 2): both pools checked."""
+    """The same rules on an engine drafting with a model (γ 2): both pools checked. Packed
+    steps are plain decoding only, so this machine draws no `packed` flag."""
 
-    def make_engine(self, packed: bool) -> Engine:  # packed steps are plain decoding only
+    checked: ClassVar[collections.Counter] = collections.Counter()
+    answer_writer = "verify"
+
+    @initialize()
+    def start(self):
         ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
                           partial_page_copy=True, poison_freed=True)
-        return Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
+        self.eng = Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
 
     def pools(self):
         draft = self.eng.draft_pool
@@ -148,7 +201,22 @@ class SpecEngineMachine(EngineMachine):
 
 SETTINGS = dict(stateful_step_count=30, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
-EngineMachine.TestCase.settings = settings(max_examples=30, **SETTINGS)
-SpecEngineMachine.TestCase.settings = settings(max_examples=15, **SETTINGS)
-TestEngineInvariants = EngineMachine.TestCase
-TestSpecEngineInvariants = SpecEngineMachine.TestCase
+
+
+def run(machine: type[EngineMachine], examples: int) -> collections.Counter:
+    """Runs a machine's examples; returns the pages compared per (pool, writer)."""
+    machine.checked = collections.Counter()
+    run_state_machine_as_test(machine, settings=settings(max_examples=examples, **SETTINGS))
+    return machine.checked
+
+
+def test_engine_invariants():
+    checked = run(EngineMachine, 30)
+    for writer in ("prefill", "packed", "decode"):
+        assert checked[0, writer] > 0, (writer, checked)
+
+
+def test_spec_engine_invariants():
+    checked = run(SpecEngineMachine, 15)
+    for key in ((0, "prefill"), (0, "verify"), (1, "prefill"), (1, "draft")):
+        assert checked[key] > 0, (key, checked)
