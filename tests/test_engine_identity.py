@@ -141,23 +141,27 @@ def _told(result) -> dict:
     return {k: v for k, v in result.stats.items() if not k.endswith("_s")}
 
 
-@pytest.mark.parametrize(("first", "second"), [
-    (Request(PROMPT, 4, tenant="alice"), Request(PROMPT, 4, tenant="bob")),
-    (Request(PROMPT, 4, tenant="alice"), Request(PROMPT, 4)),
-    (Request(PROMPT, 4, tenant="alice", adapter="a"), Request(PROMPT, 4)),
+@pytest.mark.parametrize(("first", "second", "told"), [
+    (Request(PROMPT, 4, tenant="alice"), Request(PROMPT, 4, tenant="bob"), (0, "cold", [])),
+    (Request(PROMPT, 4, tenant="alice"), Request(PROMPT, 4), (0, "cold", [])),
+    (Request(PROMPT, 4, tenant="alice", adapter="a"), Request(PROMPT, 4), (0, "cold", [])),
     (Request(PROMPT, 4, tenant="alice", public_prefix=13),
-     Request(PROMPT, 4, tenant="carol", public_prefix=13)),
+     Request(PROMPT, 4, tenant="carol", public_prefix=13), (12, "cold", [])),
     (Request(PROMPT, 4, tenant="alice", public_prefix=13),
-     Request(PROMPT[:20] + [1, 2, 3], 4, tenant="carol", public_prefix=13)),
-    (Request(PROMPT, 4), Request(PROMPT, 4, tenant="bob")),  # public pages are public
+     Request(PROMPT[:20] + [1, 2, 3], 4, tenant="carol", public_prefix=13), (12, "cold", [])),
+    # public pages are public: bob sees them, under another salt than his own
+    (Request(PROMPT, 4), Request(PROMPT, 4, tenant="bob"), (0, "namespace", ["salt"])),
 ], ids=["salt", "public-asks", "adapter+salt", "public-prefix", "divergent", "public-seen"])
-def test_a_request_is_told_only_what_its_namespace_sees(p, adapters, first, second):
-    """The second request's stats are exactly what it is told on an engine where only the
-    public part of the first request ran (timings aside): another tenant's private pages do
-    not exist for it. The operator's aggregate still counts the namespace miss."""
+def test_a_request_is_told_only_what_its_namespace_sees(p, adapters, first, second, told):
+    """The second request is told its reuse and miss cause as its namespace sees them, and
+    its stats are exactly those of an engine where only the public part of the first
+    request ran (timings aside): another tenant's private pages do not exist for it. The
+    operator's aggregate still counts the namespace miss."""
     eng = engine(p, adapters=adapters)
     eng.generate([first])
     got = eng.generate([second])[0]
+    assert (got.stats["reused_tokens"], got.stats["miss_cause"],
+            got.stats["miss_fields"]) == told
     public = len(first.tokens) if first.tenant is None else first.public_prefix
     witness = engine(p, adapters=adapters)
     if public:
