@@ -8,7 +8,9 @@ test_tiled.py and test_invariant_attention.py.)"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -144,6 +146,7 @@ def test_a_preempted_request_resumes_from_the_answer_it_had_cached(p, monkeypatc
     for mode in ("resume", "recompute"):
         e = engine(p, cache=with_cache(num_pages=22), max_slots=4, prefix_cache=prefix_cache,
                    preemption=mode)
+        lost = _count_evicted_while_preempted(e, monkeypatch)
         decoded.clear()
         got = e.generate(reqs)
         assert_same(got, alone_long)
@@ -152,12 +155,36 @@ def test_a_preempted_request_resumes_from_the_answer_it_had_cached(p, monkeypatc
         assert e.allocator.num_free == e.cache_config.num_pages - e.trie.num_nodes
         work[mode] = sum(decoded), m["resumed_tokens"]
         if mode == "resume" and prefix_cache:
-            assert any(s["resumed_tokens"] > 0 and s["recomputed_tokens"] < CACHE.page_size
-                       for s in (r.stats for r in got))
+            # every resume recomputes under a page, plus the pages of its context that
+            # were evicted while it waited
+            resumed = [(r, g.stats) for r, g in zip(reqs, got, strict=True)
+                       if g.stats["resumed_tokens"] > 0]
+            assert any(not lost[tuple(r.tokens)] for r, _ in resumed)
+            for r, s in resumed:
+                pages = s["preemptions"] + lost[tuple(r.tokens)]
+                assert s["recomputed_tokens"] < CACHE.page_size * pages, s
     assert work["resume"][0] == answers < work["recompute"][0]  # 124 < 188 / 192
     assert work["resume"][1] > 0 == work["recompute"][1]  # 56 / 60 answer tokens prefilled
     with pytest.raises(ConfigError, match="preemption"):
         EngineConfig(preemption="swap")
+
+
+def _count_evicted_while_preempted(e: Engine, monkeypatch) -> collections.Counter:
+    """Pages of a preempted request's context evicted while it waits, by its prompt."""
+    lost = collections.Counter()
+    remove = e.trie._remove
+
+    def counting(node):
+        history, n = [], node
+        while n.parent is not None:
+            history, n = list(n.tokens) + history, n.parent
+        for req in e.scheduler.waiting:
+            if req.stats.get("preemptions") and req.context.tokens[:len(history)] == history:
+                lost[tuple(req.tokens)] += 1
+        remove(node)
+
+    monkeypatch.setattr(e.trie, "_remove", counting)
+    return lost
 
 
 def test_page_size_at_one_attention_block(p):
@@ -199,17 +226,66 @@ def test_random_arrivals_give_every_request_its_alone_bits(p, alone, arrivals, s
     assert_same([e.result(ids[i]) for i in range(len(LENGTHS))], alone)
 
 
-def test_compiles_stay_bounded(p):
-    """Two passes over every knob value of a cache shape compile `extend` at most once per
-    (prefill chunk, page-table bucket) and `decode_loop` once per (slots, decode steps,
-    bucket, logits or not): the second pass compiles nothing."""
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _compile_key(step: str, bound: inspect.BoundArguments) -> tuple:
+    """What the README says a step compiles once per: its shapes and static switches."""
+    a = bound.arguments
+    table = a["batch"].page_table if step == "extend" else a["page_table"]
+    offsets = a["batch"].position_offset if step == "extend" else a.get("position_offset")
+    fill = a.get("fill")
+    return (step, a["tokens"].shape if step == "extend" else a["max_steps"], table.shape,
+            offsets is None, a.get("lora") is None, a.get("last_only", a.get("return_logits")),
+            None if fill is None else (fill.tokens.shape, fill.page_table.shape))
+
+
+def test_compiles_stay_bounded(p, monkeypatch):
+    """Every knob value of a cache shape compiles `extend` once per (rows, chunk width,
+    page-table bucket, offsets, adapters) and `decode_loop` once per (rows, decode steps,
+    bucket, logits or not), each within the sets the README states (rows and buckets powers
+    of two; widths the chunk or min(chunk, 16) times a power of two); a second pass over
+    every knob compiles nothing."""
+    calls = []  # (max_slots, compile key) of every step call
+    for name in ("extend", "decode_loop"):
+        step = getattr(steps, name)
+        sig = inspect.signature(step)
+
+        def spy(*a, _step=step, _name=name, _sig=sig, **k):
+            calls.append((slots, _compile_key(_name, _sig.bind(*a, **k))))
+            return _step(*a, **k)
+
+        step.clear_cache()
+        monkeypatch.setattr(steps, name, spy)
+
     def run():
+        nonlocal slots
         for knobs in (dict(max_slots=8), dict(max_slots=2), dict(decode_steps=1)):
+            slots = knobs.get("max_slots", 8)
             engine(p, **knobs).generate(requests())
-    run()
+
+    slots = 0
     before = steps.trace_counts()
     run()
-    assert steps.trace_counts() == before
+    first = steps.trace_counts()
+    keys = {key for _, key in calls}
+    for step in ("extend", "decode_loop"):
+        assert first[step] - before.get(step, 0) == sum(k[0] == step for k in keys), step
+    blocks = 2 * CACHE.block_pages
+    for max_slots, (step, width, table, *_) in calls:
+        rows, bucket = table
+        assert bucket % blocks == 0 and _is_power_of_two(bucket // blocks)
+        if step == "extend":
+            chunk = CACHE.prefill_chunk
+            assert _is_power_of_two(rows) and rows <= max_slots
+            assert width[1] == chunk or (
+                width[1] % min(chunk, 16) == 0 and _is_power_of_two(width[1] // min(chunk, 16))
+                and width[1] <= chunk * max_slots // rows)
+        else:
+            assert rows == max_slots or (_is_power_of_two(rows) and 2 <= rows < max_slots)
+    run()
+    assert steps.trace_counts() == first
 
 
 def test_idle_slots_cost_nothing(p, alone, monkeypatch):
