@@ -1,64 +1,36 @@
-"""kvjax: a JAX research framework for provably exact cached decoding."""
+"""kvjax: a JAX research framework for provably exact cached decoding.
 
-from kvjax import backend, io, memory, models, speculative  # backend first: XLA flags
-from kvjax.cache.allocator import AllocatorError, PageAllocator
-from kvjax.cache.identity import CacheNamespace
-from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
-from kvjax.cache.pool import KVPool, PagePool
-from kvjax.config import (
-    CacheConfig,
-    Config,
-    ConfigError,
-    EngineConfig,
-    GenerateConfig,
-    ModelConfig,
-    SamplingConfig,
-    SpecConfig,
-)
-from kvjax.config_files import load_config
-from kvjax.decode.generate import GenerateResult, generate
-from kvjax.engine.engine import Engine
-from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent
-from kvjax.errors import NonCausalCacheError
-from kvjax.model.lora import init_adapter
-from kvjax.model.transformer import Transformer, forward, init_params
+Importing kvjax runs `backend` (the XLA flags, which must be set before JAX starts) and
+nothing else: each public name loads its module on first use (PEP 562 `__getattr__`), so
+that host code (`kvjax.cache.trie`, `kvjax.engine.scheduler`, ...) imports without JAX.
+"""
+
+from __future__ import annotations
+
+from kvjax import backend as backend  # eager: the XLA flags, before JAX starts
+from kvjax import lazy
+
+# module -> the public names it gives `kvjax`, loaded when one is first asked for.
+_EXPORTS = {
+    "kvjax.cache.allocator": ("AllocatorError", "PageAllocator"),
+    "kvjax.cache.identity": ("CacheNamespace",),
+    "kvjax.cache.paged": ("BatchInfo", "PagedKVCache", "cache_bytes", "init_cache"),
+    "kvjax.cache.pool": ("KVPool", "PagePool"),
+    "kvjax.config": ("CacheConfig", "Config", "ConfigError", "EngineConfig", "GenerateConfig",
+                     "ModelConfig", "SamplingConfig", "SpecConfig"),
+    "kvjax.config_files": ("load_config",),
+    "kvjax.decode.generate": ("GenerateResult", "generate"),
+    "kvjax.engine.engine": ("Engine",),
+    "kvjax.engine.requests": ("InvalidRequestError", "Request", "RequestResult", "StreamEvent"),
+    "kvjax.errors": ("NonCausalCacheError",),
+    "kvjax.model.lora": ("init_adapter",),
+    "kvjax.model.transformer": ("Transformer", "forward", "init_params"),
+}
+_SUBMODULES = ("io", "memory", "models", "speculative")
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AllocatorError",
-    "BatchInfo",
-    "CacheConfig",
-    "CacheNamespace",
-    "Config",
-    "ConfigError",
-    "Engine",
-    "EngineConfig",
-    "GenerateConfig",
-    "GenerateResult",
-    "InvalidRequestError",
-    "KVPool",
-    "ModelConfig",
-    "NonCausalCacheError",
-    "PageAllocator",
-    "PagePool",
-    "PagedKVCache",
-    "Request",
-    "RequestResult",
-    "SamplingConfig",
-    "SpecConfig",
-    "StreamEvent",
-    "Transformer",
-    "backend",
-    "cache_bytes",
-    "forward",
-    "generate",
-    "init_adapter",
-    "init_cache",
-    "init_params",
-    "io",
-    "load_config",
-    "memory",
-    "models",
-    "speculative",
-]
+__all__ = sorted([*_SUBMODULES, "backend",
+                  *(name for names in _EXPORTS.values() for name in names)])
+
+__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS, _SUBMODULES)

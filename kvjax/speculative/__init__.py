@@ -11,29 +11,27 @@ The parts: rules.py (acceptance rules, speedup model), stats.py, gamma.py, loop.
 device loop), ngram_device.py, drafters.py + host.py (the host Drafter path), plugin.py
 (the engine's draft pool and γ controller), cost.py (measured c and verify slope),
 operating_point.py (the measurement `kvjax bench spec` and the experiments share).
+
+The names from drafters, host and rules load on first use (PEP 562 `__getattr__`): they
+import JAX, and `gamma` and `stats` are host code that must import without it.
 """
 
 from __future__ import annotations
 
-from kvjax.config import CacheConfig, SamplingConfig, SpecConfig
-from kvjax.speculative.drafters import Drafter, ModelDrafter, NGramDrafter
+from kvjax import lazy
+from kvjax.config import SpecConfig
 from kvjax.speculative.gamma import GammaPolicy, choose_gamma
-from kvjax.speculative.host import SpecResult, speculative_generate
-from kvjax.speculative.rules import greedy_accept, predicted_speedup, sampling_accept
 from kvjax.speculative.stats import SpecStats
 
-
-def make_drafter(spec: SpecConfig, draft: tuple | None = None,
-                 cache: CacheConfig | None = None,
-                 sampling: SamplingConfig | None = None) -> Drafter:
-    """The drafter a SpecConfig names; `draft=(params, config)` for the model drafter."""
-    if spec.drafter == "ngram":
-        return NGramDrafter(max_ngram=spec.ngram_max)
-    if draft is None:
-        raise ValueError("the model drafter needs draft=(draft_params, draft_config)")
-    return ModelDrafter(draft[0], draft[1], cache or CacheConfig(), sampling)
-
+# module -> names, loaded on first use
+_EXPORTS = {
+    "kvjax.speculative.drafters": ("Drafter", "ModelDrafter", "NGramDrafter", "make_drafter"),
+    "kvjax.speculative.host": ("SpecResult", "speculative_generate"),
+    "kvjax.speculative.rules": ("greedy_accept", "predicted_speedup", "sampling_accept"),
+}
 
 __all__ = ["Drafter", "GammaPolicy", "ModelDrafter", "NGramDrafter", "SpecConfig", "SpecResult",
            "SpecStats", "choose_gamma", "greedy_accept", "make_drafter", "predicted_speedup",
            "sampling_accept", "speculative_generate"]
+
+__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS)

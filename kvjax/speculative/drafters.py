@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from kvjax.cache.pool import KVPool
+from kvjax.config import CacheConfig, SamplingConfig, SpecConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.decode.prefill import prefill
@@ -119,3 +120,14 @@ class ModelDrafter:
         if temp == 0:
             return draft, None
         return draft, np.asarray(probabilities(logits, *knobs)[0])
+
+
+def make_drafter(spec: SpecConfig, draft: tuple | None = None,
+                 cache: CacheConfig | None = None,
+                 sampling: SamplingConfig | None = None) -> Drafter:
+    """The drafter a SpecConfig names; `draft=(params, config)` for the model drafter."""
+    if spec.drafter == "ngram":
+        return NGramDrafter(max_ngram=spec.ngram_max)
+    if draft is None:
+        raise ValueError("the model drafter needs draft=(draft_params, draft_config)")
+    return ModelDrafter(draft[0], draft[1], cache or CacheConfig(), sampling)
