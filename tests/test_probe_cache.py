@@ -10,7 +10,7 @@ import sys
 
 import jax
 
-from kvjax.model import probe_cache, tiled
+from kvjax.model import lora, probe_cache, tiled
 
 
 def _counted(calls: list):
@@ -50,6 +50,42 @@ def test_an_edited_probe_module_probes_again(tmp_path, monkeypatch):
     assert mod.probe(3) is False and mod.CALLS == [3]
     sys.modules.pop("edited_probe")
     probe_cache.code_digest.cache_clear()
+
+
+def test_an_edited_sibling_of_the_probe_module_probes_again(tmp_path, monkeypatch):
+    """The digest covers every module of the probe's package, not only the probe's own: a
+    probe runs code beside it (`kvjax.model.tiled`'s probes run `layout`'s views, `lora`'s
+    run `tiled`'s blocks), so an edit there, the probe's file untouched, probes again."""
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", str(tmp_path / "probes.json"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # the reload reads the new source
+    package = tmp_path / "probed_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    probe_file = package / "probes.py"
+    probe_file.write_text("from kvjax.model import probe_cache\n"
+                          "from probed_package import helper\nCALLS = []\n\n"
+                          "@probe_cache.persistent\ndef probe(n):\n    CALLS.append(n)\n"
+                          "    return helper.answer(n)\n")
+    helper = package / "helper.py"
+    helper.write_text("def answer(n):\n    return n > 2\n")
+    names = ("probed_package", "probed_package.probes", "probed_package.helper")
+    try:
+        probes = importlib.import_module("probed_package.probes")
+        assert probes.probe(3) is True and probes.probe(3) is True and probes.CALLS == [3]
+        source = probe_file.read_bytes()
+        helper.write_text("def answer(n):\n    return n > 5\n")  # now finds otherwise
+        probe_cache.code_digest.cache_clear()  # as a later process would start
+        importlib.reload(sys.modules["probed_package.helper"])
+        assert probes.probe(3) is False and probes.CALLS == [3, 3]  # probed, not read back
+        assert probe_file.read_bytes() == source
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        probe_cache.code_digest.cache_clear()
+    # the engine's probes: one digest for every module of kvjax.model
+    assert probe_cache.code_digest("kvjax.model.tiled") == probe_cache.code_digest(
+        "kvjax.model.layout") == probe_cache.code_digest(lora.__name__)
 
 
 def test_off_and_broken_files(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import sharp_params, small_model
@@ -17,6 +18,7 @@ from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ConfigError
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
+from kvjax.model import layout
 from kvjax.model.layout import KERNELS, SCOPE, Stored, canonical, store, unstored
 
 CACHE = CacheConfig(page_size=4, num_pages=16, prefill_chunk=8, attn_block=8)
@@ -115,6 +117,13 @@ def compiled_steps(config, params) -> list[str]:
     return [extend.compile().as_text(), loop.compile().as_text()]
 
 
+def views_left(text: str) -> list[str]:
+    """The instructions of compiled HLO `text` named by the views' scope (`unstored`), less
+    bitcasts (free)."""
+    return [line.strip() for line in text.splitlines()
+            if f"/{SCOPE}/" in line and " bitcast(" not in line]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 def test_the_transposed_view_folds_into_its_product_in_every_step(fused):
     """No instruction of the views survives compilation: the products read the stored
@@ -125,8 +134,7 @@ def test_the_transposed_view_folds_into_its_product_in_every_step(fused):
     config = model(fused=fused)
     params = store(sharp_params(config), config)
     for text in compiled_steps(config, params):
-        left = [line.strip() for line in text.splitlines()
-                if f"/{SCOPE}/" in line and " bitcast(" not in line]  # bitcasts are free
+        left = views_left(text)
         assert left == [], left[:3]
         projections = re.compile(r"/(attn/(q|k|v|qkv)|mlp/(gate|up|gate_up))/dot_general")
         dots = [line for line in text.splitlines()
@@ -136,6 +144,33 @@ def test_the_transposed_view_folds_into_its_product_in_every_step(fused):
         kernels = ("f32[8,8,32]", "f32[32,8,8]", "f32[128,32]", "f32[32,128]")  # fused
         assert not [line for line in text.splitlines() if " concatenate(" in line
                     and any(shape in line for shape in kernels)]
+
+
+def test_a_view_that_cannot_fold_is_seen_in_every_step(monkeypatch):
+    """Positive control of the test above (in the prefill step the folded views leave no
+    line named by the scope at all, so finding none proves nothing by itself): the same
+    view taken as one transpose of the stored 3-D arrays, which XLA copies before the
+    product (`layout.from_stored`), leaves instructions that `views_left` finds in both
+    steps (measured: 24 lines in each)."""
+    def moved(kernel, inputs):  # [outputs..., inputs...] -> [inputs..., outputs...]
+        n = kernel.ndim
+        return jnp.moveaxis(kernel, tuple(range(n - inputs, n)), tuple(range(inputs)))
+
+    config = model()
+    params = store(sharp_params(config), config)
+    q = params.tree["layer_0"]["attn"]["q"]["kernel"]
+    np.testing.assert_array_equal(moved(q, 1), layout.from_stored(q, 1))  # the same view
+    monkeypatch.setattr(layout, "from_stored", moved)
+    jax.clear_caches()  # the steps trace again with the swapped view
+    try:
+        texts = compiled_steps(config, params)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # and no other test runs it
+    assert len(texts) == 2
+    for text in texts:
+        left = views_left(text)
+        assert any(" transpose(" in line or " copy(" in line for line in left), left[:3]
 
 
 def test_stored_kernels_give_the_plain_layouts_values():
