@@ -12,8 +12,13 @@ the next round still has room to draft.
 The statistics are the total-variation distances between the empirical and the exact
 distributions of each token (5 marginals over 8 values) and of each consecutive pair (4
 joints over 64); the exact ones come from the full-sequence forward over all 8^5
-continuations. Each threshold is the 99.9th percentile of the distance for 4,096 exact
-samples (1,000 simulations). Measured: the correct loop reaches at most 0.74 of its
+continuations and `_reference_probs`, a float64 NumPy temperature / top-k / top-p written
+here: built with kvjax's own `probabilities`, as the loop is, a bug there was shared and
+passed (dropping the token that crosses top_p: 0.76 of the threshold against that
+reference, 7.9x against this one; filtering before the temperature: 0.73, 1.8x).
+`test_probabilities_match_a_float64_reference` checks `probabilities` itself against it,
+ties and edge settings included. Each threshold is the 99.9th percentile of the distance
+for 4,096 exact samples (1,000 simulations). Measured: the correct loop reaches at most 0.74 of its
 threshold; the draft's own distribution lies 20-33 thresholds away; a loop that draws from
 p instead of the residual max(0, p - q) after a rejection 8x, one that draws the bonus from
 the last draft distribution 3.6x: both fail the same test.
@@ -61,15 +66,82 @@ def _knobs(n: int):
             np.full(n, TOP_P, np.float32))
 
 
+def _reference_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """float64[..., V]: the sampling distribution, written independently of kvjax.
+
+    The standard definition, in kvjax's documented semantics (`adjusted_logits`, README
+    "Sampling"): divide by the temperature (> 0: rows at 0 are greedy and their callers
+    never read these distributions); keep the top_k largest (0 is off, ties with the k-th
+    all kept); of the renormalised rest, sorted descending, keep the smallest prefix whose
+    cumulative probability reaches top_p: a token stays while the mass ranked before it is
+    < top_p, so the token that crosses top_p stays, at least one token stays, top_p >= 1
+    keeps all, and ties with the last kept token all stay. Then renormalise.
+    """
+    x = np.asarray(logits, np.float64) / temperature
+    ranked = -np.sort(-x, axis=-1)
+    vocab = x.shape[-1]
+    k = vocab if top_k == 0 else min(top_k, vocab)
+    x = np.where(x >= ranked[..., k - 1: k], x, -np.inf)
+    probs = np.exp(x - x.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    if top_p < 1:
+        desc = -np.sort(-probs, axis=-1)
+        before = np.cumsum(desc, axis=-1) - desc
+        n = np.maximum((before < top_p).sum(-1, keepdims=True), 1)
+        probs = np.where(probs >= np.take_along_axis(desc, n - 1, axis=-1), probs, 0.0)
+        probs /= probs.sum(-1, keepdims=True)
+    return probs
+
+
 def _exact_joint(params) -> np.ndarray:
-    """float64[V]*NEW: the probability of every continuation under the sampling knobs."""
+    """float64[V]*NEW: the probability of every continuation under the sampling knobs, from
+    the float64 reference (not kvjax's `probabilities`, which the loop itself uses)."""
     conts = np.array(list(itertools.product(range(V), repeat=NEW)))  # [V^NEW, NEW]
     seqs = np.concatenate([np.tile(PROMPT, (len(conts), 1)), conts], axis=1)
     logits = kvjax.forward(params, CONFIG, seqs)[:, len(PROMPT) - 1: -1]  # [M, NEW, V]
-    probs = np.asarray(probabilities(logits, *_knobs(len(conts))), np.float64)
+    probs = _reference_probs(logits, TEMP, TOP_K, float(np.float32(TOP_P)))
     rows = np.arange(len(conts))[:, None]
     joint = np.prod(probs[rows, np.arange(NEW)[None], conts], axis=1)
     return (joint / joint.sum()).reshape([V] * NEW)
+
+
+# (temperature, top_k, top_p) for the direct test: every knob off, this module's setting,
+# top_k 1, top_k = V and > V, top_p tiny (at least one token stays), near 1 and 1, and a low
+# temperature with every token kept (down to 2.6e-23, which must stay nonzero).
+SETTINGS = [(1.0, 0, 1.0), (TEMP, TOP_K, TOP_P), (0.5, 0, 0.9), (1.7, 3, 1.0), (1.0, 1, 1.0),
+            (1.0, 0, 1e-4), (2.0, 0, 0.5), (0.8, 16, 0.99), (1.0, 40, 0.3), (0.25, 0, 1.0),
+            (1.3, 5, 0.6), (1.0, 0, 0.995)]
+
+
+def _setting_logits() -> np.ndarray:
+    """float32[8, 16]: five rows of scale-3 logits and three with ties: at the top (top_k 1
+    and top_p 1e-4 keep all three maxima), right below a single maximum (top_p cuts inside
+    the tied four, at 0.5 say, and keeps them all) and at the bottom."""
+    rng = np.random.default_rng(5)
+    ties = np.array([[2.0] * 3 + [0.0] * 13, [3.0] + [1.0] * 4 + list(range(0, -11, -1)),
+                     list(np.linspace(2, -2, 10)) + [-3.0] * 6])
+    return np.concatenate([rng.standard_normal((5, 16)) * 3, ties]).astype(np.float32)
+
+
+def test_probabilities_match_a_float64_reference():
+    """kvjax's `probabilities` (float32; one setting per row b, shared by its 8 inner
+    positions) against `_reference_probs`: the same kept tokens exactly, the values within
+    float32 rounding. No cumulative mass lies within 1e-5 of top_p (100x its float32
+    rounding; the closest, 8.5e-5, at top_p 0.995), so no kept set is a matter of rounding."""
+    logits = _setting_logits()  # [S, V]: every row under every setting
+    t, k, p = (np.array(c) for c in zip(*SETTINGS, strict=True))
+    knobs = (t.astype(np.float32), k.astype(np.int32), p.astype(np.float32))
+    got = np.asarray(probabilities(np.tile(logits, (len(SETTINGS), 1, 1)), *knobs))
+    for (t, k, p), row in zip(SETTINGS, got, strict=True):
+        p32 = float(np.float32(p))
+        want = _reference_probs(logits, t, k, p32)
+        masses = np.cumsum(-np.sort(-_reference_probs(logits, t, k, 1.0), axis=-1), axis=-1)
+        assert p32 >= 1 or np.abs(masses - p32).min() > 1e-5
+        np.testing.assert_array_equal(row > 0, want > 0, err_msg=f"{(t, k, p)}")
+        # Measured: 1.45e-7 absolute (at 0.8, 16, 0.99); 2.0e-6 relative (at temperature
+        # 0.25: exp of logits up to ~25 in float32).
+        np.testing.assert_allclose(row, want, rtol=0, atol=1.5e-6, err_msg=f"{(t, k, p)}")
+        np.testing.assert_allclose(row, want, rtol=2e-5, atol=0, err_msg=f"{(t, k, p)}")
 
 
 def _statistics(joint: np.ndarray) -> list[np.ndarray]:
