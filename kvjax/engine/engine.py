@@ -73,12 +73,18 @@ from kvjax.speculative.plugin import Speculator
 
 
 class Engine:
-    """Continuous-batching engine with an exact prefix cache (see the module docstring)."""
+    """Continuous-batching engine with an exact prefix cache (see the module docstring).
+
+    Every request stops at `eos_tokens` unless it sets `ignore_eos`. Not given (None), they
+    are the `tokenizer`'s `eos_ids` (the checkpoint's end of sequence, where transformers,
+    vLLM and llama.cpp stop by default) that are inside the model's vocabulary, or none
+    without a tokenizer; `()` stops at no EOS.
+    """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig | None = None,
                  adapters: dict | None = None, hash_fn=None, tokenizer=None,
                  chat_template=None, draft: tuple | None = None,
-                 spec: SpecConfig | None = None, eos_tokens=()):
+                 spec: SpecConfig | None = None, eos_tokens: Sequence[int] | None = None):
         if not config.causal:
             raise NonCausalCacheError()
         self.engine_config = ec = engine_config or EngineConfig()
@@ -95,6 +101,9 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        if eos_tokens is None:  # an id past the model's vocabulary is never sampled
+            eos_tokens = [] if tokenizer is None else [
+                t for t in tokenizer.eos_ids if 0 <= t < config.vocab_size]
         self.eos_tokens = tuple(int(t) for t in eos_tokens)
         if any(not 0 <= t < config.vocab_size for t in self.eos_tokens):
             raise ValueError(f"eos_tokens {list(self.eos_tokens)} are outside the vocabulary")

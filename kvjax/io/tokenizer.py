@@ -30,6 +30,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token: str | None
     eos_token: str | None
+    eos_ids: tuple[int, ...]  # where answers end: what `Engine` stops at unless told otherwise
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -54,6 +55,7 @@ class ByteTokenizer:
         self.vocab_size = 256 + len(special_tokens)
         self.bos_token = "<|bos|>" if "<|bos|>" in self.special else None
         self.eos_token = "<|eos|>" if "<|eos|>" in self.special else None
+        self.eos_ids = () if self.eos_token is None else (self.special[self.eos_token],)
         self._split = re.compile("(" + "|".join(map(re.escape, special_tokens)) + ")") \
             if special_tokens else None
 
@@ -89,10 +91,15 @@ class HFTokenizer:
     """A `tokenizer.json` through the `tokenizers` library. `encode` adds no special tokens
     (a chat template writes its own); `encode_prompt` adds what the tokenizer's
     post-processor adds (a BOS, for Llama 3), as transformers 5's `tokenizer(text)` does
-    for byte-level vocabularies (it ignores tokenizer_config.json's add_bos_token there)."""
+    for byte-level vocabularies (it ignores tokenizer_config.json's add_bos_token there).
 
-    def __init__(self, source, bos_token: str | None = None, eos_token: str | None = None):
-        """source: a `tokenizer.json` path or a `tokenizers.Tokenizer`."""
+    `eos_ids`: the id of `eos_token`, then the checkpoint's other end-of-sequence ids
+    (`eos_ids` given here), as vLLM stops at both."""
+
+    def __init__(self, source, bos_token: str | None = None, eos_token: str | None = None,
+                 eos_ids: Sequence[int] = ()):
+        """source: a `tokenizer.json` path or a `tokenizers.Tokenizer`; eos_ids: more
+        end-of-sequence ids (a folder's generation_config.json, a GGUF file's EOT / EOM)."""
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError as e:  # pragma: no cover
@@ -103,6 +110,9 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token = bos_token
         self.eos_token = eos_token
+        eos = None if eos_token is None else self.token_id(eos_token)
+        self.eos_ids = tuple(dict.fromkeys(int(i) for i in
+                                           ([] if eos is None else [eos]) + list(eos_ids)))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -251,16 +261,23 @@ def load_tokenizer(path) -> tuple[Tokenizer, ChatTemplate | None]:
     for the built-in byte tokenizer. The chat template comes from the folder's
     `chat_template.jinja` (where transformers 5 saves it), else from `tokenizer_config.json`
     (a string, or a list of named templates: the one named "default"), or from the GGUF
-    file's `tokenizer.chat_template`."""
+    file's `tokenizer.chat_template`.
+
+    The tokenizer's `eos_ids` (where an `Engine` given it stops by default) are its EOS
+    token's id and, for a folder, the `eos_token_id` (an id or a list) of its
+    `generation_config.json`, else `config.json` (`kvjax.io.hf.eos_ids`, what transformers'
+    `generate` stops at); for a GGUF file, its EOS, EOT and EOM ids (`tokenizer.ggml.*`)."""
     if str(path) == "byte":
         tok = ByteTokenizer()
         return tok, ChatTemplate(BYTE_CHAT_TEMPLATE, tok)
     path = Path(path)
     if path.suffix == ".gguf":
-        from kvjax.io.gguf import gguf_tokenizer
+        from kvjax.io.gguf import gguf_metadata, gguf_tokenizer
 
         backend, bos, eos, template = gguf_tokenizer(path)
-        tok = HFTokenizer(backend, bos, eos)
+        meta = gguf_metadata(path)
+        keys = [f"tokenizer.ggml.{n}_token_id" for n in ("eos", "eot", "eom")]
+        tok = HFTokenizer(backend, bos, eos, [int(meta[k]) for k in keys if k in meta])
         return tok, _template(template, tok, f"{path} (tokenizer.chat_template)")
     config = {}
     if (path / "tokenizer_config.json").exists():
@@ -270,7 +287,10 @@ def load_tokenizer(path) -> tuple[Tokenizer, ChatTemplate | None]:
         value = config.get(name)
         return value.get("content") if isinstance(value, dict) else value
 
-    tok = HFTokenizer(path / "tokenizer.json", token("bos_token"), token("eos_token"))
+    from kvjax.io.hf import eos_ids
+
+    tok = HFTokenizer(path / "tokenizer.json", token("bos_token"), token("eos_token"),
+                      eos_ids(path))
     if (path / "chat_template.jinja").exists():
         return tok, _template((path / "chat_template.jinja").read_text(), tok,
                               str(path / "chat_template.jinja"))
