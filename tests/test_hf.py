@@ -132,22 +132,30 @@ def test_paged_cache_logits_and_greedy_tokens_match(family):
         assert np.abs(logits - hf_logits).max() <= _tol(name), name
 
 
-def test_export_back_to_safetensors(family, tmp_path):
+@pytest.mark.parametrize("name", EXPORTED)
+def test_export_back_to_safetensors(name, tmp_path):
     """kvjax -> safetensors: transformers loads the export and computes the same logits."""
     from kvjax.io import save_hf
 
-    name, model, config, params = family
-    if name not in EXPORTED:
-        with pytest.raises(CheckpointError, match="export is implemented for"):
-            save_hf(tmp_path, config, params)
-        return
-    save_hf(tmp_path, config, params)
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = _save(name, tmp_path / "hf")
+    config, params = load_hf(tmp_path / "hf")
+    save_hf(tmp_path / "out", config, params)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = torch.tensor(_tokens(12, 3))
     with torch.no_grad():  # measured 1.1e-6
         np.testing.assert_allclose(exported(tokens).logits.numpy(),
                                    model(tokens).logits.numpy(), atol=1e-5, rtol=0)
-    assert load_hf(tmp_path)[0] == config
+    assert load_hf(tmp_path / "out")[0] == config
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - set(EXPORTED)))
+def test_export_refuses_the_families_it_does_not_write(name, tmp_path):
+    from kvjax.io import save_hf
+
+    _save(name, tmp_path / "hf")
+    config, params = load_hf(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="export is implemented for"):
+        save_hf(tmp_path / "out", config, params)
 
 
 def test_sharded_checkpoint(tmp_path):
