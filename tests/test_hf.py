@@ -188,6 +188,40 @@ def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
         load_hf(tmp_path)
 
 
+@pytest.mark.parametrize(("tensor", "change", "named"), [
+    ("model.layers.1.mlp.up_proj.weight", lambda w: np.concatenate([w, w[:1]]),
+     r"\['layer_1'\]\['mlp'\]\['up'\]\['kernel'\]: shape \(64, 97\) in the checkpoint, the "
+     r"config implies \(64, 96\)"),
+    ("model.layers.1.mlp.up_proj.weight", lambda w: w.T,  # same size, transposed
+     r"\['layer_1'\]\['mlp'\]\['up'\]\['kernel'\]: shape \(96, 64\)"),
+    ("model.layers.0.input_layernorm.weight", lambda w: w.reshape(8, 8),
+     r"\['layer_0'\]\['attn_norm'\]\['scale'\]: shape \(8, 8\)"),
+    ("model.embed_tokens.weight", lambda w: w[:-1],
+     r"\['embed'\]\['embedding'\]: shape \(100, 64\)"),
+    # attention projections are reshaped into heads on load: checked before, by their names
+    ("model.layers.0.self_attn.q_proj.weight", lambda w: np.concatenate([w, w[:1]]),
+     r"tensor model\.layers\.0\.self_attn\.q_proj\.weight has shape \(65, 64\); the "
+     r"config implies \(64, 64\)"),
+    ("model.layers.1.self_attn.k_proj.weight", lambda w: w.T,  # same size
+     r"tensor model\.layers\.1\.self_attn\.k_proj\.weight has shape \(64, 32\)"),
+    ("model.layers.1.self_attn.o_proj.weight", lambda w: w.reshape(32, 128),
+     r"tensor model\.layers\.1\.self_attn\.o_proj\.weight has shape \(32, 128\)"),
+], ids=["up_extra_row", "up_transposed", "norm_2d", "embedding_short", "q_extra_row",
+        "k_transposed", "o_reshaped"])
+def test_a_misshapen_tensor_is_named(tmp_path, tensor, change, named):
+    """A tensor whose shape is not the one config.json implies is a CheckpointError naming
+    it (the checkpoint's name for a tensor split or reshaped on load, else the parameter it
+    maps to), with both shapes. A transposed k projection used to load scrambled."""
+    from safetensors.numpy import load_file, save_file
+
+    _save("llama", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors[tensor] = np.ascontiguousarray(change(tensors[tensor]))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=named):
+        load_hf(tmp_path)
+
+
 DROP = object()  # a change that removes the key
 
 

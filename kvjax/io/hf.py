@@ -67,10 +67,16 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return any(p + name in self.tensors for p in self.prefixes)
 
-    def __call__(self, name: str) -> np.ndarray:
+    def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor as float32; with `shape`, checked against it first (a tensor that is
+        reshaped or split before `_check_shapes` could otherwise load scrambled)."""
         for prefix in self.prefixes:
             if prefix + name in self.tensors:
-                return np.asarray(self.tensors[prefix + name], np.float32)
+                x = np.asarray(self.tensors[prefix + name], np.float32)
+                if shape is not None and x.shape != shape:
+                    raise CheckpointError(f"tensor {prefix}{name} has shape {x.shape}; the "
+                                          f"config implies {shape}")
+                return x
         raise CheckpointError(f"missing tensor {self.prefixes[0]}{name}")
 
 
@@ -78,17 +84,20 @@ def _attention(t: _Tensors, c: ModelConfig, p: str, fused: bool) -> dict:
     """One layer's q, k, v, o (and q/k norms) from `{p}self_attn.*`; Phi-3 fuses q, k, v
     into one `qkv_proj` [(N + 2K) * H, D]."""
     d, h, n, k = c.d_model, c.head_dim, c.num_heads, c.num_kv_heads
+    heads = {"q": n, "k": k, "v": k}
     if fused:
-        qkv = t(f"{p}self_attn.qkv_proj.weight")
+        qkv = t(f"{p}self_attn.qkv_proj.weight", ((n + 2 * k) * h, d))
         w = dict(zip("qkv", np.split(qkv, [n * h, (n + k) * h]), strict=True))
     else:
-        w = {name: t(f"{p}self_attn.{name}_proj.weight") for name in "qkv"}
+        w = {name: t(f"{p}self_attn.{name}_proj.weight", (heads[name] * h, d))
+             for name in "qkv"}
     attn = {}
-    for name, heads in (("q", n), ("k", k), ("v", k)):
-        attn[name] = {"kernel": w[name].T.reshape(d, heads, h)}
+    for name in "qkv":
+        attn[name] = {"kernel": w[name].T.reshape(d, heads[name], h)}
         if c.qkv_bias:
-            attn[name]["bias"] = t(f"{p}self_attn.{name}_proj.bias").reshape(heads, h)
-    attn["o"] = {"kernel": t(f"{p}self_attn.o_proj.weight").T.reshape(n, h, d)}
+            attn[name]["bias"] = t(f"{p}self_attn.{name}_proj.bias",
+                                   (heads[name] * h,)).reshape(heads[name], h)
+    attn["o"] = {"kernel": t(f"{p}self_attn.o_proj.weight", (d, n * h)).T.reshape(n, h, d)}
     if c.o_bias:
         attn["o"]["bias"] = t(f"{p}self_attn.o_proj.bias")
     return attn
@@ -138,11 +147,12 @@ def _gpt2_params(t: _Tensors, c: ModelConfig) -> dict:
               "final_norm": {"scale": t("ln_f.weight"), "bias": t("ln_f.bias")}}
     for i in range(c.num_layers):
         p = f"h.{i}."
-        qkv_w, qkv_b = t(f"{p}attn.c_attn.weight"), t(f"{p}attn.c_attn.bias")  # [D, 3D], [3D]
+        qkv_w, qkv_b = t(f"{p}attn.c_attn.weight", (d, 3 * d)), t(f"{p}attn.c_attn.bias",
+                                                                 (3 * d,))
         attn = {name: {"kernel": qkv_w[:, j * d:(j + 1) * d].reshape(d, n, h),
                        "bias": qkv_b[j * d:(j + 1) * d].reshape(n, h)}
                 for j, name in enumerate(("q", "k", "v"))}
-        attn["o"] = {"kernel": t(f"{p}attn.c_proj.weight").reshape(n, h, d),
+        attn["o"] = {"kernel": t(f"{p}attn.c_proj.weight", (n * h, d)).reshape(n, h, d),
                      "bias": t(f"{p}attn.c_proj.bias")}
         params[f"layer_{i}"] = {
             "attn_norm": {"scale": t(f"{p}ln_1.weight"), "bias": t(f"{p}ln_1.bias")},
