@@ -78,6 +78,25 @@ def test_multi_turn_chat(p):
         assert reused[1:] == [n // 4 * 4 for n in cached[:-1]]
 
 
+def test_fast_numerics_cache_on_equals_off_on_one_device(p):
+    """Under `numerics="fast"` on one device only prefill-written pages enter the trie (a
+    decode-written page's bits depend on its batch), so cache on == cache off still holds
+    bitwise: from turn 2 on a turn reuses the full pages of the previous turn's prompt, none
+    of its answer."""
+    kw = dict(num_conversations=2, turns=3, system_len=5, user_len=3, vocab=V,
+              max_new_tokens=5, seed=4, return_logits=True)
+    on_engine = engine(p, prefix_cache=True, numerics="fast")
+    on = workloads.run_multi_turn(on_engine, **kw)
+    off = workloads.run_multi_turn(engine(p, prefix_cache=False, numerics="fast"), **kw)
+    for a, b in zip(on, off, strict=True):
+        assert a.history == b.history
+        assert_same(a.results, b.results)
+    for conv in on:
+        prompts = [r.stats["prompt_tokens"] for r in conv.results]
+        reused = [r.stats["reused_tokens"] for r in conv.results]
+        assert reused[1:] == [n // 4 * 4 for n in prompts[:-1]]
+
+
 @pytest.mark.parametrize("copy", [False, True], ids=["pages", "partial_copy"])
 def test_eviction_under_memory_pressure(p, copy):
     requests = workloads.shared_system_prompt(4, prefix_len=21, suffix_len=11, vocab=V,
@@ -166,14 +185,19 @@ def test_streamed_tokens_equal_the_results(p):
 
 
 def test_stop_token_and_cancellation_return_every_page(p):
+    """A stopped or cancelled request returns every page; a sample cancelled while it
+    decodes leaves its answer's full pages in the trie, and a request for prompt + answer
+    reuses them (and gets a cache-off engine's bits)."""
     eng = engine(p)
     free = eng.generate([Request(list(range(3, 12)), 12)])[0].tokens
     stop = free[4]
     got = eng.generate([Request(list(range(3, 12)), 12, stop_token=stop)])[0].tokens
     assert got == free[: free.index(stop) + 1]
-    rid = eng.submit(Request(list(range(20, 40)), 30))
+    prompt = list(range(20, 40))  # 5 full pages
+    rid = eng.submit(Request(prompt, 30))
     other = eng.submit(Request(list(range(5, 9)), 4))
-    eng.step()
+    eng.step()  # both prompts prefilled, then a decode call
+    assert not eng.rounds.live[rid].prefilling
     eng.cancel(rid)
     results = eng.run()
     assert results[rid].status == "cancelled"
@@ -181,6 +205,13 @@ def test_stop_token_and_cancellation_return_every_page(p):
     held = set(eng.trie.pages())
     assert eng.allocator.num_free + len(held) == CACHE.num_pages
     assert all(eng.allocator.refcount(page) == 1 for page in held)
+    answer = results[rid].tokens
+    assert len(answer) == 5  # the prefill's token and one call's 4
+    follow = Request(prompt + answer, 3, return_logits=True)
+    (again,) = eng.generate([follow])
+    # 20 prompt + 4 cached answer tokens (the last one is never cached): 6 full pages
+    assert again.stats["reused_tokens"] == 24
+    assert_same([again], engine(p, prefix_cache=False).generate([follow]))
 
 
 def test_position_base_shifts_positions_exactly(p):

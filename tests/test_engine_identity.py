@@ -198,10 +198,26 @@ def test_per_layer_attention_structure_is_part_of_the_signature():
         dataclasses.replace(base, rope_scaling=(("rope_type", "linear"), ("factor", 2.0))),
         dataclasses.replace(base, query_scale=0.5),
         dataclasses.replace(base, attn_softcap=50.0),
+        dataclasses.replace(base, causal=False),
+        dataclasses.replace(base, rope_theta=500000.0),
+        dataclasses.replace(base, position="learned"),
     ]
     signatures = {attention_signature(c) for c in [base, *variants]}
     assert len(signatures) == 1 + len(variants)
     assert attention_signature(base) == attention_signature(dataclasses.replace(base))
+
+
+def test_fused_products_are_part_of_the_model_identity(p):
+    """Two engines that differ only in `fused_projections` run other products (one q/k/v
+    and one gate/up product, or separate ones), whose bits are their own: the engine's
+    model config differs in them, and so do the fingerprint and the namespace's `model`."""
+    fused, plain = engine(p), engine(p, fused_projections=False)
+    assert fused.config.fused and not plain.config.fused
+    assert dataclasses.replace(fused.config, fused=False, row_blocks=plain.config.row_blocks,
+                               transposed=plain.config.transposed) == plain.config
+    assert fused.fingerprint != plain.fingerprint
+    request = Request(PROMPT, 4)
+    assert fused.namespace(request).differing_fields(plain.namespace(request)) == ["model"]
 
 
 def test_bfloat16_engine_reuses_exactly(p):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvjax.decode.sampling import sequence_keys
+from kvjax.speculative.gamma import GammaPolicy
 from kvjax.speculative.rules import greedy_accept, predicted_speedup, sampling_accept
 
 V, G = 8, 2
@@ -116,3 +117,29 @@ def test_greedy_rule_on_hand_built_cases():
     (0.5, 1, 0.0, 1.5)])
 def test_predicted_speedup(alpha, gamma, c, expected):
     assert predicted_speedup(alpha, gamma, c) == pytest.approx(expected, rel=1e-12)
+
+
+def test_adaptive_gamma_policy_on_hand_computed_cases():
+    """Acceptance evidence decays by 0.8 per call at the positions that call drafted only;
+    past the positions with evidence (>= 4 decayed drafts) P(first i accepted) is extended
+    with the last observed conditional acceptance, and with the running α before any
+    positional evidence."""
+    fresh = GammaPolicy(3)
+    assert fresh.choose(0.1) == 3  # nothing observed: gamma_max
+    fresh.observe(1, 3.0, 4.0, [2.0], [1.0])  # α 3/4; 2 drafts: no positional evidence
+    assert fresh.expected_tokens() == pytest.approx(
+        [1 + 0.75, 1 + 0.75 + 0.75**2, 1 + 0.75 + 0.75**2 + 0.75**3], rel=1e-12)
+
+    policy = GammaPolicy(5)
+    # γ 3: what follows position 3 is not folded in
+    policy.observe(3, 3.0, 4.0, [4, 4, 4, 9, 9], [4, 2, 1, 9, 9])
+    policy.observe(2, 1.0, 1.0, [1, 1, 7, 7, 7], [1, 0, 7, 7, 7])  # γ 2: position 3 keeps
+    assert policy.alpha == pytest.approx([0.8 * 3 + 1, 0.8 * 4 + 1], rel=1e-12)
+    np.testing.assert_allclose(policy.drafted, [4.2, 4.2, 4, 0, 0], rtol=1e-12)
+    np.testing.assert_allclose(policy.accepted, [4.2, 1.6, 1, 0, 0], rtol=1e-12)
+    # P(first i accepted): 4.2/4.2, 1.6/4.2 = 8/21, 1/4 (4 drafts: still evidence), then
+    # x (1/4) / (8/21) = 21/32 per position
+    p = [1, 8 / 21, 1 / 4, 1 / 4 * 21 / 32, 1 / 4 * (21 / 32) ** 2]
+    assert policy.expected_tokens() == pytest.approx(np.cumsum([1] + p)[1:], rel=1e-12)
+    # tokens / (γc + 1) at c = 0.1: 1.818, 1.984, 2.024, 1.996, 1.935
+    assert [policy.choose(c) for c in (0.0, 0.1, 0.3)] == [5, 3, 1]

@@ -14,6 +14,7 @@ from engine_helpers import CACHE, CONFIG, SLOTS, params
 
 from kvjax import Engine, EngineConfig, InvalidRequestError, Request
 from kvjax.config import SpecConfig
+from kvjax.decode import steps
 from kvjax.engine.requests import MAX_STOP_TOKENS
 from kvjax.io.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -58,6 +59,20 @@ def test_answers_end_at_the_first_of_their_stop_ids(p, plain, drafter):
     assert got[0].tokens == _cut(tokens, {a}) == got[1].tokens
     assert got[2].tokens == _cut(tokens, {b}) != got[0].tokens
     assert got[3].tokens == tokens and len(tokens) == NEW
+
+
+def test_any_number_of_stop_ids_compiles_no_new_decode_loop(p, plain):
+    """The decode loop checks a fixed [batch, 8] stop table: after a warm-up, requests with
+    0, 1, 3 and 8 stop ids trace no new decode loop, and each ends at the first of its ids."""
+    tokens, a, b = plain
+    eng = _engine(p)
+    eng.generate([Request(PROMPT, NEW)])  # every shape this answer's decode calls have
+    before = steps.trace_counts()["decode_loop"]
+    absent = [t for t in range(CONFIG.vocab_size) if t not in tokens]
+    for stops in ([], [b], [absent[0], a, absent[1]], absent[:MAX_STOP_TOKENS - 1] + [b]):
+        (got,) = eng.generate([Request(PROMPT, NEW, stop_tokens=stops)])
+        assert got.tokens == (_cut(tokens, set(stops)) if stops else tokens)
+    assert steps.trace_counts()["decode_loop"] == before
 
 
 def test_a_stopped_answer_gives_back_its_pages_and_caches_its_full_ones(p, plain):
