@@ -15,15 +15,13 @@ from kvjax.decode.batching import page_table, pages_for
 from kvjax.model.transformer import init_params
 
 
-def tol(dtype) -> float:
-    """Max abs logit error allowed against the float32 full-sequence reference (or one
-    device's logits), on `sharp_params` models: about 10x the worst measured case.
-
-    float32: measured <= 2.2e-5 (cached vs full, MHA; the other cases 5e-6 to 2e-5).
-    bfloat16 cache: measured 0.24 (K/V rounded to 8 mantissa bits, under sharp attention;
-    random-init weights, whose logits are 27x smaller, gave 1.7e-3).
-    """
-    return {jnp.dtype(jnp.float32): 2e-4, jnp.dtype(jnp.bfloat16): 2.5}[jnp.dtype(dtype)]
+def tol(measured: float) -> float:
+    """The max abs logit error allowed at a test site against the float32 full-sequence
+    reference (or one device's logits): 10x the worst error measured at that site, on
+    `sharp_params` models, so each site says what it measured (`tol(9.3e-6)`) and a
+    regression of one order of magnitude fails. A wrong mask, position or page moves these
+    logits by whole units (they spread over about LOGIT_STD)."""
+    return 10 * measured
 
 
 LOGIT_STD = 3.0  # a position's logits spread over a few units (random init: 0.11)

@@ -97,9 +97,7 @@ def main() -> None:
                 got, _ = serve(config, params, "data=2,model=4", draft=draft,
                                spec=SpecConfig(drafter=drafter, gamma=3))
                 out[f"spec {drafter} 2x4"] = compare(ref, got)
-            got, _ = serve(config, params, "data=2,model=4", attention="pallas_gpu",
-                           attention_interpret=True)
-            out["pallas_gpu 2x4"] = compare(ref, got)
+            out["pallas_gpu 2x4"] = kernel_on_mesh(config, params)
             # Page copies (partial-page reuse) and NaN-poisoned freed pages on the mesh.
             kw = dict(partial_page_copy=True, poison_freed=True)
             one, _ = serve(config, params, **kw)
@@ -112,6 +110,27 @@ def main() -> None:
                 a != b for a, b in zip(one["tokens"], ref["tokens"], strict=True))}
     out["run prefix_page_size 2x4"] = experiment_on_mesh(Path(sys.argv[1]))
     json.dump(out, sys.stdout)
+
+
+def kernel_on_mesh(config: ModelConfig, params) -> dict:
+    """The GPU kernel (interpret mode) under shard_map, where it runs: fast numerics (the
+    invariant ones attend by the reference), against one device's fast reference."""
+    from kvjax.model import transformer
+
+    kernel, calls = transformer.sharded_paged_decode_attention, []
+
+    def counting(*a, **k):
+        calls.append(a[4])
+        return kernel(*a, **k)
+
+    ref, _ = serve(config, params, numerics="fast")
+    transformer.sharded_paged_decode_attention = counting
+    try:
+        got, _ = serve(config, params, "data=2,model=4", numerics="fast",
+                       attention="pallas_gpu", attention_interpret=True)
+    finally:
+        transformer.sharded_paged_decode_attention = kernel
+    return {**compare(ref, got), "kernel_calls": calls}
 
 
 def experiment_on_mesh(folder: Path) -> dict:

@@ -45,26 +45,30 @@ def _check(config, cache_cfg, dtype_tol):
         assert err <= dtype_tol, f"max abs error {err}"
 
 
+# the max abs logit error measured for each variant at page size 4
+VARIANT_ERROR = {"gemma_like": 5.0e-6, "gqa": 2.1e-5, "layernorm_gelu": 7.5e-6,
+                 "learned_positions": 1.1e-5, "mha": 1.3e-5, "mqa": 1.8e-5,
+                 "qkv_bias_untied": 2.0e-5, "sliding_window": 9.1e-6}
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_page_size_4(variant):
-    # measured 6.2e-6 (layernorm_gelu) to 2.2e-5 (mha), gemma_like 5.0e-6: the worst case
-    # behind tol(float32)
     _check(small_model(**VARIANTS[variant]),
            CacheConfig(page_size=4, num_pages=64, prefill_chunk=16, attn_block=8),
-           tol(np.float32))
+           tol(VARIANT_ERROR[variant]))
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_page_sizes(page_size):
     cache_cfg = CacheConfig(page_size=page_size, num_pages=256 // page_size,
                             prefill_chunk=max(16, page_size), attn_block=16)
-    _check(small_model(sliding_window=11), cache_cfg, tol(np.float32))  # measured 9.5e-6
+    _check(small_model(sliding_window=11), cache_cfg, tol(9.9e-6))
 
 
 def test_bfloat16_cache_within_documented_bound():
     # measured 0.24 (mean 0.013, on logits of std 3); a wrong mask, position or page: >= 9
     _check(small_model(), CacheConfig(page_size=4, num_pages=64, dtype="bfloat16",
-                                      prefill_chunk=16, attn_block=8), tol("bfloat16"))
+                                      prefill_chunk=16, attn_block=8), tol(0.25))
 
 
 @pytest.mark.parametrize("variant", ["gqa", "sliding_window"])
@@ -80,7 +84,7 @@ def test_generate_matches_forward(variant):
         assert len(tokens) == 12
         full = np.asarray(kvjax.forward(params, config, np.array([prompt + tokens]))[0])
         ref = full[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
-        assert np.abs(logits - ref).max() <= tol(np.float32)  # measured 1.0e-5
+        assert np.abs(logits - ref).max() <= tol(1.0e-5)
         assert tokens == [int(t) for t in np.argmax(ref, axis=-1)]
 
 
@@ -99,7 +103,7 @@ def test_sampled_generate_is_reproducible_and_exact():
     for prompt, tokens, logits in zip(prompts, a.tokens, a.logits, strict=True):
         full = np.asarray(kvjax.forward(params, config, np.array([prompt + tokens]))[0])
         ref = full[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
-        assert np.abs(logits - ref).max() <= tol(np.float32)  # measured 1.4e-5
+        assert np.abs(logits - ref).max() <= tol(1.4e-5)
 
 
 def test_stop_token_ends_a_sequence():
