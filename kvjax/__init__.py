@@ -7,8 +7,10 @@ that host code (`kvjax.cache.trie`, `kvjax.engine.scheduler`, ...) imports witho
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvjax import backend as backend  # eager: the XLA flags, before JAX starts
-from kvjax import lazy
+from kvjax import lazy as _lazy
 
 # module -> the public names it gives `kvjax`, loaded when one is first asked for.
 _EXPORTS = {
@@ -26,11 +28,75 @@ _EXPORTS = {
     "kvjax.model.lora": ("init_adapter",),
     "kvjax.model.transformer": ("Transformer", "forward", "init_params"),
 }
-_SUBMODULES = ("io", "memory", "models", "speculative")
+# every subpackage: `import kvjax` used to import them all, which made each an attribute
+_SUBMODULES = ("bench", "cache", "config", "config_files", "decode", "engine", "errors", "io",
+               "lab", "memory", "model", "models", "sharding", "speculative", "train")
 
 __version__ = "0.1.0"
 
-__all__ = sorted([*_SUBMODULES, "backend",
-                  *(name for names in _EXPORTS.values() for name in names)])
+__all__ = [
+    "AllocatorError",
+    "BatchInfo",
+    "CacheConfig",
+    "CacheNamespace",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "GenerateConfig",
+    "GenerateResult",
+    "InvalidRequestError",
+    "KVPool",
+    "ModelConfig",
+    "NonCausalCacheError",
+    "PageAllocator",
+    "PagePool",
+    "PagedKVCache",
+    "Request",
+    "RequestResult",
+    "SamplingConfig",
+    "SpecConfig",
+    "StreamEvent",
+    "Transformer",
+    "backend",
+    "cache_bytes",
+    "forward",
+    "generate",
+    "init_adapter",
+    "init_cache",
+    "init_params",
+    "io",
+    "load_config",
+    "memory",
+    "models",
+    "speculative",
+]
 
-__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS, _SUBMODULES)
+if TYPE_CHECKING:  # what static tools read: the names of _EXPORTS (tests/test_layout.py)
+    from kvjax.cache.allocator import AllocatorError, PageAllocator
+    from kvjax.cache.identity import CacheNamespace
+    from kvjax.cache.paged import BatchInfo, PagedKVCache, cache_bytes, init_cache
+    from kvjax.cache.pool import KVPool, PagePool
+    from kvjax.config import (
+        CacheConfig,
+        Config,
+        ConfigError,
+        EngineConfig,
+        GenerateConfig,
+        ModelConfig,
+        SamplingConfig,
+        SpecConfig,
+    )
+    from kvjax.config_files import load_config
+    from kvjax.decode.generate import GenerateResult, generate
+    from kvjax.engine.engine import Engine
+    from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent
+    from kvjax.errors import NonCausalCacheError
+    from kvjax.model.lora import init_adapter
+    from kvjax.model.transformer import Transformer, forward, init_params
+
+_getattr, __dir__ = _lazy.exports(__name__, _EXPORTS, _SUBMODULES)
+
+
+def __getattr__(name: str):
+    return _getattr(name)

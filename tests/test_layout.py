@@ -267,6 +267,24 @@ def test_lazy_names_are_defined_where_the_table_says(package):
             assert attr in _binds(module), f"{package}.{attr}: {module} has no {attr}"
 
 
+@pytest.mark.parametrize("package", sorted(LAZY))
+def test_static_tools_see_every_lazy_name(package):
+    """A lazy package's `if TYPE_CHECKING:` imports (what type checkers and IDEs read) name
+    exactly its `_EXPORTS` table, and its `__all__` lists every name it exports."""
+    tree = ast.parse(MODULES[package].read_text())
+    static: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            for imp in node.body:
+                static.update(dict.fromkeys((a.name for a in imp.names), imp.module))
+    exports = {n: m for n, m in LAZY[package].items() if m != f"{package}.{n}"}
+    assert static == exports
+    public = next(ast.literal_eval(node.value) for node in tree.body
+                  if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                  and node.targets[0].id == "__all__")
+    assert set(exports) <= set(public)
+
+
 def test_device_code_imports_no_engine_harness_benchmark_or_cli():
     device = [m for m in MODULES if _under(m, DEVICE_PREFIXES)]
     assert len(device) >= 12

@@ -6,11 +6,20 @@ here (`requests`, `scheduler`, `results`, `stats`) must import without it.
 
 from __future__ import annotations
 
-from kvjax import lazy
+from typing import TYPE_CHECKING
+
+from kvjax import lazy as _lazy
 from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent
 
 _EXPORTS = {"kvjax.engine.engine": ("Engine",)}  # module -> names, loaded on first use
 
 __all__ = ["Engine", "InvalidRequestError", "Request", "RequestResult", "StreamEvent"]
 
-__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS)
+if TYPE_CHECKING:  # what static tools read: the names of _EXPORTS (tests/test_layout.py)
+    from kvjax.engine.engine import Engine
+
+_getattr, __dir__ = _lazy.exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str):
+    return _getattr(name)

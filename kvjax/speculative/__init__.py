@@ -18,7 +18,9 @@ import JAX, and `gamma` and `stats` are host code that must import without it.
 
 from __future__ import annotations
 
-from kvjax import lazy
+from typing import TYPE_CHECKING
+
+from kvjax import lazy as _lazy
 from kvjax.config import SpecConfig
 from kvjax.speculative.gamma import GammaPolicy, choose_gamma
 from kvjax.speculative.stats import SpecStats
@@ -34,4 +36,13 @@ __all__ = ["Drafter", "GammaPolicy", "ModelDrafter", "NGramDrafter", "SpecConfig
            "SpecStats", "choose_gamma", "greedy_accept", "make_drafter", "predicted_speedup",
            "sampling_accept", "speculative_generate"]
 
-__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS)
+if TYPE_CHECKING:  # what static tools read: the names of _EXPORTS (tests/test_layout.py)
+    from kvjax.speculative.drafters import Drafter, ModelDrafter, NGramDrafter, make_drafter
+    from kvjax.speculative.host import SpecResult, speculative_generate
+    from kvjax.speculative.rules import greedy_accept, predicted_speedup, sampling_accept
+
+_getattr, __dir__ = _lazy.exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str):
+    return _getattr(name)
