@@ -391,6 +391,7 @@ def test_load_by_path_gives_the_bundle_of_load_by_name(registered):
     by_name = models.load("tiny")
     assert by_name.source == entry
     assert by_name.stop_tokens == (1, 7)
+    assert by_name.tokenizer.eos_ids == (1, 7)  # an Engine given it stops at the EOT too
     chat = [{"role": "user", "content": "ab a"}]
     for local in (str(file), Path(file)):
         by_path = models.load(local)

@@ -183,3 +183,12 @@ def test_a_tokenizer_eos_the_model_cannot_produce_is_left_out(p):
     assert _engine(p, tokenizer=ByteTokenizer()).eos_tokens == ()
     with pytest.raises(ValueError, match="outside the vocabulary"):
         _engine(p, eos=(257,), tokenizer=ByteTokenizer())
+
+
+def test_a_tokenizer_without_eos_ids_gives_no_default_stop(p):
+    """A tokenizer written to the protocol before it had `eos_ids` still serves."""
+
+    class Older:
+        vocab_size, bos_token, eos_token = 61, None, None
+
+    assert _engine(p, tokenizer=Older()).eos_tokens == ()

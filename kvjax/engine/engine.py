@@ -102,8 +102,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         if eos_tokens is None:  # an id past the model's vocabulary is never sampled
-            eos_tokens = [] if tokenizer is None else [
-                t for t in tokenizer.eos_ids if 0 <= t < config.vocab_size]
+            # (a tokenizer written to the protocol before it had eos_ids stops at none)
+            eos_tokens = [t for t in getattr(tokenizer, "eos_ids", ())
+                          if 0 <= t < config.vocab_size]
         self.eos_tokens = tuple(int(t) for t in eos_tokens)
         if any(not 0 <= t < config.vocab_size for t in self.eos_tokens):
             raise ValueError(f"eos_tokens {list(self.eos_tokens)} are outside the vocabulary")
