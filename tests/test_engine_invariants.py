@@ -51,14 +51,27 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.eng: Engine | None = None
         self.ids: list[int] = []
-        self.prompts: list[tuple[int, ...]] = []
         self.packed_spans: list[tuple[tuple[int, ...], int, int]] = []  # (prompt, start, stop)
+        # (history, [start, stop) written in the target's pool, the same in the draft's)
+        self.decoded: list[tuple[tuple[int, ...], tuple[int, int], tuple[int, int]]] = []
 
     @initialize(packed=st.booleans())
     def start(self, packed):
         self.eng = self.make_engine(packed)
+        self.record_writers()
+
+    def record_writers(self) -> None:
+        """Records what each decode call (plain or verifying) and each packed step wrote."""
         runner = self.eng.rounds.runner
-        packed_fill = runner.packed_fill
+        decode, packed_fill = runner.decode, runner.packed_fill
+
+        def recording_decode(live, *args, **kw):
+            before = [(seq, seq.length, seq.draft_length) for seq in live]
+            out = decode(live, *args, **kw)
+            for seq, length, draft_length in before:
+                self.decoded.append((tuple(seq.req.tokens + seq.generated),
+                                     (length, seq.length), (draft_length, seq.draft_length)))
+            return out
 
         def recording_fill(rows, longest=1):
             fill, tokens = packed_fill(rows, longest)
@@ -67,7 +80,7 @@ class EngineMachine(RuleBasedStateMachine):
                     self.packed_spans.append((tuple(row.tokens), row.start, row.start + count))
             return fill, tokens
 
-        runner.packed_fill = recording_fill
+        runner.decode, runner.packed_fill = recording_decode, recording_fill
 
     def make_engine(self, packed: bool) -> Engine:
         """Prompts of up to 57 tokens in 16-token chunks: with `packed`, those with more
@@ -76,16 +89,19 @@ class EngineMachine(RuleBasedStateMachine):
                       partial_page_copy=True, poison_freed=True, packed_prefill=packed)
 
     def writer(self, history: tuple[int, ...], pool: int) -> str:
-        """Which step wrote a cached page (the last block of `history`): a packed step if a
-        prompt with this history had those positions in one, a prefill call if a prompt
-        continues the history, else a step that decoded the answer."""
+        """Which step wrote a cached page (the last block of `history`), as recorded when it
+        was written: a decode call (verification under speculation; the draft's own steps in
+        the draft pool), a packed step, else a prefill call (a prompt's, or a resumed
+        answer's)."""
         lo, hi = len(history) - PS, len(history)
+        for tokens, target, draft in self.decoded:
+            start, stop = draft if pool else target
+            if tokens[:hi] == history and start < hi and stop > lo:
+                return "draft" if pool else self.answer_writer
         for prompt, start, stop in self.packed_spans:
             if prompt[:hi] == history and start < hi and stop > lo:
                 return "packed"
-        if any(p[:hi] == history for p in self.prompts):
-            return "prefill"
-        return "draft" if pool else self.answer_writer
+        return "prefill"
 
     def pools(self):
         """(allocator, trie, a sequence's (pages, cached length), model config, params) per
@@ -100,7 +116,6 @@ class EngineMachine(RuleBasedStateMachine):
         tokens = SYSTEM[:prefix] + suffix
         if not tokens:
             return
-        self.prompts.append(tuple(tokens))
         sampling = SamplingConfig(temperature=1.0, seed=len(self.ids)) if hot else \
             SamplingConfig()
         self.ids.append(self.eng.submit(Request(tokens, max_new, sampling=sampling, n=n,
@@ -191,6 +206,7 @@ class SpecEngineMachine(EngineMachine):
         ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
                           partial_page_copy=True, poison_freed=True)
         self.eng = Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
+        self.record_writers()
 
     def pools(self):
         draft = self.eng.draft_pool

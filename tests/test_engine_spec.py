@@ -96,8 +96,8 @@ def greedy_reference(target):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-# a verification writes γ + 1 tokens: within one 8-token page (γ 1..5), and across a page
-# boundary whatever the start (γ 8: 9 tokens); every γ compiles its own loop
+# a verification writes γ + 1 tokens on 8-token pages: 2..6 (γ 1..5) stay in a page or cross
+# one by where they start, 9 (γ 8) cross one whatever the start; each γ compiles its loop
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5, 8])
 def test_greedy_equals_target_greedy(target, draft, greedy_reference, drafter, gamma):
     traced = steps.trace_counts().get("spec_loop", 0)
