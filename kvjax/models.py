@@ -121,16 +121,12 @@ def load(name: str | Path, dtype: str = "float32") -> LoadedModel:
 
 
 def _load_gguf(src: ModelSource | Path, file: Path, dtype: str) -> LoadedModel:
-    from kvjax.io.gguf import gguf_metadata, load_gguf
+    from kvjax.io.gguf import load_gguf
     from kvjax.io.tokenizer import load_tokenizer
 
     config, params = load_gguf(file, dtype)
-    tokenizer, template = load_tokenizer(file)
-    meta = gguf_metadata(file)
-    stops = tuple(dict.fromkeys(int(meta[f"tokenizer.ggml.{k}_token_id"])
-                                for k in ("eos", "eot", "eom")
-                                if f"tokenizer.ggml.{k}_token_id" in meta))
-    return LoadedModel(src, config, params, tokenizer, template, stops)
+    tokenizer, template = load_tokenizer(file)  # its eos_ids: the file's EOS, EOT and EOM
+    return LoadedModel(src, config, params, tokenizer, template, tokenizer.eos_ids)
 
 
 def _load_folder(folder: Path, dtype: str) -> LoadedModel:

@@ -51,7 +51,7 @@ def main() -> None:
         rows.append({"prefill_s": prefill, "total_s": total, "tokens": runs[0][1]})
     if prefix:
         rows[0] |= prefix_times(llm, prefix["shared"], prefix["suffixes"])
-    print(json.dumps(rows))
+    sys.stdout.write(json.dumps(rows) + "\n")  # the reply: the parent reads the last line
 
 
 if __name__ == "__main__":

@@ -83,11 +83,9 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
         drafts, q = draw(i, logits[:, 0], drafts, q)
         return cache, draft_lengths + on, drafts, q
 
-    # A loop, not γ unrolled copies of the draft: compile time stays flat in γ (the
-    # round's spec_loop, test model: 6.6 -> 2.8 s at γ 8, 3.7 -> 2.6 s at γ 4), and the
-    # rounds cost the same or less (medians of 7-15 runs, 2026-12-02: 6-layer d384 target
-    # with a 2-layer d128 draft, batch 1: within 1% at γ 4 and 6; test pair: 0.8x at γ 4,
-    # 0.7x at γ 8; an unrolled loop had measured 0.89x at γ 4 before invariant numerics).
+    # A loop, not γ unrolled copies of the draft: XLA compiles the body once, so compile
+    # time stays flat in γ, and a draft step is the same computation either way, so a
+    # round costs no more (README "Speculative decoding" has the measurement).
     cache, draft_lengths, drafts, q = jax.lax.fori_loop(
         1, gamma, body, (cache, draft_lengths, drafts, q))
     return drafts, q, maybe_constrain_cache(sharding, cache, draft=True), draft_lengths
