@@ -314,6 +314,16 @@ def test_resume_skips_finished_points_and_matches_an_uninterrupted_run(tmp_path,
     assert deterministic(_read(whole), module) == deterministic(_read(tmp_path / "resumed"),
                                                                 module)
     assert [r["capacity"] for r in _read(whole)] == [p["capacity"] for p, _ in exp.points]
+    # The journal records each point's commit; the resumed run appended its own environment
+    # under `resumes`, after the first run's (kept as it was).
+    env = json.loads((tmp_path / "resumed" / "environment.json").read_text())
+    journal = [json.loads(line) for line in
+               (tmp_path / "resumed" / "points.jsonl").read_text().splitlines()]
+    assert [j["point"] for j in journal] == [p for p, _ in exp.points]
+    assert env["git"]["commit"] and {j["commit"] for j in journal} == {env["git"]["commit"]}
+    assert len(env["resumes"]) == 1
+    assert env["resumes"][0]["git"] == env["git"] and "resumes" not in env["resumes"][0]
+    assert json.loads((tmp_path / "whole" / "environment.json").read_text())["resumes"] == []
 
 
 def test_a_torn_journal_line_is_redone(tmp_path):
