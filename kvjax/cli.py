@@ -170,6 +170,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvjax.bench import spec as bench_spec
 
         return bench_spec.main(args)
+    if args.which == "trie":
+        from kvjax.bench import trie as bench_trie
+
+        return bench_trie.main(args)
     from kvjax.bench import decode as bench
 
     return bench.main(args)
@@ -251,10 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "invariant numerics), arrivals (decode latency "
                                          "while a long prompt is prefilled), preemption "
                                          "(resume vs recompute under memory pressure), "
-                                         "profile (where a decode token's time goes)")
+                                         "profile (where a decode token's time goes), "
+                                         "trie (host time per admission against cached "
+                                         "pages)")
     bench.add_argument("which", nargs="?",
                        choices=("decode", "prefix", "peer", "spec", "tiles", "numerics",
-                                "arrivals", "preemption", "profile"),
+                                "arrivals", "preemption", "profile", "trie"),
                        default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -294,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
                       help="(peer, with --model) also llama.cpp at batch 1, built into "
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")
+    trie = bench.add_argument_group("trie")
+    trie.add_argument("--pages", default="10000,100000,1000000",
+                      help="(trie) cached-page counts, comma-separated")
+    trie.add_argument("--admissions", type=int, default=200,
+                      help="(trie) timed admissions per size, median")
     bench.add_argument("--passes", type=int, default=3,
                        help="(numerics) alternating passes over fast and invariant")
     bench.add_argument("--arrival-len", type=int, default=2048,
@@ -322,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or f"results/bench_{args.which}.json"
         args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3,
                                   "tiles": 7, "numerics": 3,
-                                  "arrivals": 3, "preemption": 3, "profile": 5}[args.which]
+                                  "arrivals": 3, "preemption": 3, "profile": 5,
+                                  "trie": 1}[args.which]
         pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
         for key, default in (("requests", 8 if pressure else 32),
                              ("prompt_len", 64 if pressure else 512),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
 import pytest
 
 from kvjax.cache.allocator import PageAllocator, pages_for
@@ -369,3 +370,83 @@ def test_clear_returns_every_reference():
     check(trie, live=held)
     assert trie.allocator.num_free == 16 - 3
     assert match(trie, blk(1)).cause == "capacity"
+
+
+def walked_evictable(trie) -> int:
+    """num_evictable by its definition, walking every node: nodes whose whole subtree only
+    the trie holds."""
+    def free(node) -> tuple[bool, int]:
+        ok, total = True, 0
+        for kid in node.child_list():
+            kid_ok, kid_total = free(kid)
+            ok, total = ok and kid_ok, total + kid_total
+        if node.parent is None:
+            return ok, total
+        ok = ok and trie.allocator.refcount(node.page) == 1
+        return ok, total + ok
+
+    return sum(free(root)[1] for root in trie._roots.values())
+
+
+def path(rng) -> list[int]:
+    """1-4 pages, each one of three blocks at its depth (histories share prefixes often)."""
+    return [t for i, b in enumerate(rng.integers(1, 4, rng.integers(1, 5)))
+            for t in blk(int(b) * 7 + i)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_eviction_state_follows_every_reference_change(policy):
+    """Random inserts, matches, shares, releases and evictions (sequences that hold their
+    path, and ones that prefilled a cached prefix again, so they hold pages below an
+    ancestor they do not hold): after every step the kept count equals a walk of the
+    trie, and each evicted page was a leaf only the trie held with the smallest key."""
+    rng = np.random.default_rng(7)
+    trie = make(64, policy=policy)
+    live: list[list[int]] = []  # each sequence's own references
+    for _ in range(600):
+        op = rng.integers(0, 4)
+        if op == 0 and trie.allocator.num_free >= 4:  # prefill and cache a prompt
+            tokens = path(rng)
+            live.append(put(trie, tokens, release=False))
+        elif op == 1 and live:  # a sequence finishes
+            trie.allocator.free(live.pop(int(rng.integers(len(live)))))
+        elif op == 2:  # a request matches and holds the cached prefix it found
+            tokens = path(rng)
+            found = match(trie, tokens, touch=True)
+            for page in found.pages:
+                trie.allocator.share(page)
+            live.append(list(found.pages))
+        else:  # evict one page
+            leaves = trie.evictable()
+            best = min((trie.priority(n) for n in leaves), default=None)
+            before = {n.page: n for n in leaves}
+            assert trie.evict(1) == (1 if leaves else 0)
+            gone = set(before) - set(trie.pages())
+            if leaves:
+                (page,) = gone
+                assert trie.priority(before[page]) == best
+        assert trie.num_evictable() == walked_evictable(trie)
+        check(trie, live=[p for seq in live for p in seq])
+
+
+def test_a_key_that_changes_behind_the_tries_back_loses_no_page(monkeypatch):
+    """A custom key may read state the trie does not see change: an entry whose key went
+    stale is put back at its current key, so every evictable page can still be evicted."""
+    rank = collections.defaultdict(int)
+    monkeypatch.setitem(EVICTION_POLICIES, "ranked", lambda n: (rank[n.page],))
+    trie = make(policy="ranked")
+    pages = [put(trie, blk(k))[0] for k in (1, 2, 3)]
+    rank.update({p: 3 - i for i, p in enumerate(pages)})  # every pushed key is now stale
+    assert trie.evict(3) == 3 and trie.num_nodes == 0
+    check(trie)
+
+
+def test_the_admission_benchmark_runs_and_its_kept_count_equals_a_walk():
+    """`kvjax bench trie` at a toy size: a full pool whose every page is cached, each
+    admission evicts for its new pages, and the kept evictable count equals a walk."""
+    from kvjax.bench import trie as bench_trie
+
+    row = bench_trie.measure(400, 10)
+    assert 400 - bench_trie.PROMPT_PAGES < row["cached_pages"] <= 400
+    assert row["evictions"] >= 10 * bench_trie.PROMPT_PAGES // 2
+    assert row["admission_ms"] > 0 and row["walk_ms"] > 0

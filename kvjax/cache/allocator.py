@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import numpy as np
 
@@ -17,6 +18,8 @@ class PageAllocator:
     A page with more than one reference is shared and must not be written: a writer first
     copies it (`copy_on_write`). With `track_freed`, every page that returns to the free
     list is also queued in `freed` so the owner can poison it on device (page hygiene).
+    `listener(page, count)`, when set, hears every change of an allocated page's count (the
+    prefix trie keeps its evictable pages current by it instead of rescanning them).
     """
 
     def __init__(self, num_pages: int, track_freed: bool = False):
@@ -26,6 +29,7 @@ class PageAllocator:
         self.track_freed = track_freed
         self.freed: list[int] = []
         self.copies = 0
+        self.listener: Callable[[int, int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -48,6 +52,7 @@ class PageAllocator:
         if not 0 <= page < self.num_pages or self._refs[page] < 1:
             raise AllocatorError(f"cannot share page {page}: it is not allocated")
         self._refs[page] += 1
+        self._heard(page)
 
     def copy_on_write(self, page: int) -> int | None:
         """Before writing `page`: None if the caller holds the only reference, else a fresh
@@ -59,6 +64,7 @@ class PageAllocator:
         (fresh,) = self.allocate(1)
         self._refs[page] -= 1
         self.copies += 1
+        self._heard(page)
         return fresh
 
     def free(self, pages: list[int]) -> None:
@@ -71,10 +77,15 @@ class PageAllocator:
                 raise AllocatorError(f"double free of page {page}")
         for page in pages:
             self._refs[page] -= 1
+            self._heard(page)
             if self._refs[page] == 0:
                 self._free.append(page)
                 if self.track_freed:
                     self.freed.append(page)
+
+    def _heard(self, page: int) -> None:
+        if self.listener is not None:
+            self.listener(page, int(self._refs[page]))
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

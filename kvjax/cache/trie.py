@@ -31,59 +31,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
+import heapq
+import itertools
 from collections.abc import Callable, Sequence
 
 from kvjax.cache.allocator import PageAllocator
 from kvjax.cache.identity import CacheNamespace
-
-Block = tuple[int, ...]
-
-
-def default_hash(salt: str | None, tokens: Block) -> int:
-    return hash((salt, tokens))
-
-
-def child_key(parent_key: bytes, salt: str | None, tokens: Block) -> bytes:
-    """The path key of a block: its parent's key extended by (salt, tokens)."""
-    return hashlib.blake2b(parent_key + repr((salt, tokens)).encode(),
-                           digest_size=16).digest()
-
-
-def history_digests(tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """Digest of the whole history up to the end of each full block (for statistics only)."""
-    out, h = [], hashlib.blake2b(digest_size=16)
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        h.update(repr(tuple(tokens[start:start + page_size])).encode())
-        out.append(h.copy().digest())
-    return out
-
-
-class Node:
-    __slots__ = ("children", "created", "hits", "key", "last_used", "namespace", "page",
-                 "parent", "salt", "tokens")
-
-    def __init__(self, tokens: Block, salt: str | None, page: int, parent: Node | None,
-                 namespace: CacheNamespace, clock: int):
-        self.tokens = tokens
-        self.salt = salt
-        self.page = page
-        self.parent = parent
-        self.key = b"" if parent is None else child_key(parent.key, salt, tokens)
-        self.namespace = namespace  # the full namespace (with this block's salt)
-        self.children: dict[int, list[Node]] = {}
-        self.created = self.last_used = clock
-        self.hits = 0
-
-    def child_list(self) -> list[Node]:
-        return [c for bucket in self.children.values() for c in bucket]
-
-
-EVICTION_POLICIES: dict[str, Callable[[Node], tuple]] = {
-    "lru": lambda n: (n.last_used, n.created),
-    "lfu": lambda n: (n.hits, n.last_used, n.created),
-    "fifo": lambda n: (n.created,),
-}
+from kvjax.cache.node import (  # noqa: F401  (history_digests: re-exported)
+    EVICTION_POLICIES,
+    Block,
+    Node,
+    child_key,
+    default_hash,
+    history_digests,
+)
 
 
 @dataclasses.dataclass
@@ -151,6 +112,16 @@ class PrefixTrie:
         self._digest_of: dict[int, bytes] = {}  # id(node) -> history digest
         self.num_nodes = 0
         self.evictions = 0
+        # Eviction without walking the trie: each cached page's node, how many nodes are
+        # blocked (num_evictable = the others), and a heap of (policy key, order, node) over
+        # leaves that were evictable when pushed; an entry is checked when popped (still
+        # cached, a leaf, unpinned, same key) and a node is pushed again whenever its key
+        # changes (touch, insert) or it becomes an evictable leaf.
+        self._node_of: dict[int, Node] = {}
+        self._num_blocked = 0
+        self._heap: list[tuple[tuple, int, Node]] = []
+        self._order = itertools.count()
+        allocator.listener = self._refcount_changed
 
     # -- queries ----------------------------------------------------------------------------
     def _root(self, base: CacheNamespace, create: bool) -> Node | None:
@@ -189,6 +160,7 @@ class PrefixTrie:
         for n in nodes:
             n.last_used = self._clock
             n.hits += 1
+            self._offer(n)
 
     def _explain(self, base, tokens, salts, digests, nodes, node) -> Match:
         ps = self.page_size
@@ -258,9 +230,13 @@ class PrefixTrie:
             namespace = base.with_salt(salts[i])
             child = self._find_child(node, salts[i], block)
             if child is None:
+                if pages[i] in self._node_of:
+                    raise ValueError(f"page {pages[i]} already holds a cached block")
                 child = Node(block, salts[i], pages[i], node, namespace, self._clock)
                 node.children.setdefault(self.hash_fn(salts[i], block), []).append(child)
                 self.allocator.share(pages[i])
+                self._node_of[pages[i]] = child
+                self._pin(child, self.allocator.refcount(pages[i]) > 1)
                 self._resident[digests[i]][namespace] += 1
                 self._digest_of[id(child)] = digests[i]
                 self._ever.add((root, child.key))
@@ -268,8 +244,37 @@ class PrefixTrie:
                 self.num_nodes += 1
                 added += 1
             child.last_used = self._clock
+            self._offer(child)
             node = child
         return added
+
+    # -- eviction state -----------------------------------------------------------------------
+    def _refcount_changed(self, page: int, count: int) -> None:
+        """The allocator's listener: a cached page is pinned while a sequence shares it."""
+        node = self._node_of.get(page)
+        if node is not None:
+            self._pin(node, count > 1)
+
+    def _pin(self, node: Node, pinned: bool) -> None:
+        """Sets `node.pinned` and the blocked state of it and its ancestors, stopping at the
+        first ancestor whose state does not change (a sequence pins its path from the root
+        down, so this is O(1) per page in the usual case)."""
+        node.pinned = pinned
+        self._offer(node)
+        while node.parent is not None:
+            blocked = node.pinned or node.blocked_kids > 0
+            if blocked == node.blocked:
+                break
+            node.blocked = blocked
+            self._num_blocked += 1 if blocked else -1
+            node = node.parent
+            if node.parent is not None:
+                node.blocked_kids += 1 if blocked else -1
+
+    def _offer(self, node: Node) -> None:
+        """Pushes `node` with its current key if it is an evictable leaf."""
+        if node.parent is not None and node.resident and not node.children and not node.pinned:
+            heapq.heappush(self._heap, (self.priority(node), next(self._order), node))
 
     def _leaves(self) -> list[Node]:
         out, stack = [], list(self._roots.values())
@@ -282,50 +287,44 @@ class PrefixTrie:
         return out
 
     def num_evictable(self) -> int:
-        """Pages eviction could free now: nodes whose whole subtree only the trie holds.
-
-        Post-order with an explicit stack: a long prompt is a chain as deep as its pages.
-        """
-        total, subtree_free = 0, {}
-        stack = [(root, False) for root in self._roots.values()]
-        while stack:
-            node, children_done = stack.pop()
-            kids = node.child_list()
-            if not children_done:
-                stack.append((node, True))
-                stack.extend((kid, False) for kid in kids)
-                continue
-            free = True
-            for kid in kids:
-                free = subtree_free.pop(id(kid)) and free
-            if node.parent is not None:
-                free = free and self.allocator.refcount(node.page) == 1
-                total += free
-            subtree_free[id(node)] = free
-        return total
+        """Pages eviction could free now: nodes whose whole subtree only the trie holds
+        (kept current as references change: O(1))."""
+        return self.num_nodes - self._num_blocked
 
     def evictable(self) -> list[Node]:
-        """Leaves that only the trie references."""
-        return [n for n in self._leaves() if self.allocator.refcount(n.page) == 1]
+        """Leaves that only the trie references (walks the trie: for inspection)."""
+        return [n for n in self._leaves() if not n.pinned]
 
     def evict(self, num_pages: int) -> int:
-        """Frees up to `num_pages` pages by removing evictable leaves in policy order."""
+        """Frees up to `num_pages` pages, one evictable leaf at a time in policy order (a
+        parent whose last child goes competes from then on)."""
         freed = 0
-        while freed < num_pages:
-            candidates = self.evictable()
-            if not candidates:
-                break
-            candidates.sort(key=self.priority)
-            for node in candidates[: num_pages - freed]:
-                self._remove(node)
-                freed += 1
+        while freed < num_pages and self._heap:
+            key, _, node = heapq.heappop(self._heap)
+            if not node.resident or node.children or node.pinned:
+                continue  # no longer an evictable leaf: pushed again if it becomes one
+            if key != self.priority(node):
+                self._offer(node)  # its key changed since: back in at the current one
+                continue
+            self._remove(node)
+            freed += 1
+        if len(self._heap) > 2 * self.num_nodes + 64:  # drop the stale entries
+            self._heap = [e for e in self._heap if e[2].resident]
+            heapq.heapify(self._heap)
         return freed
 
     def _remove(self, node: Node) -> None:
-        bucket = node.parent.children[self.hash_fn(node.salt, node.tokens)]
+        """Drops a leaf and the trie's reference to its page."""
+        parent = node.parent
+        bucket = parent.children[self.hash_fn(node.salt, node.tokens)]
         bucket.remove(node)
         if not bucket:
-            del node.parent.children[self.hash_fn(node.salt, node.tokens)]
+            del parent.children[self.hash_fn(node.salt, node.tokens)]
+        node.resident = False
+        del self._node_of[node.page]
+        if node.blocked:  # clear() drops pinned leaves too
+            self._pin(node, False)
+        self._offer(parent)
         digest = self._digest_of.pop(id(node))
         resident = self._resident[digest]
         resident[node.namespace] -= 1

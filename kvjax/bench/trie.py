@@ -1,0 +1,124 @@
+"""Host time of a prefix-cache admission against the number of cached pages (no model).
+
+A synthetic trie of N cached pages (conversations under one system prompt, every page
+released, so all are evictable) in a pool with no free pages: each admission matches a
+prompt whose first half is cached, makes room for the rest (eviction), holds its pages,
+caches the new ones and releases them, as the engine does for a request. Reported: the
+median host time per admission, and one walk of the whole trie (what the room check cost
+when it counted evictable pages by walking: `tests/test_trie.py::walked_evictable`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from kvjax.cache.allocator import PageAllocator, pages_for
+from kvjax.cache.identity import CacheNamespace
+from kvjax.cache.trie import PrefixTrie, history_digests
+from kvjax.lab.progress import Progress
+from kvjax.lab.report import emit, markdown_table, write_results
+
+PAGE = 16
+PROMPT_PAGES = 32  # an admitted prompt: 16 cached pages, 16 new ones
+NS = CacheNamespace(model="bench", adapter="none", position_base=0, attention="causal",
+                    kv_dtype="float32")
+
+
+def _cache(trie: PrefixTrie, tokens: list[int]) -> list[int]:
+    """Admits `tokens` as the engine does: match (touch), hold the matched pages, make room
+    for the rest, cache every full page, release. Returns the pages it held."""
+    alloc, salts = trie.allocator, [None] * pages_for(len(tokens), PAGE)
+    digests = history_digests(tokens, PAGE)
+    found = trie.match(NS, tokens, salts, digests)
+    for page in found.pages:
+        alloc.share(page)
+    need = pages_for(len(tokens), PAGE) - len(found.pages)
+    if alloc.num_free + trie.num_evictable() < need:
+        raise RuntimeError("the bench trie has no room")
+    trie.evict(need - alloc.num_free)
+    pages = list(found.pages) + alloc.allocate(need)
+    trie.insert(NS, tokens, salts, digests, pages)
+    alloc.free(pages)
+    return pages
+
+
+def _prompt(rng, system: list[int], pages: int) -> list[int]:
+    return system + [int(t) for t in rng.integers(0, 50_000, (pages - 4) * PAGE)]
+
+
+def build(num_pages: int, seed: int = 0) -> tuple[PrefixTrie, list[list[int]]]:
+    """A full pool of `num_pages` pages, every one cached and evictable: a 4-page system
+    prompt and conversations of PROMPT_PAGES pages under it. Returns (trie, prompts)."""
+    rng = np.random.default_rng(seed)
+    trie = PrefixTrie(PAGE, PageAllocator(num_pages))
+    system = [int(t) for t in rng.integers(0, 50_000, 4 * PAGE)]
+    prompts = []
+    with Progress(num_pages, f"trie of {num_pages:,} pages") as bar:
+        while trie.num_nodes + PROMPT_PAGES - 4 <= num_pages:
+            prompts.append(_prompt(rng, system, PROMPT_PAGES))
+            before = trie.num_nodes
+            _cache(trie, prompts[-1])
+            bar.update(trie.num_nodes - before)
+    return trie, prompts
+
+
+def _walk(trie: PrefixTrie) -> int:
+    """Counts evictable pages by walking every node (post-order, as the room check did)."""
+    total, free = 0, {}
+    stack = [(root, False) for root in trie._roots.values()]
+    while stack:
+        node, done = stack.pop()
+        kids = node.child_list()
+        if not done:
+            stack.append((node, True))
+            stack.extend((kid, False) for kid in kids)
+            continue
+        ok = True
+        for kid in kids:
+            ok = free.pop(id(kid)) and ok
+        if node.parent is not None:
+            ok = ok and trie.allocator.refcount(node.page) == 1
+            total += ok
+        free[id(node)] = ok
+    return total
+
+
+def measure(num_pages: int, admissions: int, seed: int = 0) -> dict:
+    trie, prompts = build(num_pages, seed)
+    rng = np.random.default_rng(seed + 1)
+    times = []
+    for _ in range(admissions):
+        half = prompts[int(rng.integers(len(prompts)))][: PROMPT_PAGES // 2 * PAGE]
+        tokens = half + [int(t) for t in rng.integers(0, 50_000, PROMPT_PAGES // 2 * PAGE)]
+        t0 = time.perf_counter()
+        _cache(trie, tokens)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    walked = _walk(trie)
+    walk_s = time.perf_counter() - t0
+    if walked != trie.num_evictable():
+        raise AssertionError(f"kept count {trie.num_evictable()} != walked {walked}")
+    return {"cached_pages": trie.num_nodes, "admissions": admissions,
+            "admission_ms": 1e3 * statistics.median(times),
+            "admission_p90_ms": 1e3 * float(np.percentile(times, 90)),
+            "walk_ms": 1e3 * walk_s, "evictions": trie.evictions}
+
+
+COLUMNS = [
+    ("cached pages", lambda r: f"{r['cached_pages']:,}"),
+    ("admission, median (ms)", lambda r: f"{r['admission_ms']:.3f}"),
+    ("p90 (ms)", lambda r: f"{r['admission_p90_ms']:.3f}"),
+    ("one walk of the trie (ms)", lambda r: f"{r['walk_ms']:.1f}"),
+]
+
+
+def main(args) -> int:
+    sizes = [int(x) for x in args.pages.split(",")]
+    emit(f"bench trie: page {PAGE} tokens, prompts of {PROMPT_PAGES} pages (half cached), "
+         f"{args.admissions} admissions per size, every page cached and evictable")
+    rows = [measure(n, args.admissions) for n in sizes]
+    write_results(args.out, markdown_table(rows, COLUMNS), rows, args=vars(args) | {"func": None})
+    return 0
