@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from kvjax.bench import trie as bench_trie
 from kvjax.cache.allocator import PageAllocator, pages_for
 from kvjax.cache.identity import CacheNamespace
 from kvjax.cache.trie import EVICTION_POLICIES, PrefixTrie, history_digests
@@ -372,22 +373,6 @@ def test_clear_returns_every_reference():
     assert match(trie, blk(1)).cause == "capacity"
 
 
-def walked_evictable(trie) -> int:
-    """num_evictable by its definition, walking every node: nodes whose whole subtree only
-    the trie holds."""
-    def free(node) -> tuple[bool, int]:
-        ok, total = True, 0
-        for kid in node.child_list():
-            kid_ok, kid_total = free(kid)
-            ok, total = ok and kid_ok, total + kid_total
-        if node.parent is None:
-            return ok, total
-        ok = ok and trie.allocator.refcount(node.page) == 1
-        return ok, total + ok
-
-    return sum(free(root)[1] for root in trie._roots.values())
-
-
 def path(rng) -> list[int]:
     """1-4 pages, each one of three blocks at its depth (histories share prefixes often)."""
     return [t for i, b in enumerate(rng.integers(1, 4, rng.integers(1, 5)))
@@ -425,7 +410,7 @@ def test_eviction_state_follows_every_reference_change(policy):
             if leaves:
                 (page,) = gone
                 assert trie.priority(before[page]) == best
-        assert trie.num_evictable() == walked_evictable(trie)
+        assert trie.num_evictable() == bench_trie.walk_evictable(trie)
         check(trie, live=[p for seq in live for p in seq])
 
 
@@ -444,8 +429,6 @@ def test_a_key_that_changes_behind_the_tries_back_loses_no_page(monkeypatch):
 def test_the_admission_benchmark_runs_and_its_kept_count_equals_a_walk():
     """`kvjax bench trie` at a toy size: a full pool whose every page is cached, each
     admission evicts for its new pages, and the kept evictable count equals a walk."""
-    from kvjax.bench import trie as bench_trie
-
     row = bench_trie.measure(400, 10)
     assert 400 - bench_trie.PROMPT_PAGES < row["cached_pages"] <= 400
     assert row["evictions"] >= 10 * bench_trie.PROMPT_PAGES // 2

@@ -5,7 +5,8 @@ released, so all are evictable) in a pool with no free pages: each admission mat
 prompt whose first half is cached, makes room for the rest (eviction), holds its pages,
 caches the new ones and releases them, as the engine does for a request. Reported: the
 median host time per admission, and one walk of the whole trie (what the room check cost
-when it counted evictable pages by walking: `tests/test_trie.py::walked_evictable`).
+when it counted evictable pages by walking: `walk_evictable`, which the tests also check
+the kept count against).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def build(num_pages: int, seed: int = 0) -> tuple[PrefixTrie, list[list[int]]]:
     return trie, prompts
 
 
-def _walk(trie: PrefixTrie) -> int:
-    """Counts evictable pages by walking every node (post-order, as the room check did)."""
+def walk_evictable(trie: PrefixTrie) -> int:
+    """Evictable pages by their definition, walking every node (post-order, as the room
+    check did): nodes whose whole subtree only the trie holds."""
     total, free = 0, {}
     stack = [(root, False) for root in trie._roots.values()]
     while stack:
@@ -97,7 +99,7 @@ def measure(num_pages: int, admissions: int, seed: int = 0) -> dict:
         _cache(trie, tokens)
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    walked = _walk(trie)
+    walked = walk_evictable(trie)
     walk_s = time.perf_counter() - t0
     if walked != trie.num_evictable():
         raise AssertionError(f"kept count {trie.num_evictable()} != walked {walked}")
