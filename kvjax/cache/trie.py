@@ -243,8 +243,9 @@ class PrefixTrie:
                 self._evicted.pop((root, child.key), None)
                 self.num_nodes += 1
                 added += 1
-            child.last_used = self._clock
-            self._offer(child)
+            else:  # a cached block used again: a new key (a new node was offered by _pin)
+                child.last_used = self._clock
+                self._offer(child)
             node = child
         return added
 
