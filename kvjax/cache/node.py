@@ -3,6 +3,7 @@ Plain Python: no JAX."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from collections.abc import Callable, Sequence
 
@@ -31,8 +32,9 @@ def history_digests(tokens: Sequence[int], page_size: int) -> list[bytes]:
 
 
 class Node:
-    __slots__ = ("blocked", "blocked_kids", "children", "created", "hits", "key", "last_used",
-                 "namespace", "page", "parent", "pinned", "resident", "salt", "tokens")
+    __slots__ = ("blocked", "blocked_kids", "by_first", "children", "created", "hits", "key",
+                 "last_used", "namespace", "page", "parent", "pinned", "resident", "salt",
+                 "salt_kids", "tokens")
 
     def __init__(self, tokens: Block, salt: str | None, page: int, parent: Node | None,
                  namespace: CacheNamespace, clock: int):
@@ -51,9 +53,52 @@ class Node:
         self.pinned = self.blocked = False
         self.blocked_kids = 0
         self.resident = True
+        # For miss causes without scanning every child (a system prompt may be continued by
+        # thousands): children per (salt, first token) and per salt; made with the first child.
+        self.by_first: dict[tuple[str | None, int], list[Node]] | None = None
+        self.salt_kids: collections.Counter | None = None
 
     def child_list(self) -> list[Node]:
         return [c for bucket in self.children.values() for c in bucket]
+
+    def add_child(self, key: int, child: Node) -> None:
+        """Adds `child` under its hash `key` and to the miss-cause indexes."""
+        self.children.setdefault(key, []).append(child)
+        if self.by_first is None:
+            self.by_first, self.salt_kids = {}, collections.Counter()
+        self.by_first.setdefault((child.salt, child.tokens[0]), []).append(child)
+        self.salt_kids[child.salt] += 1
+
+    def drop_child(self, key: int, child: Node) -> None:
+        for index, k in ((self.children, key), (self.by_first, (child.salt, child.tokens[0]))):
+            index[k].remove(child)
+            if not index[k]:
+                del index[k]
+        self.salt_kids[child.salt] -= 1
+        if not self.salt_kids[child.salt]:
+            del self.salt_kids[child.salt]
+
+    def closest(self, salt: str | None, tokens: Sequence[int]) -> tuple[bool, tuple | None]:
+        """(whether a child continues this node under `salt`, and the (child, length) of
+        the one sharing the longest token prefix with `tokens`, first added on a tie, or
+        None when no child shares a first token). Only children with the same first token
+        are compared."""
+        if self.by_first is None or not self.salt_kids.get(salt):
+            return False, None
+        same_start = self.by_first.get((salt, tokens[0]), ()) if tokens else ()
+        best = max(((c, common_prefix(c.tokens, tokens)) for c in same_start),
+                   key=lambda x: x[1], default=None)
+        return True, best
+
+
+def common_prefix(a: Block, b: Sequence[int]) -> int:
+    """Length of the common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 EVICTION_POLICIES: dict[str, Callable[[Node], tuple]] = {

@@ -77,15 +77,6 @@ def _fields(namespace: CacheNamespace, others: list[CacheNamespace]) -> list[str
     return sorted({f for ns in others for f in namespace.differing_fields(ns)})
 
 
-def _common_prefix(a: Block, b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class PrefixTrie:
     """Radix structure over page-sized blocks, one root per namespace (salt aside)."""
 
@@ -166,26 +157,25 @@ class PrefixTrie:
         ps = self.page_size
         i = len(nodes)
         start = i * ps
-        siblings = [c for c in node.child_list()
-                    if c.salt == (salts[i] if i < len(salts) else None)] if node else []
+        salt = salts[i] if i < len(salts) else None
         if i >= len(tokens) // ps:  # every full block matched; a tail shorter than a page
             tail = tuple(tokens[start:])
-            best = max(((c, _common_prefix(c.tokens, tail)) for c in siblings),
-                       key=lambda x: x[1], default=None)
-            partial = best if best is not None and best[1] > 0 else None
             if not tail:
                 return Match(nodes, None)
-            if partial is not None and best[1] == len(tail):
-                return Match(nodes, "partial_page", position=start + best[1], partial=partial)
-            if siblings and (nodes or partial):
-                return Match(nodes, "divergence", position=start + best[1], partial=partial)
+            continued, best = node.closest(salt, tail) if node else (False, None)
+            shared = best[1] if best else 0
+            partial = best if shared > 0 else None
+            if partial is not None and shared == len(tail):
+                return Match(nodes, "partial_page", position=start + shared, partial=partial)
+            if continued and (nodes or partial):
+                return Match(nodes, "divergence", position=start + shared, partial=partial)
             # Nothing continues this history: a hit if any page matched, else never seen.
             return Match(nodes, None if nodes else "cold")
         namespace = base.with_salt(salts[i])
         block = tuple(tokens[start:start + ps])
-        lcps = [(c, _common_prefix(c.tokens, block)) for c in siblings]
-        best = max(lcps, key=lambda x: x[1], default=None)
-        partial = best if best is not None and best[1] > 0 else None
+        continued, best = node.closest(salt, block) if node else (False, None)
+        shared = best[1] if best else 0
+        partial = best if shared > 0 else None
         parent_key = b"" if node is None else node.key
         if (base.with_salt(None), child_key(parent_key, salts[i], block)) in self._evicted:
             return Match(nodes, "capacity", partial=partial)
@@ -197,8 +187,8 @@ class PrefixTrie:
         if visible:
             return Match(nodes, "namespace", fields=_fields(namespace, visible),
                          partial=partial, hidden_fields=hidden)
-        if siblings and (nodes or partial):  # shared some history, then went elsewhere
-            return Match(nodes, "divergence", position=start + best[1], partial=partial,
+        if continued and (nodes or partial):  # shared some history, then went elsewhere
+            return Match(nodes, "divergence", position=start + shared, partial=partial,
                          hidden_fields=hidden)
         return Match(nodes, "cold", partial=partial, hidden_fields=hidden)
 
@@ -233,7 +223,7 @@ class PrefixTrie:
                 if pages[i] in self._node_of:
                     raise ValueError(f"page {pages[i]} already holds a cached block")
                 child = Node(block, salts[i], pages[i], node, namespace, self._clock)
-                node.children.setdefault(self.hash_fn(salts[i], block), []).append(child)
+                node.add_child(self.hash_fn(salts[i], block), child)
                 self.allocator.share(pages[i])
                 self._node_of[pages[i]] = child
                 self._pin(child, self.allocator.refcount(pages[i]) > 1)
@@ -317,10 +307,7 @@ class PrefixTrie:
     def _remove(self, node: Node) -> None:
         """Drops a leaf and the trie's reference to its page."""
         parent = node.parent
-        bucket = parent.children[self.hash_fn(node.salt, node.tokens)]
-        bucket.remove(node)
-        if not bucket:
-            del parent.children[self.hash_fn(node.salt, node.tokens)]
+        parent.drop_child(self.hash_fn(node.salt, node.tokens), node)
         node.resident = False
         del self._node_of[node.page]
         if node.blocked:  # clear() drops pinned leaves too
