@@ -5,9 +5,8 @@ same way whatever the shape of the array it runs on. XLA CPU's fusion emitters (
 in jax 0.10) do not: inside the on-device decode loop a token's layer-0 keys differed in the
 last bit (6e-8) between a batch of one row and of two, while every product, norm and
 rotation agreed when checked alone; with `--xla_cpu_use_fusion_emitters=false` every one
-of the engine's knobs left a request's logits bitwise unchanged, at no measured cost to
-decode or prefill speed on the bench model (10.3 vs 10.8 ms per batch-1 token, 355 vs 358 ms
-for a 1,024-token prefill: noise).
+of the engine's knobs left a request's logits bitwise unchanged, with decode and prefill
+speed on the bench model unchanged within noise (docs/benchmarks.md).
 
 So importing kvjax adds that flag to `XLA_FLAGS` unless the flag is already there (either
 value: the user's choice stands) or `KVJAX_XLA_FLAGS=0`. XLA reads the variable when JAX

@@ -25,7 +25,7 @@ def page_table(rows: list[list[int]], num_slots: int, block_pages: int,
     P is bucketed to a power-of-two number of attention blocks, so sequences that grow one
     page at a time compile a logarithmic number of shapes. It is never a single block: with
     one block XLA knows the attention loop runs at most once, specialises it, and the result
-    differs from the looped one in the last bits (measured: 1.6e-7 in the logits), which
+    differs from the looped one in the last bits, which
     would make a sequence's arithmetic depend on its batch mates' lengths.
     """
     width = bucket(max([longest, *(len(r) for r in rows)]), 2 * block_pages)

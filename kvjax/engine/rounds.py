@@ -113,9 +113,9 @@ class Rounds:
     def _one_call_left(self, entry: Prefill) -> bool:
         """Whether a prompt not yet in packed steps has at most one prefill call (one chunk)
         left: it takes a call before the decode call (one chunk's stall for the others)
-        rather than packed steps, which gather its cached pages again at every step (32
-        own tokens after 1,024 shared ones: prefill 3.5x the ideal time packed, 1.2x in
-        calls, measured). A prompt packed once stays packed while others decode."""
+        rather than packed steps, which gather its cached pages again at every step (a short
+        tail behind a long cached prefix costs several times its ideal time packed).
+        A prompt packed once stays packed while others decode."""
         left = len(entry.row.tokens) - entry.row.start
         return not entry.packed and left <= self.engine_config.cache.prefill_chunk
 

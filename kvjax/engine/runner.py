@@ -106,9 +106,9 @@ class StepRunner:
         tokens left: the cache's chunk, or when widened under invariant numerics up to the
         chunk x bucket(max_slots) / bucket(rows) (the tokens of `bucket(max_slots)` full
         rows), but no wider than the power of two (at least 16, or the chunk) that holds
-        `longest`: a warm request's 32-token tail took a 512-token call, 0.93 s instead of
-        0.19 s on SmolLM2. Widths are min(chunk, 16) times a power of two, or the cap: at
-        most log2(chunk x bucket(max_slots) / min(chunk, 16)) + 2 shapes per row bucket."""
+        `longest` (a short warm tail in a call as wide as the cap costs the whole width).
+        Widths are min(chunk, 16) times a power of two, or the cap: at most
+        log2(chunk x bucket(max_slots) / min(chunk, 16)) + 2 shapes per row bucket."""
         chunk = self.pool.cache_config.prefill_chunk
         if not (widen and self.invariant):
             return chunk
@@ -277,11 +277,10 @@ class StepRunner:
                     ) -> tuple[int, dict[int, int]]:
         """(rows, each live sample's row) of a decode call. Under invariant numerics, where
         a row's bits do not depend on the call's other rows, plain decoding runs the live
-        samples alone, in the next power of two of rows (at least 2) below `max_slots` (a
-        lone request in an 8-slot engine decoded SmolLM2 at 20.5 instead of 12.6 tokens/s;
-        attention costs per row, idle or not); as many as the slots' bucket, a row per
-        slot. Otherwise (fast numerics, a mesh, speculative decoding) every slot is a row,
-        live or not."""
+        samples alone, in the next power of two of rows (at least 2) below `max_slots`
+        (attention and the products cost per row, idle or not); as many as the slots'
+        bucket, a row per slot. Otherwise (fast numerics, a mesh, speculative decoding)
+        every slot is a row, live or not."""
         slots = self.engine_config.max_slots
         rows = bucket(len(live), LIVE_ROWS)
         if (self.spec is not None or self.model.shardings is not None or not self.invariant
@@ -295,9 +294,8 @@ class StepRunner:
         every row's next ceil(prefill_chunk / decode_steps) tokens, at least 16 (or the
         chunk): a call advances a prompt by at least one prefill chunk, as a prefill call
         per round would, without stalling the decoding sequences for it; the floor
-        amortises a packed step's fixed cost (about 3 ms on the bench model: with 4 tokens
-        a step, multi-turn time to first token was 0.36 s against 0.34 s with 16). Rows
-        are padded to a power of two; the page table is wide enough for `longest` pages.
+        amortises a packed step's fixed cost over enough tokens. Rows are padded to a power
+        of two; the page table is wide enough for `longest` pages.
         Returns (the fill or None, its real tokens)."""
         if not rows:
             return None, 0

@@ -65,8 +65,8 @@ def filled_with_noise(cache, seed: int = 0):
 @partial(jax.jit, static_argnames=("shape", "dtype"))
 def noise(seed: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
     """Values uniform in [-1, 1) (float32; bfloat16 rounds some to 1) from an integer hash
-    of each element's index. Not `jax.random`: its threefry compiles in about 4 s per shape
-    on XLA CPU with the fusion emitters off (`kvjax.backend`), this in 0.1 s."""
+    of each element's index. Not `jax.random`: its threefry compiles for seconds per shape
+    on XLA CPU with the fusion emitters off (`kvjax.backend`); this hash in a fraction."""
     x = lax.iota(jnp.uint32, math.prod(shape)) * jnp.uint32(0x9E3779B1) + seed
     x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
     x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)

@@ -1,6 +1,6 @@
 """Start-up probe results kept on disk: a process does not probe again what an earlier one
 found on the same machine with the same software (the probes of `kvjax.model.tiled` take
-about 8 s for the bench model or SmolLM2-135M, 3.5 s for the test model).
+seconds per model: docs/benchmarks.md, "Measurements behind design choices").
 
 A result is keyed by the probe's name and arguments, by the source of the package that
 defines it (every module beside the probe's: edited probe code, or code it runs, probes

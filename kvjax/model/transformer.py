@@ -104,8 +104,8 @@ class Attention(nn.Module):
         def part(a: jax.Array, i: int) -> jax.Array:  # group i's [b, t, heads, H]
             return a[bounds[i]: bounds[i + 1], 0].reshape(*groups[i], *a.shape[2:])
 
-        # every write before any read: with a read between two writes XLA copied the
-        # cache (a packed step on the bench model took 93 ms instead of 21)
+        # every write before any read: with a read between two writes XLA copies the
+        # whole cache, which made a packed step several times slower
         for i, info in enumerate(batches):
             cache = write_kv(cache, self.layer, part(k, i), part(v, i), info)
         outs = [self.paged(part(q, i), cache, info).reshape(-1, 1, *q.shape[2:])
@@ -203,8 +203,8 @@ class Transformer(nn.Module):
         x = make_norm(cfg, "final_norm")(x)
         dot = row_dot(cfg, "head")
         if cfg.tie_embeddings:  # x [B, T, D] . embedding [V, D], one product: Flax's
-            # `attend` transposes the embedding, and XLA CPU fused that transpose into a
-            # 6 ms loop instead of a 2.9 ms matrix-vector product (SmolLM2)
+            # `attend` transposes the embedding, and XLA CPU fuses that transpose into a
+            # loop about twice as slow as the matrix-vector product
             logits = (dot or jax.lax.dot_general)(x, embed.embedding.astype(x.dtype),
                                                   (((2,), (1,)), ((), ())))
         else:
