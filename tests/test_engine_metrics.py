@@ -163,3 +163,23 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(p, request_, message)
     assert_same([results[first]], [results[second]])
     held = set(eng.trie.pages())
     assert eng.allocator.num_free + len(held) == 48
+
+
+def test_request_stats_become_the_results_plain_keys():
+    """A result's stats dict: nothing before admission but the preemptions it had, the
+    admission's keys once admitted, the draft's reuse and the spec counters where present
+    (plain data: a copy, JSON-ready)."""
+    from kvjax.engine.request_stats import ADMISSION_KEYS, RequestStats
+    from kvjax.speculative.stats import SpecStats
+
+    s = RequestStats()
+    assert s.as_dict() == {}
+    s.preemptions = 2
+    assert s.as_dict() == {"preemptions": 2}
+    s.admitted, s.miss_cause, s.miss_fields = True, "namespace", ["adapter"]
+    s.draft_reused_tokens, s.spec = 8, SpecStats.empty(3)
+    out = s.as_dict()
+    assert list(out) == [*ADMISSION_KEYS, "draft_reused_tokens", "spec"]
+    assert out["preemptions"] == 2 and out["miss_fields"] == ["adapter"]
+    assert out["miss_fields"] is not s.miss_fields
+    json.dumps(out)

@@ -201,7 +201,7 @@ def test_a_contradiction_found_while_decoding_ends_every_open_stream_once(p, mon
 
     def emit_diverging(self, req, events):
         seq = req.seqs[-1]
-        if req.stats.get("preemptions") and seq.checked <= 3 < min(len(seq.generated),
+        if req.stats.preemptions and seq.checked <= 3 < min(len(seq.generated),
                                                                     len(seq.streamed)):
             seq.generated[3:] = [stop]
             seq.done = True
@@ -243,7 +243,7 @@ def test_cancelling_a_preempted_request_returns_what_it_streamed(p, preemption):
         for event in tight.step():
             streamed[event.request_id] += event.tokens
         waiting = [r for r in tight.rounds.live.values()
-                   if r.stats.get("preemptions") and r in tight.scheduler.waiting]
+                   if r.stats.preemptions and r in tight.scheduler.waiting]
         victim = waiting[0].id if waiting else None
     tight.cancel(victim)
     result = tight.result(victim)

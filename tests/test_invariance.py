@@ -179,7 +179,7 @@ def _count_evicted_while_preempted(e: Engine, monkeypatch) -> collections.Counte
         while n.parent is not None:
             history, n = list(n.tokens) + history, n.parent
         for req in e.scheduler.waiting:
-            if req.stats.get("preemptions") and req.context.tokens[:len(history)] == history:
+            if req.stats.preemptions and req.context.tokens[:len(history)] == history:
                 lost[tuple(req.tokens)] += 1
         remove(node)
 

@@ -16,6 +16,7 @@ from kvjax.cache.trie import history_digests
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode.batching import pages_for
 from kvjax.decode.prompts import check_token_ids
+from kvjax.engine.request_stats import RequestStats
 from kvjax.errors import InvalidRequestError
 
 
@@ -163,7 +164,7 @@ class LiveRequest:
     submitted: float
     stops: tuple[int, ...] = ()  # every id that ends this request's answers
     seqs: list[Seq] = dataclasses.field(default_factory=list)
-    stats: dict = dataclasses.field(default_factory=dict)
+    stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     admitted_order: int = -1
     operator_miss: tuple[str | None, tuple[str, ...]] = (None, ())  # metrics() only
     gammas: list[int] = dataclasses.field(default_factory=list)  # γ of each decode call

@@ -63,5 +63,5 @@ def request_result(req: LiveRequest, status: str, error: str | None, vocab_size:
     return RequestResult(
         id=req.id, tokens=tokens[0] if single else tokens,
         logits=(logits[0] if single else logits) if logits is not None else None,
-        stats=dict(req.stats), status=status, prompt_ids=list(req.tokens), text=text,
+        stats=req.stats.as_dict(), status=status, prompt_ids=list(req.tokens), text=text,
         error=error)

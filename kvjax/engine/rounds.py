@@ -17,7 +17,6 @@ from kvjax.engine import results, scheduler, stop_strings
 from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent, context
 from kvjax.engine.runner import StepRunner
 from kvjax.engine.stats import Timers, record_admission, record_dropped
-from kvjax.speculative.plugin import finish_request_stats
 
 
 @dataclasses.dataclass(eq=False)
@@ -221,8 +220,8 @@ class Rounds:
                 self._release_seq(seq)
         record_admission(req, adm.match, adm.reuse, adm.start, adm.target.copied, prefill_s,
                          unbounded, self.pool.cache_config.page_size)
-        if self.draft_pool is not None:
-            req.stats.setdefault("draft_reused_tokens", draft_reused)
+        if self.draft_pool is not None and req.stats.draft_reused_tokens is None:
+            req.stats.draft_reused_tokens = draft_reused  # the first admission's
         if self._emit(req, events):
             self._retire_if_done(req)
 
@@ -263,8 +262,8 @@ class Rounds:
             seq.draft_length, seq.prev = 0, -1
         if not resumes:  # it decodes its answer again, replaying its calls' γ
             req.calls = 0
-            req.stats.pop("spec", None)  # counts the tokens it returns, not discarded work
-        req.stats["preemptions"] = req.stats.get("preemptions", 0) + 1
+            req.stats.spec = None  # counts the tokens it returns, not discarded work
+        req.stats.preemptions += 1
         self.counters["preemptions"] += 1
         self.scheduler.waiting.appendleft(req)
 
@@ -381,11 +380,10 @@ class Rounds:
     def _finish(self, req: LiveRequest, status: str, error: str | None = None) -> None:
         result = results.request_result(req, status, error, self.config.vocab_size,
                                         self.tokenizer)
-        finish_request_stats(result.stats)
         self.results[req.id] = result
         self.counters[status] += 1
         self.stats_log.append(dict(result.stats, id=req.id, status=status))
-        if "prompt_tokens" in req.stats:
+        if req.stats.admitted:
             self.operator_log.append(req.operator_miss)
         del self.live[req.id]
 

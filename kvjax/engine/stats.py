@@ -36,7 +36,7 @@ def record_dropped(req: LiveRequest, match: Match, reuse: int, start: int, copie
     attempt's reuse figures (what the cache held when the request came)."""
     d = req.dropped
     d.prefill_s += prefill_s
-    before = len(req.context.tokens) if "prompt_tokens" in req.stats else d.end
+    before = len(req.context.tokens) if req.stats.admitted else d.end
     d.recomputed += max(0, min(end, before) - start)
     d.end = max(end, d.end)
     if d.first is None:
@@ -57,10 +57,11 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
     n_tok = len(req.context.tokens)
     dropped, req.dropped = req.dropped, Dropped()
     prefill_s += dropped.prefill_s
-    if "prompt_tokens" in req.stats:
-        req.stats["recomputed_tokens"] += n_tok - start + dropped.recomputed
-        req.stats["resumed_tokens"] += n_tok - len(req.tokens)
-        req.stats["prefill_s"] += prefill_s
+    s = req.stats
+    if s.admitted:
+        s.recomputed_tokens += n_tok - start + dropped.recomputed
+        s.resumed_tokens += n_tok - len(req.tokens)
+        s.prefill_s += prefill_s
         return
     recomputed = dropped.recomputed + max(0, min(n_tok, dropped.end) - start)
     if dropped.first is not None:
@@ -69,22 +70,17 @@ def record_admission(req: LiveRequest, match: Match, reuse: int, start: int, cop
     if reuse < len(match.nodes):
         cause = operator_cause = None  # all cached; the last page is recomputed for logits
     unbounded = min(unbounded_blocks, (n_tok - 1) // page_size) * page_size
-    req.stats = {
-        "prompt_tokens": len(req.tokens),
-        "reused_tokens": start,
-        "computed_tokens": n_tok - start,
-        "reused_pages": reuse,
-        "copied_tokens": copied,
-        "miss_cause": cause,
-        "miss_position": match.position if cause in ("divergence", "partial_page") else None,
-        "miss_fields": match.fields if cause == "namespace" else [],
-        "prefill_s": prefill_s,
-        "unbounded_reused_tokens": max(unbounded, start),
-        "preemptions": req.stats.get("preemptions", 0),  # while its prompt was prefilled
-        "recomputed_tokens": recomputed,
-        "resumed_tokens": 0,
-        "ttft_s": time.perf_counter() - req.submitted,
-    }
+    # `preemptions` (while its prompt was prefilled), `draft_reused_tokens` and `spec` stay
+    s.admitted = True
+    s.prompt_tokens, s.reused_tokens, s.computed_tokens = len(req.tokens), start, n_tok - start
+    s.reused_pages, s.copied_tokens = reuse, copied
+    s.miss_cause = cause
+    s.miss_position = match.position if cause in ("divergence", "partial_page") else None
+    s.miss_fields = list(match.fields) if cause == "namespace" else []
+    s.prefill_s = prefill_s
+    s.unbounded_reused_tokens = max(unbounded, start)
+    s.recomputed_tokens, s.resumed_tokens = recomputed, 0
+    s.ttft_s = time.perf_counter() - req.submitted
     req.operator_miss = (operator_cause,
                          tuple(match.operator_fields) if operator_cause == "namespace" else ())
 

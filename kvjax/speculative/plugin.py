@@ -128,7 +128,9 @@ class Speculator:
         requests = {}
         for seq in live:
             call.add_row(out, seq.slot)
-            mine = seq.req.stats.setdefault("spec", SpecStats.empty(self.spec.gamma))
+            if seq.req.stats.spec is None:
+                seq.req.stats.spec = SpecStats.empty(self.spec.gamma)
+            mine = seq.req.stats.spec
             mine.add_row(out, seq.slot)
             requests.setdefault(id(seq.req), (mine, []))[1].append(seq.slot)
         for mine, slots in requests.values():  # once per request: its samples share calls
@@ -169,8 +171,3 @@ class Speculator:
                                       if known and slope is not None else None))
         return summary
 
-
-def finish_request_stats(stats: dict) -> None:
-    """A request's speculative statistics as plain data (in place), for its result."""
-    if "spec" in stats:
-        stats["spec"] = stats["spec"].as_dict(timings=False)
