@@ -270,7 +270,7 @@ class Engine:
 
     def metrics(self) -> dict:
         """Aggregates over every finished or cancelled request so far."""
-        log = [s for s in self.rounds.stats_log if "prompt_tokens" in s]
+        log = self.rounds.admitted_log
         resident = self.trie.num_nodes
         counters = self.rounds.counters
         agg = aggregate(log, self.rounds.operator_log, self.cache_config.page_size)

@@ -50,6 +50,7 @@ class Rounds:
         self.stats_log: list[dict] = []
         self.prefilling: list[Prefill] = []  # seated, prompt not fully prefilled yet
         self.operator_log: list[tuple[str | None, tuple[str, ...]]] = []  # (cause, fields)
+        self.admitted_log: list[dict] = []  # the entries of stats_log that were admitted
 
     def enqueue(self, req: LiveRequest) -> None:
         self.live[req.id] = req
@@ -384,6 +385,7 @@ class Rounds:
         self.counters[status] += 1
         self.stats_log.append(dict(result.stats, id=req.id, status=status))
         if req.stats.admitted:
+            self.admitted_log.append(self.stats_log[-1])
             self.operator_log.append(req.operator_miss)
         del self.live[req.id]
 
