@@ -82,7 +82,10 @@ def test_metrics_export_as_json_lines(p, tmp_path):
     eng.write_metrics(path)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["reused_tokens"] for x in lines[:3]] == [0, 8, 8]
-    assert lines[-1]["aggregate"] == json.loads(json.dumps(eng.metrics()))
+    m = eng.metrics()  # an EngineMetrics: named fields, the old keys, as_dict for JSON
+    assert lines[-1]["aggregate"] == json.loads(json.dumps(m.as_dict())) == dict(m)
+    assert m.reused_tokens == m["reused_tokens"] == 16 and "spec" not in m and m.spec is None
+    assert list(m)[:2] == ["requests", "request_hit_rate"] and list(m)[-1] == "host_s"
     assert lines[-1]["aggregate"]["resident_bytes"] == \
         lines[-1]["aggregate"]["resident_pages"] * 2 * 2 * 2 * 4 * 8 * 4
 

@@ -49,6 +49,7 @@ from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket
 from kvjax.decode.sampling import sequence_keys
+from kvjax.engine.engine_metrics import EngineMetrics
 from kvjax.engine.requests import (
     MAX_STOP_TOKENS,
     LiveRequest,
@@ -268,40 +269,31 @@ class Engine:
             raise KeyError(f"the result of request {request_id} was already collected")
         raise KeyError(f"no request {request_id}")
 
-    def metrics(self) -> dict:
-        """Aggregates over every finished or cancelled request so far."""
+    def metrics(self) -> EngineMetrics:
+        """Aggregates over every finished or cancelled request so far (`EngineMetrics`: named
+        fields, and `m["key"]` as before)."""
         log = self.rounds.admitted_log
         resident = self.trie.num_nodes
         counters = self.rounds.counters
-        agg = aggregate(log, self.rounds.operator_log, self.cache_config.page_size)
-        tail = {k: agg.pop(k) for k in ("unbounded_request_hit_rate",
-                                        "unbounded_token_reuse_rate", "mean_ttft_s")}
-        return {
-            **agg,
-            "errors": counters["error"],
-            "evictions": self.trie.evictions,
-            "cow_copies": self.allocator.copies,
-            "partial_copies": counters["partial_copies"],
-            "preemptions": counters["preemptions"],
-            "resident_pages": resident,
-            "resident_bytes": resident * self.pool.page_bytes,
-            "free_pages": self.allocator.num_free,
-            **tail,
-            "prefill_s": self._timers["prefill_s"],
-            "decode_s": self._timers["decode_s"],
-            "host_s": self._timers["host_s"],
-            **({} if self.spec is None else {
-                "draft_prefill_s": self._timers["draft_prefill_s"],
-                "draft_reused_tokens": sum(s.get("draft_reused_tokens", 0) for s in log),
-                "spec": self.spec.metrics()}),
-        }
+        spec = {} if self.spec is None else {
+            "draft_prefill_s": self._timers["draft_prefill_s"],
+            "draft_reused_tokens": sum(s.get("draft_reused_tokens", 0) for s in log),
+            "spec": self.spec.metrics()}
+        return EngineMetrics(
+            **aggregate(log, self.rounds.operator_log, self.cache_config.page_size),
+            errors=counters["error"], evictions=self.trie.evictions,
+            cow_copies=self.allocator.copies, partial_copies=counters["partial_copies"],
+            preemptions=counters["preemptions"], resident_pages=resident,
+            resident_bytes=resident * self.pool.page_bytes,
+            free_pages=self.allocator.num_free, prefill_s=self._timers["prefill_s"],
+            decode_s=self._timers["decode_s"], host_s=self._timers["host_s"], **spec)
 
     def write_metrics(self, path) -> None:
         """Per-request stats as JSON lines, then one line of aggregates."""
         with open(path, "w") as f:
             for s in self.rounds.stats_log:
                 f.write(json.dumps(s) + "\n")
-            f.write(json.dumps({"aggregate": self.metrics()}) + "\n")
+            f.write(json.dumps({"aggregate": self.metrics().as_dict()}) + "\n")
 
     # -- intake --------------------------------------------------------------------------------
     def _prepare(self, request: Request) -> LiveRequest:
