@@ -35,7 +35,7 @@ MAX_LINES = 400
 
 # Host code: plain Python + numpy (what it imports of kvjax must be host code too).
 HOST = ["kvjax.config", "kvjax.errors", "kvjax.cache.allocator", "kvjax.cache.trie",
-        "kvjax.cache.identity", "kvjax.decode.batching", "kvjax.decode.prompts",
+        "kvjax.cache.identity", "kvjax.cache.admission", "kvjax.decode.batching", "kvjax.decode.prompts",
         "kvjax.engine.requests", "kvjax.engine.scheduler", "kvjax.engine.results",
         "kvjax.engine.stats", "kvjax.lab.workloads", "kvjax.lab.progress",
         "kvjax.speculative.gamma", "kvjax.speculative.stats"]
@@ -306,6 +306,61 @@ def test_experiments_import_no_benchmark():
     assert not users, f"only the CLI runs benchmarks: {users}"
 
 
+# The engine's read-only views of the target pool, for users to inspect: (file, property).
+PAGE_VIEWS = {("kvjax/engine/engine.py", "allocator"), ("kvjax/engine/engine.py", "trie")}
+
+
+def _page_breaches(rel: str, source: str) -> list[str]:
+    """Where code reaches a pool's allocator or trie (`.allocator`, `.trie`) or stores a
+    device cache into an attribute (`x.cache = ...`, also inside a tuple target), outside
+    the PAGE_VIEWS properties."""
+    tree = ast.parse(source)
+    views = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+             and (rel, f.name) in PAGE_VIEWS
+             and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)]
+    allowed = {id(n) for f in views for n in ast.walk(f)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in allowed:
+            continue
+        if isinstance(node, ast.Attribute) and node.attr in ("allocator", "trie"):
+            out.append(f"{rel}:{node.lineno} .{node.attr}")
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets += t.elts
+            elif isinstance(t, ast.Starred):
+                targets.append(t.value)
+            elif isinstance(t, ast.Attribute) and t.attr == "cache":
+                out.append(f"{rel}:{t.lineno} .cache =")
+    return out
+
+
+def test_pages_have_one_owner():
+    """Only `kvjax.cache` (the `KVCacheManager` over its `PagePool`s) allocates, shares,
+    inserts into or evicts from a trie, or stores a step's new cache: elsewhere no code
+    reaches `.allocator` or `.trie` or assigns `.cache`; the engine's read-only views
+    (`Engine.allocator`, `Engine.trie`) are the exception."""
+    breaches = [b for name, path in MODULES.items() if not _under(name, ["kvjax.cache"])
+                for b in _page_breaches(str(path.relative_to(ROOT)), path.read_text())]
+    assert not breaches, breaches
+
+
+@pytest.mark.parametrize("source,breaches", [
+    ("pool.trie.insert(ns, tokens, salts, digests, pages)", 1),
+    ("logits, pool.cache = step(pool.cache)", 1),
+    ("out, (a, *self.pool.cache) = f()", 1),
+    ("pages = engine.pool.allocator.allocate(2)", 1),
+    ("logits = kv.run(lambda cache: step(cache))\ncache = 1", 0),
+    ("class Engine:\n    @property\n    def trie(self):\n        return self.kv.target.trie", 0),
+    ("class Engine:\n    def trie(self):\n        return self.kv.target.trie", 1),
+])
+def test_the_page_owner_check_can_fail(source, breaches):
+    assert len(_page_breaches("kvjax/engine/engine.py", source)) == breaches
+
+
 def test_no_source_file_over_400_lines():
     long = {name: n for name, path in MODULES.items()
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
@@ -328,8 +383,8 @@ FAKE_HOST = {
 def test_the_checks_can_fail():
     """The walker finds what it must: a known edge, a lazy import, the package `__init__`s
     an import runs, the lazy tables, an injected cycle, and the fake host modules above."""
-    assert "kvjax.cache.trie" in GRAPH["kvjax.engine.scheduler"]
-    assert "kvjax.cache.pool" not in GRAPH["kvjax.engine.scheduler"]  # TYPE_CHECKING only
+    assert "kvjax.cache.admission" in GRAPH["kvjax.engine.scheduler"]
+    assert "kvjax.cache.pool" not in GRAPH["kvjax.cache.admission"]  # TYPE_CHECKING only
     assert "kvjax.bench.decode" in GRAPH["kvjax.cli"]  # a lazy import inside a function
     assert "jax" in _loads("kvjax.engine.engine")
     assert "kvjax.engine" in RUNTIME_GRAPH["kvjax.lab.workloads"]  # the __init__ it runs

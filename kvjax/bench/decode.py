@@ -35,8 +35,8 @@ from kvjax.model.transformer import forward, init_params
 
 def _step_timer(params, config, holder, tokens, batch):
     def run():
-        logits, holder.cache = steps.extend(params, config, holder.cache, tokens, batch)
-        logits.block_until_ready()
+        holder.run(lambda cache: steps.extend(params, config, cache, tokens, batch)
+                   ).block_until_ready()
 
     return run
 
@@ -67,7 +67,8 @@ def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int,
         last = tokens
         for i in range(decode_steps):
             b = BatchInfo(page_table=table, lengths=lengths + i, num_new=one)
-            logits, paged.cache = steps.extend(params, config, paged.cache, last, b)
+            logits = paged.run(lambda cache, last=last, b=b: steps.extend(
+                params, config, cache, last, b))
             nxt = sample_jit(logits[:, 0], keys, lengths + i + 1, temp, zeros, top_p)
             last = np.asarray(nxt)[:, None]  # the host needs each token (stop checks)
 

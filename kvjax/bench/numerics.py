@@ -21,7 +21,7 @@ import statistics
 import jax
 import numpy as np
 
-from kvjax.cache.paged import BatchInfo, init_cache
+from kvjax.cache.paged import BatchInfo, CacheHolder, init_cache
 from kvjax.config import CacheConfig
 from kvjax.config_files import load_config
 from kvjax.decode import steps
@@ -44,7 +44,7 @@ class _Point:
     def __init__(self, model, params, cache_cfg: CacheConfig):
         self.model, self.cache_cfg = model, cache_cfg
         self.params = jax.device_put(store(params, model))
-        self.cache = filled_with_noise(init_cache(model, cache_cfg))
+        self.holder = CacheHolder(filled_with_noise(init_cache(model, cache_cfg)))
 
     def decode(self, batch: int) -> float:
         pages = (CONTEXT + DECODE_STEPS) // self.cache_cfg.page_size + 1
@@ -52,22 +52,24 @@ class _Point:
                            batch, self.cache_cfg.block_pages)
         zeros = np.zeros(batch, np.float32)
 
-        def run():
-            out, _, self.cache, _ = steps.decode_loop(
-                self.params, self.model, self.cache, table, np.full(batch, CONTEXT, np.int32),
+        def call(cache):
+            out, _, cache, _ = steps.decode_loop(
+                self.params, self.model, cache, table, np.full(batch, CONTEXT, np.int32),
                 np.zeros(batch, np.int32), np.full(batch, DECODE_STEPS, np.int32),
                 np.zeros((batch, 2), np.uint32), zeros, np.zeros(batch, np.int32), zeros + 1,
                 np.full(batch, -1, np.int32), max_steps=DECODE_STEPS)
-            out.block_until_ready()
+            return out, cache
+
+        def run():
+            self.holder.run(call).block_until_ready()
         return run
 
     def extend(self, tokens: np.ndarray, lengths: list[int], rows: list[list[int]]):
         batch = BatchInfo(page_table=page_table(rows, len(rows), self.cache_cfg.block_pages),
                           lengths=np.array(lengths, np.int32),
                           num_new=np.full(len(rows), tokens.shape[1], np.int32))
-        logits, self.cache = steps.extend(self.params, self.model, self.cache, tokens, batch,
-                                          last_only=True)
-        return logits
+        return self.holder.run(lambda cache: steps.extend(
+            self.params, self.model, cache, tokens, batch, last_only=True))
 
     def prefill(self, chunk: int):
         rows = [list(range(PREFILL // self.cache_cfg.page_size + 1))]

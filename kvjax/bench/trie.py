@@ -7,8 +7,8 @@ caches the new ones and releases them, as the engine does for a request; and a n
 conversation, which shares only the system prompt with the cache (its miss cause is found
 among every conversation cached under that prompt). Reported: the median host time per
 admission of each kind, and one walk of the whole trie (what the room check cost
-when it counted evictable pages by walking: `walk_evictable`, which the tests also check
-the kept count against).
+when it counted evictable pages by walking: `PrefixTrie.walk_evictable`, which the tests
+also check the kept count against).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ NS = CacheNamespace(model="bench", adapter="none", position_base=0, attention="c
                     kv_dtype="float32")
 
 
-def _cache(trie: PrefixTrie, tokens: list[int]) -> list[int]:
+def _cache(trie: PrefixTrie, alloc: PageAllocator, tokens: list[int]) -> list[int]:
     """Admits `tokens` as the engine does: match (touch), hold the matched pages, make room
     for the rest, cache every full page, release. Returns the pages it held."""
-    alloc, salts = trie.allocator, [None] * pages_for(len(tokens), PAGE)
+    salts = [None] * pages_for(len(tokens), PAGE)
     digests = history_digests(tokens, PAGE)
     found = trie.match(NS, tokens, salts, digests)
     for page in found.pages:
@@ -51,46 +51,27 @@ def _prompt(rng, system: list[int], pages: int) -> list[int]:
     return system + [int(t) for t in rng.integers(0, 50_000, (pages - 4) * PAGE)]
 
 
-def build(num_pages: int, seed: int = 0) -> tuple[PrefixTrie, list[list[int]]]:
+def build(num_pages: int, seed: int = 0
+          ) -> tuple[PrefixTrie, PageAllocator, list[list[int]]]:
     """A full pool of `num_pages` pages, every one cached and evictable: a 4-page system
-    prompt and conversations of PROMPT_PAGES pages under it. Returns (trie, prompts)."""
+    prompt and conversations of PROMPT_PAGES pages under it. Returns (trie, its allocator,
+    prompts)."""
     rng = np.random.default_rng(seed)
-    trie = PrefixTrie(PAGE, PageAllocator(num_pages))
+    alloc = PageAllocator(num_pages)
+    trie = PrefixTrie(PAGE, alloc)
     system = [int(t) for t in rng.integers(0, 50_000, 4 * PAGE)]
     prompts = []
     with Progress(num_pages, f"trie of {num_pages:,} pages") as bar:
         while trie.num_nodes + PROMPT_PAGES - 4 <= num_pages:
             prompts.append(_prompt(rng, system, PROMPT_PAGES))
             before = trie.num_nodes
-            _cache(trie, prompts[-1])
+            _cache(trie, alloc, prompts[-1])
             bar.update(trie.num_nodes - before)
-    return trie, prompts
-
-
-def walk_evictable(trie: PrefixTrie) -> int:
-    """Evictable pages by their definition, walking every node (post-order, as the room
-    check did): nodes whose whole subtree only the trie holds."""
-    total, free = 0, {}
-    stack = [(root, False) for root in trie._roots.values()]
-    while stack:
-        node, done = stack.pop()
-        kids = node.child_list()
-        if not done:
-            stack.append((node, True))
-            stack.extend((kid, False) for kid in kids)
-            continue
-        ok = True
-        for kid in kids:
-            ok = free.pop(id(kid)) and ok
-        if node.parent is not None:
-            ok = ok and trie.allocator.refcount(node.page) == 1
-            total += ok
-        free[id(node)] = ok
-    return total
+    return trie, alloc, prompts
 
 
 def measure(num_pages: int, admissions: int, seed: int = 0) -> dict:
-    trie, prompts = build(num_pages, seed)
+    trie, alloc, prompts = build(num_pages, seed)
     rng = np.random.default_rng(seed + 1)
     system = prompts[0][: 4 * PAGE]
     times = {"continued": [], "new": []}
@@ -100,10 +81,10 @@ def measure(num_pages: int, admissions: int, seed: int = 0) -> dict:
         for kind, tokens in (("continued", continued),
                              ("new", _prompt(rng, system, PROMPT_PAGES))):
             t0 = time.perf_counter()
-            _cache(trie, tokens)
+            _cache(trie, alloc, tokens)
             times[kind].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    walked = walk_evictable(trie)
+    walked = trie.walk_evictable()
     walk_s = time.perf_counter() - t0
     if walked != trie.num_evictable():
         raise AssertionError(f"kept count {trie.num_evictable()} != walked {walked}")

@@ -41,6 +41,19 @@ class PagedKVCache:
         return self.k.shape[3]
 
 
+class CacheHolder:
+    """A cache (paged or dense) threaded through repeated steps that donate it: benchmarks
+    and timings that need no pages of a pool (`PagePool.run` is the same for a pool)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def run(self, step):
+        """`step(cache)` returns (result, new cache); the holder keeps the new cache."""
+        result, self.cache = step(self.cache)
+        return result
+
+
 @flax.struct.dataclass
 class BatchInfo:
     """What the host tells a step about each sequence of the batch.

@@ -2,16 +2,20 @@
 
 A pool is the device cache (a donated pytree), the allocator (reference-counted pages), the
 prefix trie (finished full pages kept for reuse) and the fixed fields of the namespace its
-entries live under. The engine holds one for the target model and one for the draft model;
-`generate()` holds one (`KVPool`, the same class) and uses its cache and allocator only.
-Every page operation is written once, here: reserve (evicting cached leaves, then asking the
-caller to preempt), grow (copy on write), release and poison.
+entries live under. The engine's `KVCacheManager` (`kvjax.cache.manager`) holds one for the
+target model and one for the draft model; `generate()` and the host speculative loop hold
+one (`KVPool`, the same class) and use its pages and cache only. Every page operation is
+written once, here, and only code in `kvjax.cache` touches a pool's allocator, trie or
+cache (`tests/test_layout.py`): allocate, share, reserve (evicting cached leaves, then asking
+the caller to preempt), grow (copy on write), truncate, release, poison, insert and match;
+`run` is the one place a device step's new cache is stored.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +29,7 @@ from kvjax.cache.paged import (
     padded_ids,
     poison_pages,
 )
-from kvjax.cache.trie import EVICTION_POLICIES, PrefixTrie
+from kvjax.cache.trie import EVICTION_POLICIES, Match, PrefixTrie
 from kvjax.config import CacheConfig, ConfigError, ModelConfig
 from kvjax.errors import NonCausalCacheError
 
@@ -76,6 +80,14 @@ class PagePool:
                               kv_dtype=self.cache_config.dtype)
 
     @property
+    def page_size(self) -> int:
+        return self.cache_config.page_size
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
     def room(self) -> int:
         """Pages that can be had without preempting anyone: free ones and evictable ones."""
         return self.allocator.num_free + self.trie.num_evictable()
@@ -83,6 +95,34 @@ class PagePool:
     @property
     def page_bytes(self) -> int:
         return cache_bytes(self.cache) // self.cache_config.num_pages
+
+    def run(self, step: Callable[[PagedKVCache], tuple[Any, PagedKVCache]]) -> Any:
+        """Runs a device step on the cache: `step(cache)` returns (result, new cache); the
+        pool keeps the new cache (the old one was donated) and returns the result."""
+        result, self.cache = step(self.cache)
+        return result
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """`num_pages` free pages (each with one reference); raises when too few are free."""
+        return self.allocator.allocate(num_pages)
+
+    def share(self, pages: list[int]) -> None:
+        """One more reference on each page (another sample reads them; copy on write)."""
+        for page in pages:
+            self.allocator.share(page)
+
+    def insert(self, namespace: CacheNamespace, tokens: list[int], salts, digests,
+               pages: list[int]) -> None:
+        """The full pages of `tokens` held in `pages` enter the trie under `namespace`."""
+        self.trie.insert(namespace, tokens, salts, digests, pages)
+
+    def match(self, namespace: CacheNamespace, tokens: list[int], salts, digests) -> Match:
+        """The longest cached prefix of `tokens` under `namespace` (nothing touched)."""
+        return self.trie.match(namespace, tokens, salts, digests, touch=False)
+
+    def unbounded_blocks(self, namespace: CacheNamespace, tokens: list[int], salts) -> int:
+        """How many full pages of `tokens` an unbounded cache would hold now."""
+        return self.trie.unbounded_blocks(namespace, tokens, salts)
 
     def reserve(self, num_pages: int, preempt: Preempt | None = None) -> bool:
         """Makes `num_pages` pages free: evicts cached leaves, then calls `preempt` (when
@@ -130,6 +170,12 @@ class PagePool:
         """Drops one reference on each page (a page with none left is free again)."""
         if pages:
             self.allocator.free(pages)
+
+    def stats(self) -> dict[str, int]:
+        """What the engine's metrics read of the pool: resident (cached) pages, evictions,
+        copy-on-write copies, free pages."""
+        return {"resident_pages": self.trie.num_nodes, "evictions": self.trie.evictions,
+                "cow_copies": self.allocator.copies, "free_pages": self.allocator.num_free}
 
     def flush_poison(self) -> None:
         """Poisons the pages freed since the last call that are still free (debug mode)."""

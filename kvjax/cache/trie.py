@@ -282,6 +282,28 @@ class PrefixTrie:
         (kept current as references change: O(1))."""
         return self.num_nodes - self._num_blocked
 
+    def walk_evictable(self) -> int:
+        """`num_evictable()` by its definition, walking every node post-order (what the
+        room check cost before the count was kept; tests and `kvjax bench trie` check the
+        kept count against it)."""
+        total, free = 0, {}
+        stack = [(root, False) for root in self._roots.values()]
+        while stack:
+            node, done = stack.pop()
+            kids = node.child_list()
+            if not done:
+                stack.append((node, True))
+                stack.extend((kid, False) for kid in kids)
+                continue
+            ok = True
+            for kid in kids:
+                ok = free.pop(id(kid)) and ok
+            if node.parent is not None:
+                ok = ok and self.allocator.refcount(node.page) == 1
+                total += ok
+            free[id(node)] = ok
+        return total
+
     def evictable(self) -> list[Node]:
         """Leaves that only the trie references (walks the trie: for inspection)."""
         return [n for n in self._leaves() if not n.pinned]

@@ -45,16 +45,12 @@ def prefill_prompts(params, config: ModelConfig, pool: KVPool, prompts: list[lis
     depend on the rows around it); under fast numerics one prompt per call, in the cache's
     one chunk shape, so that a prompt's bits do not depend on the others."""
     if config.numerics == "invariant":
-        logits, pool.cache = prefill_rows(params, config, pool.cache, pool.cache_config,
-                                          [PrefillRow(p, r) for p, r in zip(prompts, rows,
-                                                                            strict=True)])
-        return jnp.stack(logits)
-    out = []
-    for prompt, pages in zip(prompts, rows, strict=True):
-        logits, pool.cache = prefill(params, config, pool.cache, pool.cache_config, prompt,
-                                     pages)
-        out.append(logits)
-    return jnp.stack(out)
+        rows = [PrefillRow(p, r) for p, r in zip(prompts, rows, strict=True)]
+        return jnp.stack(pool.run(lambda cache: prefill_rows(params, config, cache,
+                                                             pool.cache_config, rows)))
+    return jnp.stack([pool.run(lambda cache, prompt=prompt, pages=pages: prefill(
+        params, config, cache, pool.cache_config, prompt, pages))
+        for prompt, pages in zip(prompts, rows, strict=True)])
 
 
 _sample_jit = jax.jit(sample)
@@ -81,21 +77,21 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
         raise InvalidRequestError("the KVPool was built for another model config")
     cache_cfg = pool.cache_config
     needs = [pages_for(len(p) + max_new_tokens, cache_cfg.page_size) for p in prompts]
-    if sum(needs) > pool.allocator.num_free:
+    if sum(needs) > pool.num_free:
         raise InvalidRequestError(
             f"the prompts need {sum(needs)} pages of {cache_cfg.page_size} tokens for prompt + "
-            f"max_new_tokens, but only {pool.allocator.num_free} of {cache_cfg.num_pages} "
+            f"max_new_tokens, but only {pool.num_free} of {cache_cfg.num_pages} "
             f"pages are free")
     if stop_token is not None and not 0 <= stop_token < config.vocab_size:
         raise InvalidRequestError(f"stop_token {stop_token} is outside the vocabulary")
 
-    rows = [pool.allocator.allocate(n) for n in needs]
+    rows = [pool.allocate(n) for n in needs]
     try:
         return _run(params, config, pool, prompts, rows, max_new_tokens, sampling,
                     return_logits, stop_token)
     finally:
         for row in rows:
-            pool.allocator.free(row)
+            pool.release(row)
 
 
 def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_logits,
@@ -123,11 +119,16 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
     logits = np.zeros((slots, 0, config.vocab_size), np.float32) if return_logits else None
     if budget.any():
         table = page_table(rows, slots, pool.cache_config.block_pages)
-        out, logits, pool.cache, _ = steps.decode_loop(
-            params, config, pool.cache, table, lengths, first, budget, keys,
-            knobs["temperature"], knobs["top_k"], knobs["top_p"],
-            np.full(slots, -1 if stop_token is None else stop_token, np.int32),
-            max_steps=bucket(max_new_tokens - 1, 16), return_logits=return_logits)
+        stops = np.full(slots, -1 if stop_token is None else stop_token, np.int32)
+
+        def call(cache):
+            out, logits, cache, _ = steps.decode_loop(
+                params, config, cache, table, lengths, first, budget, keys,
+                knobs["temperature"], knobs["top_k"], knobs["top_p"], stops,
+                max_steps=bucket(max_new_tokens - 1, 16), return_logits=return_logits)
+            return (out, logits), cache
+
+        out, logits = pool.run(call)
         out = np.asarray(out)
     t2 = time.perf_counter()
 

@@ -6,9 +6,10 @@ numerics; while others decode, at most `prefill_calls_per_round` calls per round
 whose last chunk is done samples its first token and caches its full pages; then every
 running sequence decodes `decode_steps` tokens on device, and finished requests retire.
 The parts: `requests` (validation, rendering, a live request's state), `scheduler` (queue,
-slots, admission plan, preemption order), `runner` (the device calls), `kvjax.cache.pool`
-(pages: one `PagePool` for the target, one for the draft), `rounds` (one scheduling round
-over them), `results` and `stats`; this facade builds the parts and is the public API.
+slots, preemption order), `runner` (the device calls), `kvjax.cache.manager` (every page and
+device cache: the `KVCacheManager` holds a `PagePool` for the target and one for the draft,
+and plans admissions), `rounds` (one scheduling round over them), `results` and `stats`;
+this facade builds the parts and is the public API.
 
 Exactness (`EngineConfig.numerics="invariant"`, the default): every token's arithmetic
 has shapes that do not depend on the step around it (row-blocked products, row-tiled
@@ -45,6 +46,7 @@ import numpy as np
 
 from kvjax import sharding
 from kvjax.cache.identity import CacheNamespace, adapter_identity, model_fingerprint
+from kvjax.cache.manager import KVCacheManager
 from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket
@@ -119,13 +121,18 @@ class Engine:
         self.sharding = None if mesh is None else sharding.ShardingPlan(mesh, config)
         if self.sharding is not None and lora is not None:
             lora = self.sharding.place_replicated(lora)
-        self.pool = PagePool.for_engine(config, ec, hash_fn, self.sharding)
         self.model = TargetModel(params=None, config=config, lora=lora)
         self._next_id = 0
         self._timers = Timers()
         self._backlog: list[StreamEvent] = []
-        self.spec = None if spec is None else Speculator(spec, draft, config, ec, hash_fn, mesh)
-        self.draft_pool = None if self.spec is None else self.spec.pool
+        self.spec = None if spec is None else Speculator(spec, draft, config, mesh)
+        drafting = self.spec is not None and self.spec.config is not None
+        self.kv = KVCacheManager.for_engine(
+            config, ec, hash_fn, self.sharding,
+            draft_config=self.spec.config if drafting else None,
+            draft_sharding=self.spec.sharding if drafting else None)
+        if drafting:
+            self.kv.draft.fingerprint = self.spec.fingerprint
         if self.spec is not None and spec.adaptive and not self.spec.calibrated \
                 and jax.process_count() > 1:
             raise ConfigError("spec.adaptive", "with several processes every process must "
@@ -140,7 +147,7 @@ class Engine:
             self.model.shardings = self.sharding.steps(draft_plan)
             for note in self.sharding.notes + ([] if draft_plan is None else draft_plan.notes):
                 warnings.warn(f"kvjax mesh: {note}", stacklevel=2)
-        self.runner = StepRunner(self.model, self.pool, ec, self.spec, self._timers,
+        self.runner = StepRunner(self.model, self.kv, ec, self.spec, self._timers,
                                  probe_ok=not self.numerics_problems)
         self.rounds = Rounds(config, ec, self.runner, self._timers, tokenizer)
         self.scheduler = self.rounds.scheduler
@@ -154,20 +161,30 @@ class Engine:
         return canonical(self.model.params, self.config)
 
     @property
+    def pool(self) -> PagePool:
+        """The target model's pool (read-only view; the pages are `self.kv`'s)."""
+        return self.kv.target
+
+    @property
+    def draft_pool(self) -> PagePool | None:
+        """The draft model's pool (None without a draft model)."""
+        return self.kv.draft
+
+    @property
     def cache(self):
-        return self.pool.cache
+        return self.kv.target.cache
 
     @property
-    def allocator(self):
-        return self.pool.allocator
+    def allocator(self):  # a read-only view (tests/test_layout.py allows it here)
+        return self.kv.target.allocator
 
     @property
-    def trie(self):
-        return self.pool.trie
+    def trie(self):  # a read-only view (tests/test_layout.py allows it here)
+        return self.kv.target.trie
 
     @property
     def fingerprint(self) -> str:
-        return self.pool.fingerprint
+        return self.kv.target.fingerprint
 
     @property
     def num_waiting(self) -> int:
@@ -190,11 +207,11 @@ class Engine:
         # Host arrays would be copied at every step: weights live on the device(s).
         self.model.params = (jax.device_put(store(params, self.config))
                               if self.sharding is None else self.sharding.place_params(params))
-        self.pool.fingerprint = model_fingerprint(self.config, params)
+        self.kv.target.fingerprint = model_fingerprint(self.config, params)
 
     def namespace(self, request: Request) -> CacheNamespace:
         """The namespace (without salt) a request's cached states live under."""
-        return self.pool.namespace(request.position_base,
+        return self.kv.target.namespace(request.position_base,
                                    self._adapter_ids.get(request.adapter, "none"))
 
     def submit(self, request: Request) -> int:
@@ -273,7 +290,7 @@ class Engine:
         """Aggregates over every finished or cancelled request so far (`EngineMetrics`: named
         fields, and `m["key"]` as before)."""
         log = self.rounds.admitted_log
-        resident = self.trie.num_nodes
+        pages = self.kv.stats()
         counters = self.rounds.counters
         spec = {} if self.spec is None else {
             "draft_prefill_s": self._timers["draft_prefill_s"],
@@ -281,11 +298,11 @@ class Engine:
             "spec": self.spec.metrics()}
         return EngineMetrics(
             **aggregate(log, self.rounds.operator_log, self.cache_config.page_size),
-            errors=counters["error"], evictions=self.trie.evictions,
-            cow_copies=self.allocator.copies, partial_copies=counters["partial_copies"],
-            preemptions=counters["preemptions"], resident_pages=resident,
-            resident_bytes=resident * self.pool.page_bytes,
-            free_pages=self.allocator.num_free, prefill_s=self._timers["prefill_s"],
+            errors=counters["error"], evictions=pages["evictions"],
+            cow_copies=pages["cow_copies"], partial_copies=counters["partial_copies"],
+            preemptions=counters["preemptions"], resident_pages=pages["resident_pages"],
+            resident_bytes=pages["resident_pages"] * self.kv.target.page_bytes,
+            free_pages=pages["free_pages"], prefill_s=self._timers["prefill_s"],
             decode_s=self._timers["decode_s"], host_s=self._timers["host_s"], **spec)
 
     def write_metrics(self, path) -> None:

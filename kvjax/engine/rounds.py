@@ -1,9 +1,10 @@
 """A scheduling round over the engine's pools: admit, grow, decode, stream, retire.
 
 The engine facade (`engine.py`) builds the parts and holds this; here the parts meet: the
-scheduler picks and plans (`scheduler.py`), the pools give pages (`kvjax.cache.pool`), the
-step runner makes the device calls (`runner.py`), and what a request returns is checked
-and recorded (`results.py`, `stats.py`). Host code: plain Python + numpy.
+scheduler picks (`scheduler.py`), the cache manager plans admissions and gives pages
+(`kvjax.cache.manager`), the step runner makes the device calls (`runner.py`), and what a
+request returns is checked and recorded (`results.py`, `stats.py`). Host code: plain
+Python + numpy.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from kvjax.cache.admission import Admission
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode.prefill import PrefillRow
 from kvjax.engine import results, scheduler, stop_strings
@@ -24,7 +26,7 @@ class Prefill:
     """A seated request whose prompt is being prefilled, chunk by chunk."""
 
     req: LiveRequest
-    adm: scheduler.Admission
+    adm: Admission
     row: PrefillRow  # its pages; its next chunk starts at row.start
     draft: PrefillRow | None  # the draft's, committed with the target's, prefilled alongside
     seconds: float = 0.0  # its shares of the prefill calls it took part in
@@ -39,8 +41,7 @@ class Rounds:
         self.config = config
         self.engine_config = engine_config
         self.runner = runner
-        self.pool, self.spec = runner.pool, runner.spec
-        self.draft_pool = None if self.spec is None else self.spec.pool
+        self.kv, self.spec = runner.kv, runner.spec
         self.tokenizer = tokenizer
         self.scheduler = scheduler.Scheduler(engine_config.max_slots, engine_config.schedule)
         self.live: dict[int, LiveRequest] = {}  # waiting or running
@@ -137,18 +138,16 @@ class Rounds:
         sched, ec = self.scheduler, self.engine_config
         while sched.waiting and (not self.prefilling or self.runner.invariant):
             with self.timers("host_s"):
-                req = sched.pick(lambda r: len(scheduler.match(self.pool, r,
-                                                               ec.prefix_cache).nodes))
+                req = sched.pick(lambda r: len(self.kv.match(r).nodes))
                 free = sched.free_slots()
                 if len(free) < req.request.n:
                     return
-                adm = scheduler.plan_admission(req, self.pool, self.draft_pool,
-                                               ec.prefix_cache, ec.partial_page_copy)
+                adm = self.kv.admit(req)
                 if adm is None:
                     return
                 others = [e.req for e in self.prefilling]
                 if ec.prefix_cache and scheduler.shares_uncached(
-                        req, adm.reuse, others, self.pool.cache_config.page_size):
+                        req, adm.reuse, others, self.kv.page_size):
                     adm.abort()
                     return
                 pages = adm.target.commit()
@@ -163,7 +162,7 @@ class Rounds:
             base = req.request.position_base
             tokens = req.context.tokens
             draft = None if adm.draft is None else PrefillRow(
-                tokens, draft_pages, scheduler.reused_tokens(adm.draft), base)
+                tokens, draft_pages, adm.draft.reused_tokens, base)
             self.prefilling.append(Prefill(
                 req, adm, PrefillRow(tokens, pages, adm.start, base, req.adapter_index),
                 draft))
@@ -182,9 +181,7 @@ class Rounds:
                        else 0, entry.row.start, entry.seconds)
         if self.engine_config.prefix_cache:
             self.runner.cache_written(req, entry.row, entry.draft)
-        self.pool.release(entry.row.pages)
-        if entry.draft is not None:
-            self.draft_pool.release(entry.draft.pages)
+        self.kv.release(entry.row.pages, [] if entry.draft is None else entry.draft.pages)
 
     def _start(self, entry: Prefill, logits, events: list[StreamEvent]) -> None:
         """After its prefill: caches the context, finishes the draft's prefill (chunks it
@@ -195,17 +192,14 @@ class Rounds:
         req, adm, pages, prefill_s = entry.req, entry.adm, entry.row.pages, entry.seconds
         unbounded = self.runner.cache_prompt(req, pages) if ec.prefix_cache else 0
         draft_pages, draft_reused = ([], 0) if entry.draft is None else \
-            (self.runner.prefill_draft(req, entry.draft), scheduler.reused_tokens(adm.draft))
+            (self.runner.prefill_draft(req, entry.draft), adm.draft.reused_tokens)
         n_tok = len(req.context.tokens)
         fresh = [len(s.generated) == n_tok - len(req.tokens) for s in req.seqs]  # not resumed
         first = self.runner.first_tokens(req, logits) if any(fresh) else None
         for j, seq in enumerate(req.seqs):
             seq.pages, seq.draft_pages = list(pages), list(draft_pages)
             if j > 0:  # the samples share the prompt's pages (copy on write)
-                for page in pages:
-                    self.pool.allocator.share(page)
-                for page in draft_pages:
-                    self.draft_pool.allocator.share(page)
+                self.kv.share(pages, draft_pages)
             if fresh[j]:
                 seq.generated.append(int(first[j]))
                 if req.request.return_logits:
@@ -220,8 +214,8 @@ class Rounds:
             if seq.done:
                 self._release_seq(seq)
         record_admission(req, adm.match, adm.reuse, adm.start, adm.target.copied, prefill_s,
-                         unbounded, self.pool.cache_config.page_size)
-        if self.draft_pool is not None and req.stats.draft_reused_tokens is None:
+                         unbounded, self.kv.page_size)
+        if self.kv.draft is not None and req.stats.draft_reused_tokens is None:
             req.stats.draft_reused_tokens = draft_reused  # the first admission's
         if self._emit(req, events):
             self._retire_if_done(req)
@@ -236,11 +230,8 @@ class Rounds:
                 self._preempt(victim)
             return victim is not None
 
-        end, timer = seq.length + tokens, lambda: self.timers("host_s")
-        ok = self.pool.grow(seq.pages, seq.length, end, preempt, timer)
-        if ok and self.draft_pool is not None:
-            ok = self.draft_pool.grow(seq.draft_pages, seq.draft_length, end, preempt, timer)
-        return ok
+        return self.kv.grow(seq.pages, seq.length, seq.length + tokens, seq.draft_pages,
+                            seq.draft_length, preempt, lambda: self.timers("host_s"))
 
     def _preempt(self, req: LiveRequest) -> None:
         """Returns a running request's pages and queues it first. A resumable one (`_resumes`)
@@ -253,7 +244,7 @@ class Rounds:
         if resumes and not req.prefilling:
             seq = req.seqs[0]
             history = (req.tokens + seq.generated)[: max(seq.length, len(req.tokens))]
-            req.context = context(req.request, history, self.pool.cache_config.page_size)
+            req.context = context(req.request, history, self.kv.page_size)
         cached = len(req.context.tokens) - len(req.tokens)  # answer tokens it prefills
         self._release(req)
         for seq in req.seqs:
@@ -290,9 +281,7 @@ class Rounds:
         first (`StepRunner.cache_history`), so a later turn or request reuses them."""
         if cache:
             self.runner.cache_history(seq)
-        self.pool.release(seq.pages)
-        if seq.draft_pages:
-            self.draft_pool.release(seq.draft_pages)
+        self.kv.release(seq.pages, seq.draft_pages)
         seq.pages, seq.draft_pages = [], []
         self.scheduler.vacate(seq)
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax.cache.pool import PagePool
+from kvjax.cache.manager import KVCacheManager
 from kvjax.cache.trie import history_digests
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
@@ -50,10 +50,10 @@ def knobs(requests: list[Request | None]) -> tuple[np.ndarray, np.ndarray, np.nd
 class StepRunner:
     """Runs the target's (and the draft's) device steps over the engine's pools."""
 
-    def __init__(self, model: TargetModel, pool: PagePool, engine_config: EngineConfig,
+    def __init__(self, model: TargetModel, kv: KVCacheManager, engine_config: EngineConfig,
                  speculator, timers: Timers, probe_ok: bool = True):
         self.model = model
-        self.pool = pool
+        self.kv = kv  # every page and device cache, target's and draft's
         self.engine_config = engine_config
         self.spec = speculator  # a `kvjax.speculative.plugin.Speculator`, or None
         self.timers = timers
@@ -79,25 +79,24 @@ class StepRunner:
         `bucket(max_slots)` full rows, so a lone prompt does not crawl through one-row
         calls. Returns (the last token logits [V] of each row this call finished, else
         None; seconds of the target's call)."""
-        m, pool = self.model, self.pool
+        m, kv = self.model, self.kv
         width = self.call_width(len(rows), widen, _longest_left(rows))
         before = self.timers["prefill_s"]
         with self.timers("prefill_s"):
-            logits, pool.cache = prefill_rows(m.params, m.config, pool.cache,
-                                              pool.cache_config, rows, m.lora, m.shardings,
-                                              calls=1, width=width)
+            logits = kv.run(lambda cache: prefill_rows(
+                m.params, m.config, cache, kv.target.cache_config, rows, m.lora, m.shardings,
+                calls=1, width=width))
             logits = [None if x is None else np.asarray(x) for x in logits]
         seconds = self.timers["prefill_s"] - before
         _advance(rows, width)
         left = [r for r in draft_rows if r.start < len(r.tokens)]
         if left:
-            spec, draft = self.spec, self.spec.pool
+            spec = self.spec
             width = self.call_width(len(left), widen, _longest_left(left))
             with self.timers("draft_prefill_s"):
-                _, draft.cache = prefill_rows(spec.params, spec.config, draft.cache,
-                                              draft.cache_config, left,
-                                              sharding=spec.step_shardings, calls=1,
-                                              width=width)
+                kv.run(lambda cache: prefill_rows(
+                    spec.params, spec.config, cache, kv.draft.cache_config, left,
+                    sharding=spec.step_shardings, calls=1, width=width), draft=True)
             _advance(left, width)
         return logits, seconds
 
@@ -109,7 +108,7 @@ class StepRunner:
         `longest` (a short warm tail in a call as wide as the cap costs the whole width).
         Widths are min(chunk, 16) times a power of two, or the cap: at most
         log2(chunk x bucket(max_slots) / min(chunk, 16)) + 2 shapes per row bucket."""
-        chunk = self.pool.cache_config.prefill_chunk
+        chunk = self.kv.target.cache_config.prefill_chunk
         if not (widen and self.invariant):
             return chunk
         share = max(1, bucket(self.engine_config.max_slots) // bucket(rows))
@@ -121,14 +120,13 @@ class StepRunner:
         have held (for `unbounded_reused_tokens`)."""
         ctx, unbounded = req.context, self.unbounded_blocks(req)
         with self.timers("host_s"):
-            self.pool.trie.insert(req.namespace, ctx.tokens, ctx.salts, ctx.digests, pages)
+            self.kv.commit(req, ctx.tokens, ctx.salts, ctx.digests, pages)
         return unbounded
 
     def unbounded_blocks(self, req: LiveRequest) -> int:
         """How many blocks of the context an unbounded cache would hold now."""
         with self.timers("host_s"):
-            return self.pool.trie.unbounded_blocks(req.namespace, req.context.tokens,
-                                                   req.context.salts)
+            return self.kv.unbounded_blocks(req)
 
     def cache_written(self, req: LiveRequest, row: PrefillRow, draft: PrefillRow | None
                       ) -> None:
@@ -136,19 +134,9 @@ class StepRunner:
         start) into the target's trie and the draft's."""
         ctx = req.context
         with self.timers("host_s"):
-            self.pool.trie.insert(req.namespace, ctx.tokens[:row.start], ctx.salts,
-                                  ctx.digests, row.pages)
-            if draft is not None:
-                self._draft_insert(req, ctx.tokens[:draft.start], ctx.salts, ctx.digests,
-                                   draft.pages)
-
-    def _draft_insert(self, req: LiveRequest, tokens: list[int], salts, digests,
-                      pages: list[int]) -> None:
-        """Inserts the full pages of `tokens` held in `pages` into the draft's trie, under
-        the request's draft namespace."""
-        pool = self.spec.pool
-        pool.trie.insert(pool.namespace(req.request.position_base), tokens, salts, digests,
-                         pages)
+            self.kv.commit(req, ctx.tokens[:row.start], ctx.salts, ctx.digests, row.pages,
+                           None if draft is None else ctx.tokens[:draft.start],
+                           [] if draft is None else draft.pages)
 
     def cache_history(self, seq: Seq) -> None:
         """Inserts the full pages of a sample's cached history (its prompt and its answer so
@@ -157,29 +145,27 @@ class StepRunner:
         same history writes; otherwise a decode-written page differs in the last bits."""
         if not self.engine_config.prefix_cache or not self.invariant:
             return
-        req, ps = seq.req, self.pool.cache_config.page_size
+        req, ps = seq.req, self.kv.page_size
         history = (req.tokens + seq.generated)[: seq.length]
         with self.timers("host_s"):
             salts = salts_per_page(req.request, len(history), ps)
             digests = history_digests(history, ps)
-            self.pool.trie.insert(req.namespace, history, salts, digests, seq.pages)
-            if self.spec is not None and self.spec.pool is not None and seq.draft_pages:
-                self._draft_insert(req, history[: seq.draft_length], salts, digests,
-                                   seq.draft_pages)
+            self.kv.commit(req, history, salts, digests, seq.pages,
+                           history[: seq.draft_length], seq.draft_pages)
 
     def prefill_draft(self, req: LiveRequest, row: PrefillRow) -> list[int]:
         """Prefills what is left of the draft's prompt (its row's pages, committed and
         written) and caches its full pages. Returns the pages."""
-        spec, pool = self.spec, self.spec.pool
+        spec, kv = self.spec, self.kv
         if row.start < len(row.tokens):
             with self.timers("draft_prefill_s"):
-                _, pool.cache = prefill_rows(spec.params, spec.config, pool.cache,
-                                             pool.cache_config, [row],
-                                             sharding=spec.step_shardings)
+                kv.run(lambda cache: prefill_rows(
+                    spec.params, spec.config, cache, kv.draft.cache_config, [row],
+                    sharding=spec.step_shardings), draft=True)
             row.start = len(row.tokens)
         if self.engine_config.prefix_cache:
             ctx = req.context
-            self._draft_insert(req, ctx.tokens, ctx.salts, ctx.digests, row.pages)
+            kv.commit(req, None, ctx.salts, ctx.digests, [], ctx.tokens, row.pages)
         return row.pages
 
     @staticmethod
@@ -206,8 +192,8 @@ class StepRunner:
         fill row's last token logits [V] if this call finished it, and the seconds of the
         call charged to prefill (its share of the call's tokens, moved from decode_s to
         prefill_s)."""
-        m, pool, ec = self.model, self.pool, self.engine_config
-        pool.flush_poison()
+        m, kv, ec = self.model, self.kv, self.engine_config
+        kv.flush_poison()
         slots, row_of = self.decode_rows(live, occupied)
         if slots == len(occupied):  # a row per slot
             rows = [[] if s is None else s.pages for s in occupied]
@@ -235,24 +221,26 @@ class StepRunner:
         # one page-table width for the decode rows and the prompts: fewer shapes to compile
         # (attention visits no block past a row's end, so the width costs nothing)
         longest = max(len(p) for p in rows + [r.pages for r in fill])
-        table = page_table(rows, slots, pool.cache_config.block_pages, longest)
+        table = page_table(rows, slots, kv.target.cache_config.block_pages, longest)
         want_logits = any(s.req.request.return_logits for s in live)
         adapter_ids = adapters if m.lora is not None else None
         packed, fill_tokens = self.packed_fill(list(fill), longest)
         before = self.timers["decode_s"]
         with self.timers("decode_s"):
             if self.spec is None:
-                out, logits, pool.cache, new_lengths, *filled = steps.decode_loop(
-                    m.params, m.config, pool.cache, table, lengths, last, budget, keys,
-                    *knobs(requests), stops, max_steps=ec.decode_steps,
-                    return_logits=want_logits, position_offset=offsets, lora=m.lora,
-                    adapter_ids=adapter_ids, sharding=m.shardings, kernel=m.kernel,
-                    fill=packed)
+                def call(cache):
+                    out, logits, cache, new_lengths, *filled = steps.decode_loop(
+                        m.params, m.config, cache, table, lengths, last, budget, keys,
+                        *knobs(requests), stops, max_steps=ec.decode_steps,
+                        return_logits=want_logits, position_offset=offsets, lora=m.lora,
+                        adapter_ids=adapter_ids, sharding=m.shardings, kernel=m.kernel,
+                        fill=packed)
+                    return (out, logits, new_lengths, filled), cache
+
+                out, logits, new_lengths, filled = kv.run(call)
                 fill_logits = np.asarray(filled[0]) if filled else None  # [Bp, V]
             else:
-                if self.spec.pool is not None:
-                    self.spec.pool.flush_poison()
-                res = self.spec.decode(m, pool, ec.decode_steps, live, budgets, gamma, dict(
+                res = self.spec.decode(m, kv, ec.decode_steps, live, budgets, gamma, dict(
                     table=table, lengths=lengths, last=last, budget=budget, keys=keys,
                     knobs=knobs(requests), stops=stops, offsets=offsets, adapters=adapter_ids,
                     want_logits=want_logits))
@@ -299,7 +287,7 @@ class StepRunner:
         Returns (the fill or None, its real tokens)."""
         if not rows:
             return None, 0
-        steps_, pool = self.engine_config.decode_steps, self.pool
+        steps_, pool = self.engine_config.decode_steps, self.kv.target
         chunk = pool.cache_config.prefill_chunk
         width = max(-(-chunk // steps_), min(chunk, 16))
         n = bucket(len(rows))
@@ -329,9 +317,7 @@ class StepRunner:
         request = seq.req.request
         seq.done = len(seq.generated) >= request.max_new_tokens or seq.last in seq.req.stops
         if self.spec is not None:  # rollback: pages wholly past the kept history
-            self.pool.truncate(seq.pages, seq.length)
-            if self.spec.pool is not None:
-                self.spec.pool.truncate(seq.draft_pages, seq.draft_length)
+            self.kv.rollback(seq.pages, seq.length, seq.draft_pages, seq.draft_length)
 
 
 def _longest_left(rows: list[PrefillRow]) -> int:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kvjax.cache.paged import CacheHolder
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
@@ -75,11 +76,7 @@ def noise(seed: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
     return u.reshape(shape).astype(dtype)
 
 
-class Holder:
-    """Keeps the donated cache threaded through repeated timed calls."""
-
-    def __init__(self, cache):
-        self.cache = cache
+Holder = CacheHolder  # keeps the donated cache threaded through repeated timed calls
 
 
 def contiguous_pages(cache_cfg: CacheConfig, batch: int, total: int):
@@ -103,11 +100,14 @@ def multistep_seconds(params, config: ModelConfig, holder: Holder, table, length
     budget = np.full(batch, decode_steps, np.int32)
     last = np.ones(batch, np.int32)
 
-    def multi_step():
-        out, _, holder.cache, _ = steps.decode_loop(
-            params, config, holder.cache, table, lengths, last, budget, keys, temp, zeros,
+    def call(cache):
+        out, _, cache, _ = steps.decode_loop(
+            params, config, cache, table, lengths, last, budget, keys, temp, zeros,
             top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16),
             kernel=kernel)
-        np.asarray(out)
+        return out, cache
+
+    def multi_step():
+        np.asarray(holder.run(call))
 
     return median_seconds(multi_step, reps) / decode_steps

@@ -80,8 +80,7 @@ class ModelDrafter:
 
     def release(self, seq_id: int) -> None:
         _, pages = self._state.pop(seq_id, ([], []))
-        if pages:
-            self.pool.allocator.free(pages)
+        self.pool.release(pages)
 
     def propose(self, histories, gamma, seq_ids=None):
         seq_ids = range(len(histories)) if seq_ids is None else seq_ids
@@ -96,11 +95,11 @@ class ModelDrafter:
             keep += 1
         need = pages_for(len(history) + gamma, cc.page_size) - len(pages)
         if need > 0:
-            pages += self.pool.allocator.allocate(need)
+            pages += self.pool.allocate(need)
         table = page_table([pages], 1, cc.block_pages)
         # Catch up on the accepted history (all but its newest token).
-        _, self.pool.cache = prefill(self.params, self.config, self.pool.cache, cc,
-                                     history[:-1], pages, start=keep)
+        self.pool.run(lambda cache: prefill(self.params, self.config, cache, cc, history[:-1],
+                                            pages, start=keep))
         length = len(history) - 1
         sampling = self.sampling
         temp = 0.0 if sampling is None else sampling.temperature
@@ -111,10 +110,15 @@ class ModelDrafter:
             seed = 0 if sampling is None else sampling.seed
             self._keys[seq_id] = np.asarray(draft_key(seed, seq_id))[None]
         keys = self._keys[seq_id]
-        out, logits, self.pool.cache, _ = steps.decode_loop(
-            self.params, self.config, self.pool.cache, table, np.array([length], np.int32),
-            np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,
-            np.full(1, -1, np.int32), max_steps=gamma, return_logits=temp > 0)
+
+        def call(cache):
+            out, logits, cache, _ = steps.decode_loop(
+                self.params, self.config, cache, table, np.array([length], np.int32),
+                np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,
+                np.full(1, -1, np.int32), max_steps=gamma, return_logits=temp > 0)
+            return (out, logits), cache
+
+        out, logits = self.pool.run(call)
         draft = np.asarray(out)[0, :gamma].tolist()
         self._state[seq_id] = (history + draft[:-1], pages)
         if temp == 0:

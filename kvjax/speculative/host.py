@@ -23,7 +23,7 @@ from kvjax.cache.paged import BatchInfo
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
-from kvjax.decode.batching import bucket, free_past, page_table, pages_for
+from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sample, sampling_arrays, sequence_keys
@@ -74,7 +74,7 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
                                   f"{cache.prefill_chunk})")
     pool = KVPool(config, cache)
     ps = cache.page_size
-    rows = [pool.allocator.allocate(pages_for(len(p), ps)) for p in prompts]
+    rows = [pool.allocate(pages_for(len(p), ps)) for p in prompts]
     stats = SpecStats.empty(gamma)
     policy = GammaPolicy(gamma)
     n = len(prompts)
@@ -114,14 +114,14 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         for i, tokens in zip(active, emitted, strict=True):
             lengths[i] += len(tokens)  # the fed token and the accepted drafts are now cached
             outs[i] += tokens[: max_new_tokens - len(outs[i])]
-            free_past(pool.allocator, rows[i], lengths[i], ps)
+            pool.truncate(rows[i], lengths[i])
     for i in range(n):
         if hasattr(drafter, "release"):
             drafter.release(i)
     result = SpecResult(tokens=outs, stats=stats, pool=pool, rows=rows, lengths=lengths)
     if not keep_pages:
         for row in rows:
-            pool.allocator.free(row)
+            pool.release(row)
     return result
 
 
@@ -145,7 +145,7 @@ def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingC
         g = len(draft)
         need = pages_for(length + 1 + g, cc.page_size) - len(row)
         if need > 0:
-            row += pool.allocator.allocate(need)
+            row += pool.allocate(need)
         page_rows.append(row)
         tokens[j, : 1 + g] = [last, *draft]
         lengths[j], num_new[j], num_draft[j], keys[j] = length, 1 + g, g, key
@@ -158,7 +158,7 @@ def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingC
     batch = BatchInfo(page_table=page_table(page_rows, rows_out, cc.block_pages),
                       lengths=lengths, num_new=num_new)
     t0 = time.perf_counter()
-    logits, pool.cache = steps.extend(params, config, pool.cache, tokens, batch)
+    logits = pool.run(lambda cache: steps.extend(params, config, cache, tokens, batch))
     logits = logits[:, : gamma + 1]  # [rows, γ + 1, V]
     if sampling.temperature == 0:
         accepted, nxt = _greedy(drafts, logits, num_draft)

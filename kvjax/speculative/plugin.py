@@ -1,11 +1,11 @@
-"""The engine's speculative-decoding side: the draft's page pool and trie, γ per call, stats.
+"""The engine's speculative-decoding side: the draft's weights, γ per call, stats.
 
-The draft model keeps its own `PagePool` (its K/V have the draft's shapes; its own
-allocator and prefix trie, keyed by the draft's namespace: the draft's weights and
-attention structure, no adapter: the draft runs without one). A reused prompt therefore
-skips prefill for both models. The engine does the page work for both pools with the same
-code (`kvjax.cache.pool`); this module holds the draft's weights and pool, runs `spec_loop`
-and keeps the statistics.
+The draft model's pages are the second pool of the engine's `KVCacheManager`
+(`kvjax.cache.manager`: its K/V have the draft's shapes; its own allocator and prefix trie,
+keyed by the draft's namespace: the draft's weights and attention structure, no adapter:
+the draft runs without one). A reused prompt therefore skips prefill for both models. This
+module holds the draft's weights, runs `spec_loop` over both caches through the manager and
+keeps the statistics.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from kvjax.cache.identity import model_fingerprint
-from kvjax.cache.pool import PagePool
-from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from kvjax.cache.manager import KVCacheManager
+from kvjax.config import ConfigError, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.layout import store
@@ -29,11 +29,10 @@ from kvjax.speculative.stats import SpecStats
 class Speculator:
     """Runs speculative decode calls for the engine and keeps their statistics."""
 
-    def __init__(self, spec: SpecConfig, draft, config: ModelConfig,
-                 engine_config: EngineConfig, hash_fn=None, mesh=None):
+    def __init__(self, spec: SpecConfig, draft, config: ModelConfig, mesh=None):
         self.spec = spec
-        self.pool: PagePool | None = None  # the draft model's (None: the n-gram drafter)
-        self.params = self.config = self.sharding = None
+        # the draft model's (None: the n-gram drafter); its pool is the manager's `draft`
+        self.params = self.config = self.sharding = self.fingerprint = None
         if spec.drafter == "model":
             if draft is None:
                 raise ConfigError("spec.drafter", "the model drafter needs "
@@ -48,9 +47,7 @@ class Speculator:
             self.params = (jax.device_put(store(params, draft_config))
                            if self.sharding is None else self.sharding.place_params(params))
             self.config = draft_config
-            self.pool = PagePool.for_engine(draft_config, engine_config, hash_fn,
-                                            self.sharding)
-            self.pool.fingerprint = model_fingerprint(draft_config, params)
+            self.fingerprint = model_fingerprint(draft_config, params)
         self.totals = SpecStats.empty(spec.gamma)
         self.policy = GammaPolicy(spec.gamma)
         self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
@@ -71,11 +68,11 @@ class Speculator:
             return self.spec.gamma
         return self.policy.choose(self.cost_ratio, self.verify_slope)
 
-    def decode(self, model, target: PagePool, decode_steps: int, live, budgets: dict[int, int],
-               gamma: int, arrays: dict) -> dict:
+    def decode(self, model, kv: KVCacheManager, decode_steps: int, live,
+               budgets: dict[int, int], gamma: int, arrays: dict) -> dict:
         """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
 
-        `model`: the target (`kvjax.engine.runner.TargetModel`), `target`: its pool.
+        `model`: the target (`kvjax.engine.runner.TargetModel`), `kv`: the pools.
 
         `arrays` holds the engine's per-slot arrays (table, lengths, last, budget, keys,
         knobs, stops, offsets, adapters) and want_logits. Returns the loop's outputs as
@@ -83,8 +80,7 @@ class Speculator:
         """
         slots = len(arrays["lengths"])
         kwargs = {}
-        if self.pool is not None:
-            pool = self.pool
+        if kv.draft is not None:
             rows = [[] for _ in range(slots)]
             draft_lengths = np.zeros(slots, np.int32)
             prev = np.zeros(slots, np.int32)
@@ -92,8 +88,8 @@ class Speculator:
                 rows[seq.slot] = seq.draft_pages
                 draft_lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
             kwargs = dict(draft_params=self.params, draft_config=self.config,
-                          draft_cache=pool.cache,
-                          draft_page_table=page_table(rows, slots, pool.cache_config.block_pages),
+                          draft_page_table=page_table(rows, slots,
+                                                      kv.draft.cache_config.block_pages),
                           draft_lengths=draft_lengths, prev=prev)
         else:
             width = bucket(max(s.length + 1 + budgets[s.slot] for s in live), 64)
@@ -102,19 +98,21 @@ class Speculator:
                 row = seq.req.tokens + seq.generated
                 history[seq.slot, : len(row)] = row
             kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
-        out = spec_loop(model.params, model.config, target.cache, arrays["table"],
-                        arrays["lengths"], arrays["last"], arrays["budget"], arrays["keys"],
-                        *arrays["knobs"], arrays["stops"], drafter=self.spec.drafter,
-                        gamma=gamma, max_out=decode_steps,
-                        return_logits=arrays["want_logits"], position_offset=arrays["offsets"],
-                        lora=model.lora, adapter_ids=arrays["adapters"],
-                        sharding=model.shardings, **kwargs)
-        target.cache = out.pop("cache")
-        draft_cache = out.pop("draft_cache")
-        if self.pool is not None:
-            self.pool.cache = draft_cache
+
+        def call(cache, draft_cache):
+            out = spec_loop(model.params, model.config, cache, arrays["table"],
+                            arrays["lengths"], arrays["last"], arrays["budget"],
+                            arrays["keys"], *arrays["knobs"], arrays["stops"],
+                            drafter=self.spec.drafter, gamma=gamma, max_out=decode_steps,
+                            return_logits=arrays["want_logits"],
+                            position_offset=arrays["offsets"], lora=model.lora,
+                            adapter_ids=arrays["adapters"], sharding=model.shardings,
+                            draft_cache=draft_cache, **kwargs)
+            return out, out.pop("cache"), out.pop("draft_cache")
+
+        out = kv.run_both(call)
         out = {k: (None if v is None else np.asarray(v)) for k, v in out.items()}
-        if self.pool is not None:
+        if kv.draft is not None:
             for seq in live:
                 seq.draft_length = int(out["draft_lengths"][seq.slot])
                 seq.prev = int(out["prev"][seq.slot])
