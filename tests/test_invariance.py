@@ -297,7 +297,7 @@ def test_idle_slots_cost_nothing(p, alone, monkeypatch):
     rows = []
     decode_loop = steps.decode_loop
     monkeypatch.setattr(steps, "decode_loop",
-                        lambda *a, **k: rows.append(a[4].shape[0]) or decode_loop(*a, **k))
+                        lambda *a, **k: rows.append(a[3].lengths.shape[0]) or decode_loop(*a, **k))
     assert_same(engine(p).generate(requests()[:1]), alone[:1])
     assert set(rows) == {2}
     rows.clear()

@@ -35,7 +35,8 @@ MAX_LINES = 400
 
 # Host code: plain Python + numpy (what it imports of kvjax must be host code too).
 HOST = ["kvjax.config", "kvjax.errors", "kvjax.cache.allocator", "kvjax.cache.trie",
-        "kvjax.cache.identity", "kvjax.cache.admission", "kvjax.decode.batching", "kvjax.decode.prompts",
+        "kvjax.cache.identity", "kvjax.cache.admission", "kvjax.decode.batching",
+        "kvjax.decode.prompts",
         "kvjax.engine.requests", "kvjax.engine.scheduler", "kvjax.engine.results",
         "kvjax.engine.stats", "kvjax.lab.workloads", "kvjax.lab.progress",
         "kvjax.speculative.gamma", "kvjax.speculative.stats"]
@@ -348,7 +349,7 @@ def test_pages_have_one_owner():
     assert not breaches, breaches
 
 
-@pytest.mark.parametrize("source,breaches", [
+@pytest.mark.parametrize(("source", "breaches"), [
     ("pool.trie.insert(ns, tokens, salts, digests, pages)", 1),
     ("logits, pool.cache = step(pool.cache)", 1),
     ("out, (a, *self.pool.cache) = f()", 1),

@@ -37,6 +37,7 @@ from helpers import prefill, small_model
 import kvjax
 from kvjax import CacheConfig, SamplingConfig, init_cache
 from kvjax.decode.sampling import probabilities, sequence_keys
+from kvjax.decode.state import decode_state
 from kvjax.speculative import host as host_spec
 from kvjax.speculative import loop as device_spec
 from kvjax.speculative.drafters import ModelDrafter
@@ -59,11 +60,6 @@ def models():
     target, other = _sharp(2), _sharp(9)
     draft = jax.tree_util.tree_map(lambda a, b: 0.4 * a + 0.6 * b, target, other)
     return target, draft
-
-
-def _knobs(n: int):
-    return (np.full(n, TEMP, np.float32), np.full(n, TOP_K, np.int32),
-            np.full(n, TOP_P, np.float32))
 
 
 def _reference_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -198,12 +194,13 @@ def _device_tokens(models) -> tuple[np.ndarray, dict]:
     # Page 1 (the prompt's first 4 tokens) is shared read-only by every row.
     table = np.array([[1, 2 + 3 * i, 3 + 3 * i, 4 + 3 * i] for i in range(ROWS)], np.int32)
     full = lambda x: np.full(ROWS, x, np.int32)  # noqa: E731
-    out = device_spec.spec_loop(
-        target, CONFIG, caches[0], table, full(4), full(PROMPT[4]), full(NEW),
-        np.asarray(sequence_keys(0, ROWS)), *_knobs(ROWS), full(-1), drafter="model",
-        gamma=GAMMA, max_out=NEW, draft_params=draft, draft_config=CONFIG,
-        draft_cache=caches[1], draft_page_table=table, draft_lengths=full(4), prev=full(0))
-    return np.asarray(out["tokens"]), {k: np.asarray(out[k]) for k in (
+    state = decode_state(table, full(4), full(PROMPT[4]), full(NEW), sequence_keys(0, ROWS),
+                         [SamplingConfig(temperature=TEMP, top_k=TOP_K, top_p=TOP_P)] * ROWS)
+    out, _, _ = device_spec.spec_loop(
+        target, CONFIG, caches[0], state, drafter="model", gamma=GAMMA, max_out=NEW,
+        draft_params=draft, draft_config=CONFIG, draft_cache=caches[1],
+        draft=device_spec.DraftState(page_table=table, lengths=full(4), prev=full(0)))
+    return np.asarray(out.tokens), {k: np.asarray(getattr(out.stats, k)) for k in (
         "accepted", "drafted", "verifications", "accepted_by_position")}
 
 

@@ -20,7 +20,7 @@ from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.config_files import load_config
 from kvjax.decode import steps
-from kvjax.decode.sampling import sample
+from kvjax.decode.sampling import sample_jit, sampling_rows
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import (
     Holder,
@@ -59,9 +59,7 @@ def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int,
 
     # Multi-step decode on device vs one jitted call per token from Python.
     multi_s = multistep_seconds(params, config, paged, table, lengths, decode_steps, reps)
-    sample_jit = jax.jit(sample)
-    keys, zeros = np.zeros((batch, 2), np.uint32), np.zeros(batch, np.int32)
-    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
+    keys, knobs = np.zeros((batch, 2), np.uint32), sampling_rows([], batch)
 
     def python_loop():
         last = tokens
@@ -69,7 +67,7 @@ def bench_point(params, config: ModelConfig, cache_cfg: CacheConfig, batch: int,
             b = BatchInfo(page_table=table, lengths=lengths + i, num_new=one)
             logits = paged.run(lambda cache, last=last, b=b: steps.extend(
                 params, config, cache, last, b))
-            nxt = sample_jit(logits[:, 0], keys, lengths + i + 1, temp, zeros, top_p)
+            nxt = sample_jit(logits[:, 0], keys, lengths + i + 1, *knobs)
             last = np.asarray(nxt)[:, None]  # the host needs each token (stop checks)
 
     loop_s = median_seconds(python_loop, max(1, reps // 2), warmup=1) / decode_steps

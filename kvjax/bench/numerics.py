@@ -26,6 +26,7 @@ from kvjax.config import CacheConfig
 from kvjax.config_files import load_config
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
+from kvjax.decode.state import decode_state
 from kvjax.engine.engine import numerics_blocks
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import filled_with_noise, median_seconds
@@ -50,18 +51,13 @@ class _Point:
         pages = (CONTEXT + DECODE_STEPS) // self.cache_cfg.page_size + 1
         table = page_table([list(range(i * pages, (i + 1) * pages)) for i in range(batch)],
                            batch, self.cache_cfg.block_pages)
-        zeros = np.zeros(batch, np.float32)
-
-        def call(cache):
-            out, _, cache, _ = steps.decode_loop(
-                self.params, self.model, cache, table, np.full(batch, CONTEXT, np.int32),
-                np.zeros(batch, np.int32), np.full(batch, DECODE_STEPS, np.int32),
-                np.zeros((batch, 2), np.uint32), zeros, np.zeros(batch, np.int32), zeros + 1,
-                np.full(batch, -1, np.int32), max_steps=DECODE_STEPS)
-            return out, cache
+        state = decode_state(table, np.full(batch, CONTEXT), np.zeros(batch),
+                             np.full(batch, DECODE_STEPS), np.zeros((batch, 2)))
 
         def run():
-            self.holder.run(call).block_until_ready()
+            self.holder.run(lambda cache: steps.decode_loop(
+                self.params, self.model, cache, state, max_steps=DECODE_STEPS)
+            ).tokens.block_until_ready()
         return run
 
     def extend(self, tokens: np.ndarray, lengths: list[int], rows: list[list[int]]):

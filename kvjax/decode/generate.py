@@ -26,7 +26,8 @@ from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.prefill import PrefillRow, prefill, prefill_rows
 from kvjax.decode.prompts import validate_prompts
-from kvjax.decode.sampling import sample, sampling_arrays, sequence_keys
+from kvjax.decode.sampling import sample_jit, sampling_rows, sequence_keys
+from kvjax.decode.state import decode_state
 from kvjax.errors import InvalidRequestError
 
 
@@ -51,9 +52,6 @@ def prefill_prompts(params, config: ModelConfig, pool: KVPool, prompts: list[lis
     return jnp.stack([pool.run(lambda cache, prompt=prompt, pages=pages: prefill(
         params, config, cache, pool.cache_config, prompt, pages))
         for prompt, pages in zip(prompts, rows, strict=True)])
-
-
-_sample_jit = jax.jit(sample)
 
 
 def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
@@ -100,14 +98,14 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
     slots = bucket(n)
     keys = np.zeros((slots, 2), np.uint32)
     keys[:n] = np.asarray(sequence_keys(sampling.seed, n))
-    knobs = sampling_arrays(sampling, slots)
+    samplings = [sampling] * n
     lengths = np.zeros(slots, np.int32)
     lengths[:n] = [len(p) for p in prompts]
 
     t0 = time.perf_counter()
     first_logits = prefill_prompts(params, config, pool, prompts, rows)
     first_logits = jnp.pad(first_logits, ((0, slots - n), (0, 0)))
-    first = _sample_jit(first_logits, keys, lengths, **knobs)
+    first = sample_jit(first_logits, keys, lengths, *sampling_rows(samplings, slots))
     first = np.asarray(first)
     t1 = time.perf_counter()
 
@@ -119,16 +117,12 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
     logits = np.zeros((slots, 0, config.vocab_size), np.float32) if return_logits else None
     if budget.any():
         table = page_table(rows, slots, pool.cache_config.block_pages)
-        stops = np.full(slots, -1 if stop_token is None else stop_token, np.int32)
-
-        def call(cache):
-            out, logits, cache, _ = steps.decode_loop(
-                params, config, cache, table, lengths, first, budget, keys,
-                knobs["temperature"], knobs["top_k"], knobs["top_p"], stops,
-                max_steps=bucket(max_new_tokens - 1, 16), return_logits=return_logits)
-            return (out, logits), cache
-
-        out, logits = pool.run(call)
+        state = decode_state(table, lengths, first, budget, keys, samplings,
+                             np.full(slots, -1 if stop_token is None else stop_token))
+        res = pool.run(lambda cache: steps.decode_loop(
+            params, config, cache, state, max_steps=bucket(max_new_tokens - 1, 16),
+            return_logits=return_logits))
+        out, logits = res.tokens, res.logits
         out = np.asarray(out)
     t2 = time.perf_counter()
 

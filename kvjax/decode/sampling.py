@@ -9,6 +9,8 @@ Legend: B batch, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,13 +27,23 @@ def sequence_keys(seed: int, num_sequences: int) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(num_sequences))
 
 
+def sampling_rows(samplings: Sequence[SamplingConfig | None], rows: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(temperature float32[B], top_k int32[B], top_p float32[B]): one row per entry of
+    `samplings` (None: greedy), padded with greedy rows to `rows` (a step may mix
+    settings). The one builder of sampling arrays."""
+    rows = len(samplings) if rows is None else rows
+    greedy = SamplingConfig(temperature=0.0)
+    picked = [s or greedy for s in samplings] + [greedy] * (rows - len(samplings))
+    return (np.array([s.temperature for s in picked], np.float32),
+            np.array([s.top_k for s in picked], np.int32),
+            np.array([s.top_p for s in picked], np.float32))
+
+
 def sampling_arrays(sampling: SamplingConfig, batch: int) -> dict[str, np.ndarray]:
-    """Per-sequence sampling parameters as arrays (a step may mix settings)."""
-    return {
-        "temperature": np.full((batch,), sampling.temperature, np.float32),
-        "top_k": np.full((batch,), sampling.top_k, np.int32),
-        "top_p": np.full((batch,), sampling.top_p, np.float32),
-    }
+    """`sampling_rows` of one setting for `batch` rows, by name."""
+    return dict(zip(("temperature", "top_k", "top_p"),
+                    sampling_rows([sampling] * batch), strict=True))
 
 
 def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -93,3 +105,6 @@ def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature
         return jnp.where(temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.all(temperature == 0), lambda: greedy, stochastic)
+
+
+sample_jit = jax.jit(sample)  # the one jitted sampler the host calls (first tokens)

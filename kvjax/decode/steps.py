@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.decode.sampling import sample
+from kvjax.decode.state import DecodeState
 from kvjax.model.kernels import AttentionKernel
 from kvjax.model.layout import unstored
 from kvjax.model.transformer import Cache, Transformer
@@ -109,87 +110,103 @@ def _fill_step(fill: Fill, step: jax.Array, batch: BatchInfo, last: jax.Array,
     return tokens, positions, ids, (batch, fbatch), ((b, 1), (bp, f)), at, finishing
 
 
+@flax.struct.dataclass
+class DecodeResult:
+    """What a decode call returns besides the cache."""
+
+    tokens: jax.Array  # int32[B, S] (-1 past the end)
+    logits: jax.Array | None  # float32[B, S, V] the logits each token was sampled from
+    lengths: jax.Array  # int32[B] tokens cached after the call
+    fill_logits: jax.Array | None = None  # float32[Bp, V] with `fill` (zeros: unfinished)
+
+
+@flax.struct.dataclass
+class _Carry:
+    """The decode loop's state between steps."""
+
+    step: jax.Array  # int32
+    cache: Cache
+    lengths: jax.Array  # int32[B]
+    last: jax.Array  # int32[B]
+    done: jax.Array  # bool[B]
+    tokens: jax.Array  # int32[B, S]
+    logits: jax.Array  # float32[B, S, V], or [0] without return_logits
+    fill_logits: jax.Array  # float32[Bp, V], Bp = 0 without fill
+
+
 @partial(jax.jit,
          static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel"),
          donate_argnames=("cache",))
-def decode_loop(params: dict, config: ModelConfig, cache: Cache, page_table: jax.Array,
-                lengths: jax.Array, last: jax.Array, budget: jax.Array, keys: jax.Array,
-                temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                stop_token: jax.Array, max_steps: int, return_logits: bool = False,
-                position_offset: jax.Array | None = None, lora: dict | None = None,
-                adapter_ids: jax.Array | None = None, sharding: StepShardings | None = None,
-                kernel: AttentionKernel | None = None, fill: Fill | None = None):
+def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeState,
+                max_steps: int, return_logits: bool = False, lora: dict | None = None,
+                sharding: StepShardings | None = None, kernel: AttentionKernel | None = None,
+                fill: Fill | None = None) -> tuple[DecodeResult, Cache]:
     """Decodes up to `max_steps` tokens per sequence on device, sampling inside the loop.
 
-    Donates `cache`. Sequence b feeds `last[b]` (not yet cached, at position `lengths[b]`),
-    then keeps sampling until it has produced `budget[b]` tokens or sampled `stop_token[b]`
-    (-1: none). The loop ends as soon as every sequence is done (and `fill` is written).
+    Donates `cache`. Row b feeds `state.last[b]` (not yet cached, at slot
+    `state.lengths[b]`), then keeps sampling until it has produced `state.budget[b]` tokens
+    or sampled one of its `state.stop_ids`. The loop ends as soon as every row is done (and
+    `fill` is written). `lora` (stacked adapters) serves `state.adapter_ids`; `sharding`:
+    see `extend`; `kernel`: the decode-attention kernel (None: the reference).
 
     `fill` (see `Fill`) prefills prompts in the same steps: each step is one packed call of
     the decode tokens and every prompt's next slice (`Transformer`'s `groups`). Under
     invariant numerics a token's bits do not depend on what shares its step, so the decode
     rows and the prompts' pages and logits are those of separate calls.
 
-    Args:
-      page_table: int32[B, P]; lengths, last, budget: int32[B]; keys: uint32[B, 2];
-      temperature, top_p: float32[B]; top_k: int32[B]; stop_token: int32[B] or [B, K]
-      (any of a row's ids ends it; -1: none);
-      position_offset, adapter_ids: int32[B] or None; sharding: see `extend`;
-      kernel: the decode-attention kernel (None: the reference).
-    Returns:
-      tokens int32[B, S] (-1 past the end), logits float32[B, S, V] or None, the cache,
-      the final lengths int32[B]; with `fill`, also each prompt's last token logits
-      [Bp, V] (zeros for a prompt this call does not finish).
+    Returns (DecodeResult, the cache): logits only with `return_logits`, fill_logits only
+    with `fill`.
     """
     note_trace("decode_loop")
-    b = last.shape[0]
+    b = state.last.shape[0]
     vocab = config.vocab_size
-    out_tokens = jnp.full((b, max_steps), -1, jnp.int32)
-    out_logits = jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32)
     model = Transformer(config, sharding, kernel)
+    adapter_ids = state.adapter_ids
 
-    def cond(state):  # state: (step, cache, lengths, last, done, out_tokens, out_logits, _)
-        filling = False if fill is None else jnp.any(fill.count > state[0] * fill.tokens.shape[2])
-        return (state[0] < max_steps) & (~jnp.all(state[4]) | filling)
+    def cond(c: _Carry):
+        filling = False if fill is None else jnp.any(fill.count > c.step * fill.tokens.shape[2])
+        return (c.step < max_steps) & (~jnp.all(c.done) | filling)
 
-    def body(state):
-        step, cache, lengths, last, done, out_tokens, out_logits, fill_logits = state
-        active = ~done
-        batch = BatchInfo(page_table=page_table, lengths=lengths,
-                          num_new=active.astype(jnp.int32), position_offset=position_offset)
+    def body(c: _Carry) -> _Carry:
+        active = ~c.done
+        batch = BatchInfo(page_table=state.page_table, lengths=c.lengths,
+                          num_new=active.astype(jnp.int32),
+                          position_offset=state.position_offset)
         # the variables inside the loop: a stored kernel's transposed view must sit beside
         # its product for XLA to fold it (hoisted, it would be copied into a plain layout)
         variables = model_variables(params, lora, config)
+        fill_logits = c.fill_logits
         if fill is None:
-            logits, cache = model.apply(variables, last[:, None], model_positions(batch, 1),
-                                        cache, batch, adapter_ids)
+            logits, cache = model.apply(variables, c.last[:, None], model_positions(batch, 1),
+                                        c.cache, batch, adapter_ids)
         else:
             tokens, positions, ids, batches, groups, at, finishing = _fill_step(
-                fill, step, batch, last, adapter_ids)
-            logits, cache = model.apply(variables, tokens, positions, cache, batches, ids, at,
-                                        groups)
+                fill, c.step, batch, c.last, adapter_ids)
+            logits, cache = model.apply(variables, tokens, positions, c.cache, batches, ids,
+                                        at, groups)
             fill_logits = jnp.where(finishing[:, None], logits[b:, 0], fill_logits)
             logits = logits[:b]
-        cache = maybe_constrain_cache(sharding, cache)
         logits = logits[:, 0]  # [B, V]
-        offset = 0 if position_offset is None else position_offset
-        nxt = sample(logits, keys, offset + lengths + 1, temperature, top_k, top_p)
-        out_tokens = out_tokens.at[:, step].set(jnp.where(active, nxt, -1))
-        if return_logits:
-            out_logits = out_logits.at[:, step].set(logits)
-        lengths = lengths + active.astype(jnp.int32)
-        done = done | (step + 1 >= budget) | jnp.any(nxt[:, None] == stops, axis=1)
-        return (step + 1, cache, lengths, jnp.where(active, nxt, last), done, out_tokens,
-                out_logits, fill_logits)
+        offset = 0 if state.position_offset is None else state.position_offset
+        nxt = sample(logits, state.keys, offset + c.lengths + 1, *state.knobs)
+        stopped = jnp.any(nxt[:, None] == state.stop_ids, axis=1)
+        return _Carry(
+            step=c.step + 1, cache=maybe_constrain_cache(sharding, cache),
+            lengths=c.lengths + active.astype(jnp.int32),
+            last=jnp.where(active, nxt, c.last),
+            done=c.done | (c.step + 1 >= state.budget) | stopped,
+            tokens=c.tokens.at[:, c.step].set(jnp.where(active, nxt, -1)),
+            logits=c.logits.at[:, c.step].set(logits) if return_logits else c.logits,
+            fill_logits=fill_logits)
 
-    stops = stop_token if stop_token.ndim == 2 else stop_token[:, None]  # [B, K], -1: none
-    done = budget <= 0
-    fill_logits = jnp.zeros((0 if fill is None else fill.count.shape[0], vocab), jnp.float32)
-    state = (jnp.int32(0), maybe_constrain_cache(sharding, cache), lengths, last, done,
-             out_tokens, out_logits, fill_logits)
-    _, cache, lengths, _, _, out_tokens, out_logits, fill_logits = jax.lax.while_loop(
-        cond, body, state)
-    out_tokens, out_logits, lengths = maybe_replicated(sharding, (out_tokens, out_logits, lengths))
-    cache = maybe_constrain_cache(sharding, cache)
-    out = out_tokens, (out_logits if return_logits else None), cache, lengths
-    return out if fill is None else (*out, fill_logits)
+    bp = 0 if fill is None else fill.count.shape[0]
+    out = jax.lax.while_loop(cond, body, _Carry(
+        step=jnp.int32(0), cache=maybe_constrain_cache(sharding, cache),
+        lengths=state.lengths, last=state.last, done=state.budget <= 0,
+        tokens=jnp.full((b, max_steps), -1, jnp.int32),
+        logits=jnp.zeros((b, max_steps, vocab) if return_logits else (0,), jnp.float32),
+        fill_logits=jnp.zeros((bp, vocab), jnp.float32)))
+    tokens, logits, lengths = maybe_replicated(sharding, (out.tokens, out.logits, out.lengths))
+    result = DecodeResult(tokens=tokens, logits=logits if return_logits else None,
+                          lengths=lengths, fill_logits=None if fill is None else out.fill_logits)
+    return result, maybe_constrain_cache(sharding, out.cache)

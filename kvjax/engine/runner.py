@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from kvjax.cache.manager import KVCacheManager
@@ -20,11 +19,11 @@ from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table
 from kvjax.decode.prefill import PrefillRow, prefill_rows
-from kvjax.decode.sampling import sample
-from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Request, Seq, salts_per_page
+from kvjax.decode.sampling import sample_jit, sampling_rows
+from kvjax.decode.state import decode_state
+from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Seq, salts_per_page
 from kvjax.engine.stats import Timers
 
-_sample = jax.jit(sample)
 LIVE_ROWS = 2  # the fewest rows a decode call of live samples alone runs (a lone row pads)
 
 
@@ -37,14 +36,6 @@ class TargetModel:
     lora: Any = None  # the loaded adapters, stacked (`kvjax.model.lora.stack_adapters`)
     shardings: Any = None  # `kvjax.sharding.StepShardings` on a mesh
     kernel: Any = None  # the decode attention kernel (None: the reference)
-
-
-def knobs(requests: list[Request | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """temperature, top_k, top_p per row (greedy for empty rows)."""
-    temperature = np.array([r.sampling.temperature if r else 0.0 for r in requests], np.float32)
-    top_k = np.array([r.sampling.top_k if r else 0 for r in requests], np.int32)
-    top_p = np.array([r.sampling.top_p if r else 1.0 for r in requests], np.float32)
-    return temperature, top_k, top_p
 
 
 class StepRunner:
@@ -174,9 +165,10 @@ class StepRunner:
         the one after the answer tokens a resumed request prefilled)."""
         n = req.request.n
         position = req.request.position_base + len(req.context.tokens)
-        return np.asarray(_sample(np.repeat(logits[None], n, 0),
-                                  np.stack([s.key for s in req.seqs]),
-                                  np.full(n, position, np.int32), *knobs([req.request] * n)))
+        return np.asarray(sample_jit(np.repeat(logits[None], n, 0),
+                                     np.stack([s.key for s in req.seqs]),
+                                     np.full(n, position, np.int32),
+                                     *sampling_rows([req.request.sampling] * n)))
 
     # -- decode --------------------------------------------------------------------------------
     def decode(self, live: list[Seq], budgets: dict[int, int], gamma: int,
@@ -208,14 +200,14 @@ class StepRunner:
         offsets = np.zeros(slots, np.int32)
         adapters = np.zeros(slots, np.int32)
         stops = np.full((slots, MAX_STOP_TOKENS), -1, np.int32)
-        requests = [None] * slots
+        samplings = [None] * slots
         for seq in live:
             i, r = row_of[id(seq)], seq.req.request
             lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[seq.slot], \
                 seq.key
             offsets[i], adapters[i] = r.position_base, seq.req.adapter_index
             stops[i, : len(seq.req.stops)] = seq.req.stops
-            requests[i] = r
+            samplings[i] = r.sampling
         if fill and self.spec is not None:
             raise ValueError("packed prefill is for plain decoding only")
         # one page-table width for the decode rows and the prompts: fewer shapes to compile
@@ -223,28 +215,21 @@ class StepRunner:
         longest = max(len(p) for p in rows + [r.pages for r in fill])
         table = page_table(rows, slots, kv.target.cache_config.block_pages, longest)
         want_logits = any(s.req.request.return_logits for s in live)
-        adapter_ids = adapters if m.lora is not None else None
+        state = decode_state(table, lengths, last, budget, keys, samplings, stops, offsets,
+                             adapters if m.lora is not None else None)
         packed, fill_tokens = self.packed_fill(list(fill), longest)
         before = self.timers["decode_s"]
         with self.timers("decode_s"):
             if self.spec is None:
-                def call(cache):
-                    out, logits, cache, new_lengths, *filled = steps.decode_loop(
-                        m.params, m.config, cache, table, lengths, last, budget, keys,
-                        *knobs(requests), stops, max_steps=ec.decode_steps,
-                        return_logits=want_logits, position_offset=offsets, lora=m.lora,
-                        adapter_ids=adapter_ids, sharding=m.shardings, kernel=m.kernel,
-                        fill=packed)
-                    return (out, logits, new_lengths, filled), cache
-
-                out, logits, new_lengths, filled = kv.run(call)
-                fill_logits = np.asarray(filled[0]) if filled else None  # [Bp, V]
+                res = kv.run(lambda cache: steps.decode_loop(
+                    m.params, m.config, cache, state, max_steps=ec.decode_steps,
+                    return_logits=want_logits, lora=m.lora, sharding=m.shardings,
+                    kernel=m.kernel, fill=packed))
+                fill_logits = None if packed is None else np.asarray(res.fill_logits)  # [Bp, V]
             else:
-                res = self.spec.decode(m, kv, ec.decode_steps, live, budgets, gamma, dict(
-                    table=table, lengths=lengths, last=last, budget=budget, keys=keys,
-                    knobs=knobs(requests), stops=stops, offsets=offsets, adapters=adapter_ids,
-                    want_logits=want_logits))
-                out, logits, new_lengths = res["tokens"], res["logits"], res["lengths"]
+                res = self.spec.decode(m, kv, ec.decode_steps, live, budgets, gamma, state,
+                                       want_logits)
+            out, logits, new_lengths = res.tokens, res.logits, res.lengths
             out, new_lengths = np.asarray(out), np.asarray(new_lengths)
             logits = np.asarray(logits) if want_logits else None
         for seq in live:

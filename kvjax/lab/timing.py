@@ -22,6 +22,7 @@ from kvjax.cache.paged import CacheHolder
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
+from kvjax.decode.state import decode_state
 
 
 def median_timed(fn, reps: int, warmup: int = 0) -> tuple[float, object]:
@@ -94,20 +95,12 @@ def multistep_seconds(params, config: ModelConfig, holder: Holder, table, length
     `steps.decode_loop` from `lengths` (the cache in `holder` is threaded through), with
     the decode-attention `kernel` (`kvjax.model.kernels.AttentionKernel`; None: reference)."""
     batch = len(lengths)
-    zeros = np.zeros(batch, np.int32)
-    keys = np.zeros((batch, 2), np.uint32)
-    temp, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
-    budget = np.full(batch, decode_steps, np.int32)
-    last = np.ones(batch, np.int32)
-
-    def call(cache):
-        out, _, cache, _ = steps.decode_loop(
-            params, config, cache, table, lengths, last, budget, keys, temp, zeros,
-            top_p, np.full(batch, -1, np.int32), max_steps=bucket(decode_steps, 16),
-            kernel=kernel)
-        return out, cache
+    state = decode_state(table, lengths, np.ones(batch), np.full(batch, decode_steps),
+                         np.zeros((batch, 2)))
 
     def multi_step():
-        np.asarray(holder.run(call))
+        np.asarray(holder.run(lambda cache: steps.decode_loop(
+            params, config, cache, state, max_steps=bucket(decode_steps, 16),
+            kernel=kernel)).tokens)
 
     return median_seconds(multi_step, reps) / decode_steps

@@ -22,6 +22,7 @@ from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.decode.prefill import prefill
 from kvjax.decode.sampling import DRAFT_TAG, probabilities
+from kvjax.decode.state import decode_state
 
 
 def draft_key(seed: int, seq_id: int) -> jax.Array:
@@ -103,27 +104,18 @@ class ModelDrafter:
         length = len(history) - 1
         sampling = self.sampling
         temp = 0.0 if sampling is None else sampling.temperature
-        knobs = (np.full(1, temp, np.float32),
-                 np.full(1, 0 if sampling is None else sampling.top_k, np.int32),
-                 np.full(1, 1.0 if sampling is None else sampling.top_p, np.float32))
         if seq_id not in self._keys:
             seed = 0 if sampling is None else sampling.seed
             self._keys[seq_id] = np.asarray(draft_key(seed, seq_id))[None]
         keys = self._keys[seq_id]
-
-        def call(cache):
-            out, logits, cache, _ = steps.decode_loop(
-                self.params, self.config, cache, table, np.array([length], np.int32),
-                np.array([history[-1]], np.int32), np.array([gamma], np.int32), keys, *knobs,
-                np.full(1, -1, np.int32), max_steps=gamma, return_logits=temp > 0)
-            return (out, logits), cache
-
-        out, logits = self.pool.run(call)
-        draft = np.asarray(out)[0, :gamma].tolist()
+        state = decode_state(table, [length], [history[-1]], [gamma], keys, [sampling])
+        res = self.pool.run(lambda cache: steps.decode_loop(
+            self.params, self.config, cache, state, max_steps=gamma, return_logits=temp > 0))
+        draft = np.asarray(res.tokens)[0, :gamma].tolist()
         self._state[seq_id] = (history + draft[:-1], pages)
         if temp == 0:
             return draft, None
-        return draft, np.asarray(probabilities(logits, *knobs)[0])
+        return draft, np.asarray(probabilities(res.logits, *state.knobs)[0])
 
 
 def make_drafter(spec: SpecConfig, draft: tuple | None = None,

@@ -26,7 +26,7 @@ from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
-from kvjax.decode.sampling import probabilities, sample, sampling_arrays, sequence_keys
+from kvjax.decode.sampling import probabilities, sample_jit, sampling_rows, sequence_keys
 from kvjax.errors import InvalidRequestError
 from kvjax.speculative.drafters import Drafter
 from kvjax.speculative.gamma import GammaPolicy
@@ -43,7 +43,6 @@ class SpecResult:
     lengths: list[int]  # each sequence's cached tokens at the end
 
 
-_sample = jax.jit(sample)
 _probs = jax.jit(probabilities)
 _greedy = jax.jit(greedy_accept)
 _exact = jax.jit(sampling_accept)
@@ -80,12 +79,11 @@ def speculative_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     n = len(prompts)
     slots = bucket(n)
     keys = np.asarray(sequence_keys(sampling.seed, n))
-    t, k, p_ = (np.full(1, sampling.temperature, np.float32), np.full(1, sampling.top_k, np.int32),
-                np.full(1, sampling.top_p, np.float32))
     histories, lengths, outs = [list(x) for x in prompts], [len(x) for x in prompts], []
     for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
         logits = prefill_prompts(params, config, pool, [prompt], [row])
-        first = int(_sample(logits, keys[i:i + 1], np.array([len(prompt)], np.int32), t, k, p_)[0])
+        first = int(sample_jit(logits, keys[i:i + 1], np.array([len(prompt)], np.int32),
+                               *sampling_rows([sampling]))[0])
         outs.append([first])
     while True:
         active = [i for i in range(n) if len(outs[i]) < max_new_tokens]
@@ -164,8 +162,7 @@ def _verify(params, config, pool: KVPool, seqs: list[tuple], sampling: SamplingC
         accepted, nxt = _greedy(drafts, logits, num_draft)
         alpha_terms = (np.asarray(jax.numpy.argmax(logits[:, :gamma], -1)) == drafts)
     else:
-        knobs = sampling_arrays(sampling, rows_out)
-        p = _probs(logits, knobs["temperature"], knobs["top_k"], knobs["top_p"])
+        p = _probs(logits, *sampling_rows([sampling] * rows_out))
         accepted, nxt = _exact(drafts, q_full, p, num_draft, keys, lengths + 1)
         alpha_terms = np.asarray(np.minimum(np.asarray(p)[:, :gamma], q_full).sum(-1))
     accepted, nxt = np.asarray(accepted), np.asarray(nxt)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -32,18 +33,74 @@ from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.sampling import DRAFT_TAG, probabilities, sample
-from kvjax.model.transformer import Transformer
+from kvjax.decode.state import DecodeState
+from kvjax.model.transformer import Cache, Transformer
 from kvjax.sharding.rules import maybe_constrain_cache, maybe_replicated
 from kvjax.speculative.ngram_device import ngram_propose
 from kvjax.speculative.rules import greedy_accept, sampling_accept
-from kvjax.speculative.stats import ROW_KEYS
 
 
-def _draft_model(params, config, cache, table, draft_lengths, lengths, last, prev, active,
-                 keys, offset, temperature, top_k, top_p, gamma, sharding=None):
-    """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft_lengths)."""
+@flax.struct.dataclass
+class DraftState:
+    """The draft model's rows beside a `DecodeState` (the model drafter only)."""
+
+    page_table: jax.Array  # int32[B, P'] the draft's pages
+    lengths: jax.Array  # int32[B] tokens the draft has cached
+    prev: jax.Array  # int32[B] the token at lengths - 1 of the target, when the draft lags
+
+
+@flax.struct.dataclass
+class RowStats:
+    """Per-row counters of a speculative call (`kvjax.speculative.stats.SpecStats.add_row`)."""
+
+    verifications: jax.Array  # int32[B] target calls that verified the row
+    drafted: jax.Array  # int32[B]
+    accepted: jax.Array  # int32[B]
+    emitted: jax.Array  # int32[B]
+    alpha_sum: jax.Array  # float32[B] sum of E[min(p, q)] over tested positions
+    alpha_count: jax.Array  # int32[B] tested positions
+    drafted_by_position: jax.Array  # int32[B, G]
+    accepted_by_position: jax.Array  # int32[B, G]
+
+
+@flax.struct.dataclass
+class SpecLoopResult:
+    """What a speculative call returns besides the caches."""
+
+    tokens: jax.Array  # int32[B, S] (-1 past the end)
+    logits: jax.Array | None  # float32[B, S, V] the target logits of each token
+    lengths: jax.Array  # int32[B] tokens the target has cached
+    draft: DraftState | None  # the draft's lengths and prev after the call
+    rounds: jax.Array  # int32 target calls
+    stats: RowStats
+
+
+@flax.struct.dataclass
+class _Carry:
+    """The speculative loop's state between rounds."""
+
+    round: jax.Array  # int32
+    count: jax.Array  # int32[B] tokens emitted
+    done: jax.Array  # bool[B]
+    cache: Cache
+    lengths: jax.Array  # int32[B]
+    last: jax.Array  # int32[B]
+    draft_cache: Cache
+    draft: DraftState | None
+    history: jax.Array | None  # int32[B, H] (the n-gram drafter)
+    tokens: jax.Array  # int32[B, S]
+    logits: jax.Array  # float32[B, S, V], or [0]
+    stats: RowStats
+
+
+def _draft_model(params, config, cache, draft: DraftState, state: DecodeState, lengths, last,
+                 active, gamma, sharding=None):
+    """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft lengths)."""
     model = Transformer(config, sharding)
     variables = partial(steps.model_variables, params, None, config)  # called in the loop
+    table, draft_lengths, prev, offset = draft.page_table, draft.lengths, draft.prev, \
+        state.position_offset
+    keys, (temperature, top_k, top_p) = state.keys, state.knobs
     lag = (draft_lengths < lengths) & active
     num_new = jnp.where(active, 1 + lag, 0).astype(jnp.int32)
     fed = jnp.where(lag[:, None], jnp.stack([prev, last], 1),
@@ -94,74 +151,68 @@ def _draft_model(params, config, cache, table, draft_lengths, lengths, last, pre
 @partial(jax.jit, static_argnames=("config", "draft_config", "drafter", "gamma", "max_out",
                                    "ngram_max", "return_logits", "sharding"),
          donate_argnames=("cache", "draft_cache"))
-def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, budget, keys,
-              temperature, top_k, top_p, stop_token, *, drafter: str, gamma: int,
-              max_out: int, draft_params=None, draft_config: ModelConfig | None = None,
-              draft_cache=None, draft_page_table=None, draft_lengths=None, prev=None,
-              history=None, ngram_max: int = 3, return_logits: bool = False,
-              position_offset=None, lora=None, adapter_ids=None, sharding=None):
-    """Emits up to `budget[b]` tokens per sequence by speculative rounds on device.
+def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter: str,
+              gamma: int, max_out: int, draft_params=None,
+              draft_config: ModelConfig | None = None, draft_cache=None,
+              draft: DraftState | None = None, history=None, ngram_max: int = 3,
+              return_logits: bool = False, lora=None, sharding=None):
+    """Emits up to `state.budget[b]` tokens per row by speculative rounds on device.
 
     Donates `cache` and `draft_cache`. `drafter` is "model" (draft_params, draft_config,
-    draft_cache, draft_page_table int32[B, P'], draft_lengths, prev int32[B]) or "ngram"
-    (history int32[B, H]: each row's tokens including `last`, H >= lengths + budget + 1).
-    Arrays and `sharding` as in `steps.decode_loop`; rows with budget 0 do nothing.
+    draft_cache and `draft`, its rows) or "ngram" (history int32[B, H]: each row's tokens
+    including `state.last`, H >= lengths + budget + 1). `state`, `lora` and `sharding` as
+    in `steps.decode_loop`; rows with budget 0 do nothing.
 
-    Returns a dict: tokens int32[B, S] (-1 past the end), logits float32[B, S, V] (the
-    target logits each token was accepted or sampled from) or None, cache, lengths,
-    draft_cache, draft_lengths, prev, rounds (target calls), and per-row int32/f32
-    statistics: verifications, drafted, accepted, emitted, alpha_sum, alpha_count, plus
-    drafted_by_position / accepted_by_position int32[B, G].
+    Returns (SpecLoopResult, the cache, the draft cache): the result's logits only with
+    `return_logits`, its draft only with the model drafter.
     """
     steps.note_trace("spec_loop")
-    b = last.shape[0]
+    b = state.last.shape[0]
     vocab = config.vocab_size
     g1 = gamma + 1
     rows = jnp.arange(b)
     cols = jnp.arange(g1)[None, :]
     model = Transformer(config, sharding)
     variables = partial(steps.model_variables, params, lora, config)  # called in the loop
-    base = 0 if position_offset is None else position_offset
+    base = 0 if state.position_offset is None else state.position_offset
+    temperature, top_k, top_p = state.knobs
+    keys, budget, stops = state.keys, state.budget, state.stop_ids
     all_greedy = jnp.all(temperature == 0)
     zeros_b = jnp.zeros((b,), jnp.int32)
-    stats = {key: (jnp.zeros((b,), jnp.float32) if key == "alpha_sum" else zeros_b)
-             for key in ROW_KEYS}
-    stats["drafted_by_position"] = jnp.zeros((b, gamma), jnp.int32)
-    stats["accepted_by_position"] = jnp.zeros((b, gamma), jnp.int32)
-    state = {
-        "round": jnp.int32(0), "count": zeros_b, "done": budget <= 0,
-        "cache": maybe_constrain_cache(sharding, cache), "lengths": lengths, "last": last,
-        "draft_cache": maybe_constrain_cache(sharding, draft_cache, draft=True),
-        "draft_lengths": draft_lengths, "prev": prev,
-        "history": history,
-        "tokens": jnp.full((b, max_out), -1, jnp.int32),
-        "logits": jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
-        "stats": stats,
-    }
-    stops = stop_token if stop_token.ndim == 2 else stop_token[:, None]  # [B, K], -1: none
+    zeros_g = jnp.zeros((b, gamma), jnp.int32)
+    carry = _Carry(
+        round=jnp.int32(0), count=zeros_b, done=budget <= 0,
+        cache=maybe_constrain_cache(sharding, cache), lengths=state.lengths, last=state.last,
+        draft_cache=maybe_constrain_cache(sharding, draft_cache, draft=True), draft=draft,
+        history=history, tokens=jnp.full((b, max_out), -1, jnp.int32),
+        logits=jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
+        stats=RowStats(verifications=zeros_b, drafted=zeros_b, accepted=zeros_b,
+                       emitted=zeros_b, alpha_sum=jnp.zeros((b,), jnp.float32),
+                       alpha_count=zeros_b, drafted_by_position=zeros_g,
+                       accepted_by_position=zeros_g))
 
-    def body(s):
-        active = ~s["done"]
-        lengths, last = s["lengths"], s["last"]
-        room = jnp.maximum(budget - s["count"] - 1, 0)  # drafts that could still be emitted
+    def body(s: _Carry) -> _Carry:
+        active = ~s.done
+        lengths, last = s.lengths, s.last
+        room = jnp.maximum(budget - s.count - 1, 0)  # drafts that could still be emitted
+        draft_cache, draft_state, history = s.draft_cache, s.draft, s.history
         if drafter == "model":
-            drafts, q, s["draft_cache"], draft_len = _draft_model(
-                draft_params, draft_config, s["draft_cache"], draft_page_table,
-                s["draft_lengths"], lengths, last, s["prev"], active, keys, position_offset,
-                temperature, top_k, top_p, gamma, sharding)
+            drafts, q, draft_cache, draft_len = _draft_model(
+                draft_params, draft_config, draft_cache, draft_state, state, lengths, last,
+                active, gamma, sharding)
             num_draft = jnp.where(active, jnp.minimum(gamma, room), 0)
         else:
-            drafts, found = ngram_propose(s["history"], lengths + 1, gamma, ngram_max)
+            drafts, found = ngram_propose(history, lengths + 1, gamma, ngram_max)
             num_draft = jnp.where(active, jnp.minimum(found, room), 0)
             q = jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)
 
         # Verify [last, d_1 .. d_γ] in one call; only real tokens are written.
         fed = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, G + 1]
-        batch = BatchInfo(page_table, lengths, jnp.where(active, 1 + num_draft, 0),
-                          position_offset)
-        logits, s["cache"] = model.apply(variables(), fed, model_positions(batch, g1),
-                                         s["cache"], batch, adapter_ids)  # [B, G + 1, V]
-        s["cache"] = maybe_constrain_cache(sharding, s["cache"])
+        batch = BatchInfo(state.page_table, lengths, jnp.where(active, 1 + num_draft, 0),
+                          state.position_offset)
+        logits, cache = model.apply(variables(), fed, model_positions(batch, g1), s.cache,
+                                    batch, state.adapter_ids)  # [B, G + 1, V]
+        cache = maybe_constrain_cache(sharding, cache)
 
         greedy_n, greedy_next = greedy_accept(drafts, logits, num_draft)
 
@@ -184,55 +235,51 @@ def spec_loop(params, config: ModelConfig, cache, page_table, lengths, last, bud
         # Emit d_1 .. d_accepted then nxt, within the budget, up to the first stop token.
         out = jnp.where(cols < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         out = jnp.where(cols == accepted[:, None], nxt[:, None], out)  # [B, G + 1]
-        n_emit = jnp.minimum(accepted + 1, budget - s["count"])
+        n_emit = jnp.minimum(accepted + 1, budget - s.count)
         is_stop = jnp.any(out[:, :, None] == stops[:, None, :], axis=2) & \
             (cols < n_emit[:, None])
         first_stop = jnp.min(jnp.where(is_stop, cols, g1), axis=1)
         n_emit = jnp.where(active, jnp.minimum(n_emit, first_stop + 1), 0)
         keep = cols < n_emit[:, None]
-        at = jnp.where(keep, s["count"][:, None] + cols, max_out)
-        s["tokens"] = s["tokens"].at[rows[:, None], at].set(out, mode="drop")
-        if return_logits:
-            s["logits"] = s["logits"].at[rows[:, None], at].set(logits, mode="drop")
+        at = jnp.where(keep, s.count[:, None] + cols, max_out)
+        tokens = s.tokens.at[rows[:, None], at].set(out, mode="drop")
+        out_logits = (s.logits.at[rows[:, None], at].set(logits, mode="drop")
+                      if return_logits else s.logits)
 
         new_last = jnp.take_along_axis(out, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
         if drafter == "model":  # the draft keeps what it fed that is still on the history
             new_len = lengths + n_emit
-            s["draft_lengths"] = jnp.where(active, jnp.minimum(draft_len, new_len),
-                                           s["draft_lengths"])
             before_last = jnp.take_along_axis(fed, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
-            s["prev"] = jnp.where(active, before_last, s["prev"])
+            draft_state = draft_state.replace(
+                lengths=jnp.where(active, jnp.minimum(draft_len, new_len), draft_state.lengths),
+                prev=jnp.where(active, before_last, draft_state.prev))
         else:
-            hist_at = jnp.where(keep, lengths[:, None] + 1 + cols, s["history"].shape[1])
-            s["history"] = s["history"].at[rows[:, None], hist_at].set(out, mode="drop")
+            hist_at = jnp.where(keep, lengths[:, None] + 1 + cols, history.shape[1])
+            history = history.at[rows[:, None], hist_at].set(out, mode="drop")
 
         tested = (cols[:, :gamma] <= accepted[:, None]) & (cols[:, :gamma] < num_draft[:, None])
-        st = dict(s["stats"])
-        st["verifications"] += active
-        st["drafted"] += num_draft
-        st["accepted"] += jnp.minimum(accepted, num_draft)
-        st["emitted"] += n_emit
-        st["alpha_sum"] += jnp.sum(jnp.where(tested, alpha_terms, 0.0), axis=1)
-        st["alpha_count"] += jnp.sum(tested, axis=1).astype(jnp.int32)
-        st["drafted_by_position"] += (cols[:, :gamma] < num_draft[:, None]).astype(jnp.int32)
-        st["accepted_by_position"] += (cols[:, :gamma] < accepted[:, None]).astype(jnp.int32)
-        s["stats"] = st
-        s["lengths"] = lengths + n_emit
-        s["last"] = jnp.where(n_emit > 0, new_last, last)
-        s["count"] = s["count"] + n_emit
+        st = s.stats
+        stats = RowStats(
+            verifications=st.verifications + active, drafted=st.drafted + num_draft,
+            accepted=st.accepted + jnp.minimum(accepted, num_draft),
+            emitted=st.emitted + n_emit,
+            alpha_sum=st.alpha_sum + jnp.sum(jnp.where(tested, alpha_terms, 0.0), axis=1),
+            alpha_count=st.alpha_count + jnp.sum(tested, axis=1).astype(jnp.int32),
+            drafted_by_position=st.drafted_by_position
+            + (cols[:, :gamma] < num_draft[:, None]).astype(jnp.int32),
+            accepted_by_position=st.accepted_by_position
+            + (cols[:, :gamma] < accepted[:, None]).astype(jnp.int32))
+        count = s.count + n_emit
         stopped = jnp.any(is_stop & keep, axis=1)
-        s["done"] = s["done"] | (s["count"] >= budget) | stopped
-        s["round"] = s["round"] + 1
-        return s
+        return _Carry(round=s.round + 1, count=count,
+                      done=s.done | (count >= budget) | stopped, cache=cache,
+                      lengths=lengths + n_emit, last=jnp.where(n_emit > 0, new_last, last),
+                      draft_cache=draft_cache, draft=draft_state, history=history,
+                      tokens=tokens, logits=out_logits, stats=stats)
 
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, state)
-    result = {key: state[key] for key in ("tokens", "cache", "lengths", "draft_cache",
-                                          "draft_lengths", "prev")}
-    result["logits"] = state["logits"] if return_logits else None
-    result["rounds"] = state["round"]
-    result.update(state["stats"])
-    host = {k: v for k, v in result.items() if k not in ("cache", "draft_cache")}
-    result.update(maybe_replicated(sharding, host))
-    result["cache"] = maybe_constrain_cache(sharding, result["cache"])
-    result["draft_cache"] = maybe_constrain_cache(sharding, result["draft_cache"], draft=True)
-    return result
+    end = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, carry)
+    result = SpecLoopResult(tokens=end.tokens, logits=end.logits if return_logits else None,
+                            lengths=end.lengths, draft=end.draft, rounds=end.round,
+                            stats=end.stats)
+    return (maybe_replicated(sharding, result), maybe_constrain_cache(sharding, end.cache),
+            maybe_constrain_cache(sharding, end.draft_cache, draft=True))

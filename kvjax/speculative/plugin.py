@@ -17,11 +17,12 @@ from kvjax.cache.identity import model_fingerprint
 from kvjax.cache.manager import KVCacheManager
 from kvjax.config import ConfigError, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table
+from kvjax.decode.state import DecodeState
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.layout import store
 from kvjax.sharding.plan import ShardingPlan
 from kvjax.speculative.gamma import GammaPolicy
-from kvjax.speculative.loop import spec_loop
+from kvjax.speculative.loop import DraftState, SpecLoopResult, spec_loop
 from kvjax.speculative.rules import predicted_speedup
 from kvjax.speculative.stats import SpecStats
 
@@ -69,28 +70,23 @@ class Speculator:
         return self.policy.choose(self.cost_ratio, self.verify_slope)
 
     def decode(self, model, kv: KVCacheManager, decode_steps: int, live,
-               budgets: dict[int, int], gamma: int, arrays: dict) -> dict:
-        """One `spec_loop` call over the engine's slots; updates the draft state of `live`.
-
-        `model`: the target (`kvjax.engine.runner.TargetModel`), `kv`: the pools.
-
-        `arrays` holds the engine's per-slot arrays (table, lengths, last, budget, keys,
-        knobs, stops, offsets, adapters) and want_logits. Returns the loop's outputs as
-        numpy.
-        """
-        slots = len(arrays["lengths"])
+               budgets: dict[int, int], gamma: int, state: DecodeState,
+               want_logits: bool) -> SpecLoopResult:
+        """One `spec_loop` call over the engine's slots (`state`: a row per slot); updates
+        the draft state of `live` and the statistics. `model`: the target
+        (`kvjax.engine.runner.TargetModel`), `kv`: the pools. Returns the result as numpy."""
+        slots = len(state.lengths)
         kwargs = {}
         if kv.draft is not None:
             rows = [[] for _ in range(slots)]
-            draft_lengths = np.zeros(slots, np.int32)
+            lengths = np.zeros(slots, np.int32)
             prev = np.zeros(slots, np.int32)
             for seq in live:
                 rows[seq.slot] = seq.draft_pages
-                draft_lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
-            kwargs = dict(draft_params=self.params, draft_config=self.config,
-                          draft_page_table=page_table(rows, slots,
-                                                      kv.draft.cache_config.block_pages),
-                          draft_lengths=draft_lengths, prev=prev)
+                lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
+            kwargs = dict(draft_params=self.params, draft_config=self.config, draft=DraftState(
+                page_table=page_table(rows, slots, kv.draft.cache_config.block_pages),
+                lengths=lengths, prev=prev))
         else:
             width = bucket(max(s.length + 1 + budgets[s.slot] for s in live), 64)
             history = np.zeros((slots, width), np.int32)
@@ -99,45 +95,37 @@ class Speculator:
                 history[seq.slot, : len(row)] = row
             kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
 
-        def call(cache, draft_cache):
-            out = spec_loop(model.params, model.config, cache, arrays["table"],
-                            arrays["lengths"], arrays["last"], arrays["budget"],
-                            arrays["keys"], *arrays["knobs"], arrays["stops"],
-                            drafter=self.spec.drafter, gamma=gamma, max_out=decode_steps,
-                            return_logits=arrays["want_logits"],
-                            position_offset=arrays["offsets"], lora=model.lora,
-                            adapter_ids=arrays["adapters"], sharding=model.shardings,
-                            draft_cache=draft_cache, **kwargs)
-            return out, out.pop("cache"), out.pop("draft_cache")
-
-        out = kv.run_both(call)
-        out = {k: (None if v is None else np.asarray(v)) for k, v in out.items()}
-        if kv.draft is not None:
+        out = kv.run_both(lambda cache, draft_cache: spec_loop(
+            model.params, model.config, cache, state, drafter=self.spec.drafter, gamma=gamma,
+            max_out=decode_steps, return_logits=want_logits, lora=model.lora,
+            sharding=model.shardings, draft_cache=draft_cache, **kwargs))
+        out = jax.tree.map(np.asarray, out)
+        if out.draft is not None:
             for seq in live:
-                seq.draft_length = int(out["draft_lengths"][seq.slot])
-                seq.prev = int(out["prev"][seq.slot])
+                seq.draft_length = int(out.draft.lengths[seq.slot])
+                seq.prev = int(out.draft.prev[seq.slot])
         self._record(live, out, gamma)
         return out
 
-    def _record(self, live, out: dict, gamma: int) -> None:
-        self.totals.target_calls += int(out["rounds"])
+    def _record(self, live, out: SpecLoopResult, gamma: int) -> None:
+        self.totals.target_calls += int(out.rounds)
         self.totals.gamma_history.append(gamma)
         call = SpecStats.empty(self.spec.gamma)
         requests = {}
         for seq in live:
-            call.add_row(out, seq.slot)
+            call.add_row(out.stats, seq.slot)
             if seq.req.stats.spec is None:
                 seq.req.stats.spec = SpecStats.empty(self.spec.gamma)
             mine = seq.req.stats.spec
-            mine.add_row(out, seq.slot)
+            mine.add_row(out.stats, seq.slot)
             requests.setdefault(id(seq.req), (mine, []))[1].append(seq.slot)
         for mine, slots in requests.values():  # once per request: its samples share calls
-            mine.target_calls += max(int(out["verifications"][s]) for s in slots)
+            mine.target_calls += max(int(out.stats.verifications[s]) for s in slots)
             mine.gamma_history.append(gamma)
         self.totals.merge(call)
         # The policy's input summed as the loop returns it (float32 per row).
-        self.policy.observe(gamma, float(sum(out["alpha_sum"][s.slot] for s in live)),
-                            float(sum(out["alpha_count"][s.slot] for s in live)),
+        self.policy.observe(gamma, float(sum(out.stats.alpha_sum[s.slot] for s in live)),
+                            float(sum(out.stats.alpha_count[s.slot] for s in live)),
                             call.drafted_by_position, call.accepted_by_position)
 
     @property

@@ -44,13 +44,14 @@ class SpecStats:
                 self.alpha_sum += float(alpha_terms[pos])
                 self.alpha_count += 1
 
-    def add_row(self, out: dict, row: int) -> None:
-        """Adds row `row` of a device loop's per-row statistics (numpy)."""
+    def add_row(self, out, row: int) -> None:
+        """Adds row `row` of a device loop's per-row statistics (numpy; a
+        `kvjax.speculative.loop.RowStats`, or anything with its fields)."""
         for key in ROW_KEYS:
-            setattr(self, key, getattr(self, key) + out[key][row].item())
+            setattr(self, key, getattr(self, key) + getattr(out, key)[row].item())
         for key in ("drafted_by_position", "accepted_by_position"):
             counts = getattr(self, key)
-            for i, x in enumerate(np.asarray(out[key][row]).tolist()):
+            for i, x in enumerate(np.asarray(getattr(out, key)[row]).tolist()):
                 counts[i] += x
 
     def merge(self, other: SpecStats) -> None:
