@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fresh", action="store_true",
                      help="discard earlier results in the folder instead of resuming")
     run.add_argument("--publish", metavar="DIR",
-                     help="also copy the plots to DIR (docs/ for the README)")
+                     help="also copy the plots to DIR (docs/, where the documentation shows them)")
     run.add_argument("--list", action="store_true", help="list the shipped experiments")
     run.set_defaults(func=_run)
 

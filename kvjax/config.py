@@ -263,7 +263,7 @@ class EngineConfig:
     # every such prompt's next ceil(prefill_chunk / decode_steps) tokens, at least 16), not
     # in prefill calls. Off by default: with attention visiting each row's own blocks, one
     # prefill call per round measured as good or better for the running requests' latency
-    # and better for prefill time and TTFT (README, "Decode latency under arrivals")
+    # and better for prefill time and TTFT (docs/benchmarks.md, "Decode latency under arrivals")
     packed_prefill: bool = False
     # after a preemption: "resume" prefills prompt + the answer its cache held and goes on
     # (one sample, invariant numerics; others recompute); "recompute" decodes it again
@@ -278,7 +278,7 @@ class EngineConfig:
     numerics: str = "invariant"
     # invariant numerics: store a product's kernel transposed where that lets one product of
     # any row count replace a loop of 32-row blocks (kvjax.model.layout): faster prefill,
-    # slower decode of a few rows (README "Invariant numerics" has the costs)
+    # slower decode of a few rows (docs/numerics.md has the costs)
     transposed_kernels: bool = True
     # the steps take q/k/v as one product and gate/up as one (ModelConfig.fused): their
     # kernels concatenated once at load, not on a mesh (its rules shard them apart)

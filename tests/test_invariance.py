@@ -231,10 +231,10 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def _compile_key(step: str, bound: inspect.BoundArguments) -> tuple:
-    """What the README says a step compiles once per: its shapes and static switches."""
+    """What docs/numerics.md says a step compiles once per: its shapes and static switches."""
     a = bound.arguments
-    table = a["batch"].page_table if step == "extend" else a["page_table"]
-    offsets = a["batch"].position_offset if step == "extend" else a.get("position_offset")
+    table = a["batch"].page_table if step == "extend" else a["state"].page_table
+    offsets = (a["batch"] if step == "extend" else a["state"]).position_offset
     fill = a.get("fill")
     return (step, a["tokens"].shape if step == "extend" else a["max_steps"], table.shape,
             offsets is None, a.get("lora") is None, a.get("last_only", a.get("return_logits")),
@@ -244,9 +244,9 @@ def _compile_key(step: str, bound: inspect.BoundArguments) -> tuple:
 def test_compiles_stay_bounded(p, monkeypatch):
     """Every knob value of a cache shape compiles `extend` once per (rows, chunk width,
     page-table bucket, offsets, adapters) and `decode_loop` once per (rows, decode steps,
-    bucket, logits or not), each within the sets the README states (rows and buckets powers
-    of two; widths the chunk or min(chunk, 16) times a power of two); a second pass over
-    every knob compiles nothing."""
+    bucket, logits or not), each within the sets docs/numerics.md states (rows and buckets
+    powers of two; widths the chunk or min(chunk, 16) times a power of two); a second pass
+    over every knob compiles nothing."""
     calls = []  # (max_slots, compile key) of every step call
     for name in ("extend", "decode_loop"):
         step = getattr(steps, name)

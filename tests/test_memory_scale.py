@@ -25,7 +25,8 @@ PARAMS_70B = 80 * (8192 * 128 * 144 + 3 * 8192 * 28672 + 2 * 8192) + 2 * 128256 
 
 
 def plan(config, mesh, **kwargs):
-    """The plan at the README's settings: bf16 weights and KV, 80 GiB devices, 16-token pages."""
+    """The plan at docs/scale-out.md's settings: bf16 weights and KV, 80 GiB devices,
+    16-token pages."""
     settings = dict(device_memory=80 * GIB, kv_bytes_per_scalar=2, param_bytes=2,
                     page_size=16, reserve=0.1) | kwargs
     return memory_plan.plan(config, mesh, **settings)

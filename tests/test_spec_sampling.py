@@ -65,13 +65,13 @@ def models():
 def _reference_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """float64[..., V]: the sampling distribution, written independently of kvjax.
 
-    The standard definition, in kvjax's documented semantics (`adjusted_logits`, README
-    "Sampling"): divide by the temperature (> 0: rows at 0 are greedy and their callers
-    never read these distributions); keep the top_k largest (0 is off, ties with the k-th
-    all kept); of the renormalised rest, sorted descending, keep the smallest prefix whose
-    cumulative probability reaches top_p: a token stays while the mass ranked before it is
-    < top_p, so the token that crosses top_p stays, at least one token stays, top_p >= 1
-    keeps all, and ties with the last kept token all stay. Then renormalise.
+    The standard definition, in kvjax's documented semantics (`adjusted_logits`,
+    docs/numerics.md, "Sampling"): divide by the temperature (> 0: rows at 0 are greedy and
+    their callers never read these distributions); keep the top_k largest (0 is off, ties with
+    the k-th all kept); of the renormalised rest, sorted descending, keep the smallest prefix
+    whose cumulative probability reaches top_p: a token stays while the mass ranked before it is
+    < top_p, so the token that crosses top_p stays, at least one token stays, top_p >= 1 keeps
+    all, and ties with the last kept token all stay. Then renormalise.
     """
     x = np.asarray(logits, np.float64) / temperature
     ranked = -np.sort(-x, axis=-1)

@@ -18,6 +18,7 @@ from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ConfigError
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
+from kvjax.decode.state import decode_state
 from kvjax.model import layout
 from kvjax.model.layout import KERNELS, SCOPE, Stored, canonical, store, unstored
 
@@ -109,11 +110,8 @@ def compiled_steps(config, params) -> list[str]:
     batch = BatchInfo(page_table=table, lengths=np.zeros(1, np.int32),
                       num_new=np.full(1, 8, np.int32))
     extend = steps.extend.lower(params, config, cache, np.zeros((1, 8), np.int32), batch)
-    zeros = np.zeros(1, np.float32)
-    loop = steps.decode_loop.lower(
-        params, config, cache, table, np.full(1, 8, np.int32), np.zeros(1, np.int32),
-        np.full(1, 4, np.int32), np.zeros((1, 2), np.uint32), zeros, np.zeros(1, np.int32),
-        zeros + 1, np.full(1, -1, np.int32), max_steps=4)
+    state = decode_state(table, [8], [0], [4], np.zeros((1, 2)))
+    loop = steps.decode_loop.lower(params, config, cache, state, max_steps=4)
     return [extend.compile().as_text(), loop.compile().as_text()]
 
 

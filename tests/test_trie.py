@@ -248,7 +248,7 @@ def test_a_match_without_touch_leaves_the_order_alone():
 
 
 def test_a_key_registered_in_eviction_policies_orders_eviction(monkeypatch):
-    """The README's custom key: any function registered in EVICTION_POLICIES by name."""
+    """The custom key of docs/engine.md: any function registered in EVICTION_POLICIES by name."""
     monkeypatch.setitem(EVICTION_POLICIES, "mru", lambda n: (-n.last_used, -n.created))
     trie, pages = policy_scenario("mru")
     assert evict_order(trie, 4) == [pages[k] for k in "DACB"]

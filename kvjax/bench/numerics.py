@@ -55,9 +55,8 @@ class _Point:
                              np.full(batch, DECODE_STEPS), np.zeros((batch, 2)))
 
         def run():
-            self.holder.run(lambda cache: steps.decode_loop(
-                self.params, self.model, cache, state, max_steps=DECODE_STEPS)
-            ).tokens.block_until_ready()
+            steps.decode(self.holder, self.params, self.model, state,
+                         DECODE_STEPS).tokens.block_until_ready()
         return run
 
     def extend(self, tokens: np.ndarray, lengths: list[int], rows: list[list[int]]):

@@ -119,9 +119,8 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
         table = page_table(rows, slots, pool.cache_config.block_pages)
         state = decode_state(table, lengths, first, budget, keys, samplings,
                              np.full(slots, -1 if stop_token is None else stop_token))
-        res = pool.run(lambda cache: steps.decode_loop(
-            params, config, cache, state, max_steps=bucket(max_new_tokens - 1, 16),
-            return_logits=return_logits))
+        res = steps.decode(pool, params, config, state, bucket(max_new_tokens - 1, 16),
+                           return_logits=return_logits)
         out, logits = res.tokens, res.logits
         out = np.asarray(out)
     t2 = time.perf_counter()

@@ -210,3 +210,14 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
     result = DecodeResult(tokens=tokens, logits=logits if return_logits else None,
                           lengths=lengths, fill_logits=None if fill is None else out.fill_logits)
     return result, maybe_constrain_cache(sharding, out.cache)
+
+
+def decode(holder, params: dict, config: ModelConfig, state: DecodeState, max_steps: int,
+           **kwargs) -> DecodeResult:
+    """The one decode driver: `decode_loop` over the cache `holder` keeps (a
+    `kvjax.cache.pool.PagePool`, the engine's `KVCacheManager` or a
+    `kvjax.cache.paged.CacheHolder`), which keeps the new cache. `kwargs`: decode_loop's
+    (return_logits, lora, sharding, kernel, fill). The engine's runner, `generate()`, the
+    model drafter and the benchmarks decode through it."""
+    return holder.run(lambda cache: decode_loop(params, config, cache, state, max_steps,
+                                                **kwargs))

@@ -221,10 +221,9 @@ class StepRunner:
         before = self.timers["decode_s"]
         with self.timers("decode_s"):
             if self.spec is None:
-                res = kv.run(lambda cache: steps.decode_loop(
-                    m.params, m.config, cache, state, max_steps=ec.decode_steps,
-                    return_logits=want_logits, lora=m.lora, sharding=m.shardings,
-                    kernel=m.kernel, fill=packed))
+                res = steps.decode(kv, m.params, m.config, state, ec.decode_steps,
+                                   return_logits=want_logits, lora=m.lora,
+                                   sharding=m.shardings, kernel=m.kernel, fill=packed)
                 fill_logits = None if packed is None else np.asarray(res.fill_logits)  # [Bp, V]
             else:
                 res = self.spec.decode(m, kv, ec.decode_steps, live, budgets, gamma, state,

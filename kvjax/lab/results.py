@@ -186,7 +186,7 @@ def deterministic(rows: list[dict], module=None) -> list[dict]:
 
 
 def publish(out: Path, docs: Path, prefix: str) -> list[Path]:
-    """Copies the run's plots to `docs/` as `<prefix>_<name>.png` (for the README)."""
+    """Copies the run's plots to `docs/` as `<prefix>_<name>.png` (the documentation shows them)."""
     docs.mkdir(parents=True, exist_ok=True)
     copied = []
     for png in sorted(out.glob("*.png")):

@@ -99,8 +99,7 @@ def multistep_seconds(params, config: ModelConfig, holder: Holder, table, length
                          np.zeros((batch, 2)))
 
     def multi_step():
-        np.asarray(holder.run(lambda cache: steps.decode_loop(
-            params, config, cache, state, max_steps=bucket(decode_steps, 16),
-            kernel=kernel)).tokens)
+        np.asarray(steps.decode(holder, params, config, state, bucket(decode_steps, 16),
+                                kernel=kernel).tokens)
 
     return median_seconds(multi_step, reps) / decode_steps

@@ -109,8 +109,8 @@ class ModelDrafter:
             self._keys[seq_id] = np.asarray(draft_key(seed, seq_id))[None]
         keys = self._keys[seq_id]
         state = decode_state(table, [length], [history[-1]], [gamma], keys, [sampling])
-        res = self.pool.run(lambda cache: steps.decode_loop(
-            self.params, self.config, cache, state, max_steps=gamma, return_logits=temp > 0))
+        res = steps.decode(self.pool, self.params, self.config, state, gamma,
+                           return_logits=temp > 0)
         draft = np.asarray(res.tokens)[0, :gamma].tolist()
         self._state[seq_id] = (history + draft[:-1], pages)
         if temp == 0:

@@ -142,7 +142,7 @@ def _draft_model(params, config, cache, draft: DraftState, state: DecodeState, l
 
     # A loop, not γ unrolled copies of the draft: XLA compiles the body once, so compile
     # time stays flat in γ, and a draft step is the same computation either way, so a
-    # round costs no more (README "Speculative decoding" has the measurement).
+    # round costs no more (docs/speculative.md has the measurement).
     cache, draft_lengths, drafts, q = jax.lax.fori_loop(
         1, gamma, body, (cache, draft_lengths, drafts, q))
     return drafts, q, maybe_constrain_cache(sharding, cache, draft=True), draft_lengths
