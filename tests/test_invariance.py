@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import itertools
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvjax import ConfigError, Engine, EngineConfig, Request, SamplingConfig
 from kvjax.decode import steps
+from kvjax.engine.numerics_policy import NumericsPolicy
 from kvjax.engine.rounds import Rounds
 from kvjax.engine.runner import StepRunner
 
@@ -493,3 +495,20 @@ def test_a_prompt_prefilled_while_nothing_decodes_takes_wider_calls(p, alone, mo
     widths.clear()
     assert_same(e.generate(requests()[:2]), alone[:2])
     assert widths == [16]
+
+
+def test_the_numerics_policy_allows_each_freedom_only_when_invariant():
+    """Every freedom the engine takes from invariant numerics (shared and widened prefill
+    calls, decode-written pages in the trie, live-row decode calls, packed steps, resumed
+    preemptions) is granted by the one policy, and only with invariant numerics on one
+    device where the start-up probe passed."""
+    freedoms = [name for name in vars(NumericsPolicy)
+                if not name.startswith("_") and callable(getattr(NumericsPolicy, name))
+                and name != "for_engine"]
+    assert len(freedoms) == 6
+    for numerics, on_mesh, probe_ok in itertools.product(("fast", "invariant"), (False, True),
+                                                         (False, True)):
+        policy = NumericsPolicy.for_engine(numerics, on_mesh, probe_ok)
+        want = numerics == "invariant" and not on_mesh and probe_ok
+        assert policy.invariant == want
+        assert [getattr(policy, name)() for name in freedoms] == [want] * 6

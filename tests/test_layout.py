@@ -38,7 +38,8 @@ HOST = ["kvjax.config", "kvjax.errors", "kvjax.cache.allocator", "kvjax.cache.tr
         "kvjax.cache.identity", "kvjax.cache.admission", "kvjax.decode.batching",
         "kvjax.decode.prompts",
         "kvjax.engine.requests", "kvjax.engine.scheduler", "kvjax.engine.results",
-        "kvjax.engine.stats", "kvjax.lab.workloads", "kvjax.lab.progress",
+        "kvjax.engine.stats", "kvjax.engine.numerics_policy", "kvjax.lab.workloads",
+        "kvjax.lab.progress",
         "kvjax.speculative.gamma", "kvjax.speculative.stats"]
 # Device code: the model, cache pytrees, steps and the on-device speculative loop.
 DEVICE_PREFIXES = ["kvjax.model", "kvjax.cache.paged", "kvjax.cache.dense",

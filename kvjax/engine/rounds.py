@@ -88,7 +88,8 @@ class Rounds:
             self._plan_group()
             if not self.prefilling:
                 return
-            rows = list(self.prefilling if self.runner.invariant else self.prefilling[:1])
+            rows = list(self.prefilling if self.runner.policy.shares_prefill_calls()
+                        else self.prefilling[:1])
             if self._decoding():
                 if self._packing():  # long prompts ride in the decode call's steps
                     rows = [e for e in rows if self._one_call_left(e)]
@@ -126,7 +127,7 @@ class Rounds:
     def _packing(self) -> bool:
         """Whether decode calls prefill the prompts in their steps (`packed_prefill`): only
         where a token's bits do not depend on what shares its step, in plain decoding."""
-        return (self.engine_config.packed_prefill and self.runner.invariant
+        return (self.engine_config.packed_prefill and self.runner.policy.packs_prefill()
                 and self.spec is None)
 
     def _plan_group(self) -> None:
@@ -136,7 +137,8 @@ class Rounds:
         waits, to reuse the page once it is cached. When a token's bits may depend on its
         batch, a request is added only when none is being prefilled."""
         sched, ec = self.scheduler, self.engine_config
-        while sched.waiting and (not self.prefilling or self.runner.invariant):
+        while sched.waiting and (not self.prefilling
+                                 or self.runner.policy.shares_prefill_calls()):
             with self.timers("host_s"):
                 req = sched.pick(lambda r: len(self.kv.match(r).nodes))
                 free = sched.free_slots()
@@ -268,7 +270,7 @@ class Rounds:
         kept, not sampled again from the prefill: a sampled verification's token need not
         be the plain sample at its position.)"""
         return (self.engine_config.preemption == "resume" and req.request.n == 1
-                and self.runner.invariant)
+                and self.runner.policy.resumes_preempted())
 
     def _release(self, req: LiveRequest, cache: bool = True) -> None:
         if req.prefilling:

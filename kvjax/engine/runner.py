@@ -21,6 +21,7 @@ from kvjax.decode.batching import bucket, page_table
 from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.decode.sampling import sample_jit, sampling_rows
 from kvjax.decode.state import decode_state
+from kvjax.engine.numerics_policy import NumericsPolicy
 from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Seq, salts_per_page
 from kvjax.engine.stats import Timers
 
@@ -52,15 +53,16 @@ class StepRunner:
 
     # -- admission -----------------------------------------------------------------------------
     @property
+    def policy(self) -> NumericsPolicy:
+        """What the numerics allow (`kvjax.engine.numerics_policy`); read when asked, since
+        the engine's shardings are set after the runner is built."""
+        return NumericsPolicy.for_engine(self.model.config.numerics,
+                                         self.model.shardings is not None, self.probe_ok)
+
+    @property
     def invariant(self) -> bool:
-        """Whether a token's bits depend on its own history alone: invariant numerics on
-        one device. (On a mesh the rows are split over `data` and `model`'s partial
-        products are summed in an order XLA picks: not claimed, so there the engine keeps
-        the rules of fast numerics, and so it does where the start-up probe failed.) Then
-        admitted prompts share prefill calls and pages written by decode or verification
-        enter the trie."""
-        return (self.model.config.numerics == "invariant" and self.model.shardings is None
-                and self.probe_ok)
+        """Whether a token's bits depend on its own history alone (`policy.invariant`)."""
+        return self.policy.invariant
 
     def prefill_call(self, rows: list[PrefillRow], draft_rows: list[PrefillRow] = (),
                      widen: bool = False) -> tuple[list[np.ndarray | None], float]:
@@ -100,7 +102,7 @@ class StepRunner:
         Widths are min(chunk, 16) times a power of two, or the cap: at most
         log2(chunk x bucket(max_slots) / min(chunk, 16)) + 2 shapes per row bucket."""
         chunk = self.kv.target.cache_config.prefill_chunk
-        if not (widen and self.invariant):
+        if not (widen and self.policy.widens_prefill_calls()):
             return chunk
         share = max(1, bucket(self.engine_config.max_slots) // bucket(rows))
         return min(chunk * share, bucket(longest, min(chunk, 16)))
@@ -134,7 +136,7 @@ class StepRunner:
         far, written by prefill, decode or verification) into the target's trie and the
         draft's. Only when `invariant`, where those pages hold the bits a prefill of the
         same history writes; otherwise a decode-written page differs in the last bits."""
-        if not self.engine_config.prefix_cache or not self.invariant:
+        if not self.engine_config.prefix_cache or not self.policy.caches_written_pages():
             return
         req, ps = seq.req, self.kv.page_size
         history = (req.tokens + seq.generated)[: seq.length]
@@ -255,7 +257,7 @@ class StepRunner:
         every slot is a row, live or not."""
         slots = self.engine_config.max_slots
         rows = bucket(len(live), LIVE_ROWS)
-        if (self.spec is not None or self.model.shardings is not None or not self.invariant
+        if (self.spec is not None or not self.policy.decodes_live_rows_only()
                 or rows >= slots):
             return slots, {id(s): s.slot for s in live}
         return rows, {id(s): i for i, s in enumerate(live)}
