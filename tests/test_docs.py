@@ -9,6 +9,7 @@
   executable files of the clone; `python -c` code must compile.
 - TOML blocks load as experiment configs (`kvjax.lab.runner.resolve`).
 - `text` blocks (layouts, outputs) are not code; a fence must name its language.
+- Every relative link names a file that exists, and a heading of it that exists.
 """
 
 from __future__ import annotations
@@ -151,3 +152,32 @@ def test_toml_blocks_load_as_experiment_configs(tmp_path):
                 runner.resolve(str(path), [])
                 found += 1
     assert found >= 1
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of `page`'s headings (outside code blocks)."""
+    text = FENCE.sub("", page.read_text())
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def broken_links(page: Path) -> list[str]:
+    """Relative links of `page` whose file or heading does not exist."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked here
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists() or (anchor and (file.suffix != ".md"
+                                             or anchor not in _anchors(file))):
+            out.append(f"{page.name}: {target}")
+    return out
+
+
+def test_every_relative_link_resolves(tmp_path):
+    assert not [b for p in PAGES for b in broken_links(p)]
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n[ok](#title) [gone](#nothing) [file](nope.md) [far](../x.md#y)\n")
+    assert [b.split(": ")[1] for b in broken_links(page)] == ["#nothing", "nope.md",
+                                                               "../x.md#y"]
