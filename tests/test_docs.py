@@ -60,6 +60,15 @@ def _python_pages() -> list[Path]:
 def test_python_blocks_run(page):
     code = "\n".join(f"# {_rel(page)}:{line}\n{body}" for lang, body, line in blocks(page)
                      if lang == "python")
+    if "kvjax.models.load(" in code:  # as tests/test_real_model.py: scripts/test installs it
+        from kvjax import models
+
+        try:
+            models.path("smollm2-135m-instruct")
+        except models.ModelNotInstalledError as e:
+            if os.environ.get("KVJAX_NO_MODELS"):
+                pytest.skip(f"KVJAX_NO_MODELS is set: {e}")
+            pytest.fail(f"{e} (scripts/test installs it)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cache = os.environ.get("KVJAX_TEST_XLA_CACHE")  # the suite's (tests/conftest.py)
     if cache:

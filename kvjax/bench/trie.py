@@ -70,6 +70,11 @@ def build(num_pages: int, seed: int = 0
     return trie, alloc, prompts
 
 
+def walk_evictable(trie: PrefixTrie) -> int:
+    """Deprecated: `PrefixTrie.walk_evictable`."""
+    return trie.walk_evictable()
+
+
 def measure(num_pages: int, admissions: int, seed: int = 0) -> dict:
     trie, alloc, prompts = build(num_pages, seed)
     rng = np.random.default_rng(seed + 1)

@@ -10,17 +10,20 @@ step runner and the speculative plug-in call its verbs:
   match(req)                 the target's longest cached prefix (nothing touched or held)
   admit(req)                 an `Admission` (pages held per pool, reused tokens, the match
                              with its miss cause), or None when a pool has no room yet
-  grow(pages, ...)           pages to write the next tokens (copy on write), evicting, then
-                             preempting through the caller
+  grow(seq, tokens)          pages for a sample's next tokens (copy on write), evicting,
+                             then preempting through the caller
   share(pages, draft_pages)  another sample reads the prompt's pages
   commit(req, tokens, ...)   the full pages of what prefill, decode or verification wrote
                              enter the tries
-  rollback(pages, ...)       pages wholly past the kept history go back
+  rollback(seq)              a sample's pages wholly past its kept history go back
   release(pages, ...)        a sample's or a dropped prefill's pages go back
   run(step) / run_both(step) a device step over the target's cache (or both caches)
 
 A request is what the engine holds (`kvjax.engine.requests.LiveRequest`): its `namespace`,
-`context` (tokens, salts per page, digests) and `request.position_base`. Host code.
+`context` (tokens, salts per page, digests) and `request.position_base`; a sample
+(`kvjax.engine.requests.Seq`) has its `pages` and `length` in the target's pool and its
+`draft_pages` and `draft_length` in the draft's. Preemption itself is the rounds' choice
+(whom to preempt); the manager frees what it is told to. Host code.
 """
 
 from __future__ import annotations
@@ -79,14 +82,15 @@ class KVCacheManager:
                               self.partial_page_copy)
 
     # -- pages ---------------------------------------------------------------------------------
-    def grow(self, pages: list[int], write_from: int, end: int, draft_pages: list[int],
-             draft_write_from: int, preempt: Preempt | None = None,
+    def grow(self, seq, tokens: int, preempt: Preempt | None = None,
              host_timer=contextlib.nullcontext) -> bool:
-        """Extends `pages` (and the draft's) in place to cover slots [0, end), copying
-        shared pages it will write (see `PagePool.grow`); False when they cannot be had."""
-        ok = self.target.grow(pages, write_from, end, preempt, host_timer)
+        """Gives the sample pages it may write for its next `tokens` cache slots, in both
+        pools (in place; shared pages it will write are copied first, `PagePool.grow`);
+        False when they cannot be had."""
+        end = seq.length + tokens
+        ok = self.target.grow(seq.pages, seq.length, end, preempt, host_timer)
         if ok and self.draft is not None:
-            ok = self.draft.grow(draft_pages, draft_write_from, end, preempt, host_timer)
+            ok = self.draft.grow(seq.draft_pages, seq.draft_length, end, preempt, host_timer)
         return ok
 
     def share(self, pages: list[int], draft_pages: list[int] = ()) -> None:
@@ -95,12 +99,12 @@ class KVCacheManager:
         if self.draft is not None:
             self.draft.share(list(draft_pages))
 
-    def rollback(self, pages: list[int], length: int, draft_pages: list[int] = (),
-                 draft_length: int = 0) -> None:
-        """Releases (in place) the pages wholly past the kept history of each pool."""
-        self.target.truncate(pages, length)
+    def rollback(self, seq) -> None:
+        """Releases (in place) the sample's pages wholly past its kept history, in each
+        pool (after a verification: rejected drafts' slots)."""
+        self.target.truncate(seq.pages, seq.length)
         if self.draft is not None:
-            self.draft.truncate(draft_pages, draft_length)
+            self.draft.truncate(seq.draft_pages, seq.draft_length)
 
     def release(self, pages: list[int], draft_pages: list[int] = ()) -> None:
         """Drops one reference on each page of both pools."""

@@ -98,7 +98,7 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
     slots = bucket(n)
     keys = np.zeros((slots, 2), np.uint32)
     keys[:n] = np.asarray(sequence_keys(sampling.seed, n))
-    samplings = [sampling] * n
+    samplings = [sampling] * slots  # padded rows too (their budget is 0)
     lengths = np.zeros(slots, np.int32)
     lengths[:n] = [len(p) for p in prompts]
 

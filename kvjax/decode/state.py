@@ -32,9 +32,14 @@ class DecodeState:
     temperature: jax.Array  # float32[B] (0: greedy)
     top_k: jax.Array  # int32[B] (0: off)
     top_p: jax.Array  # float32[B] (1: off)
-    stop_ids: jax.Array  # int32[B, K] any of a row's ids ends it (-1: none)
+    stop_ids: jax.Array  # int32[B, K] any of a row's ids ends it (-1: none); [B]: K = 1
     position_offset: jax.Array | None = None  # int32[B] model position of cache slot 0
     adapter_ids: jax.Array | None = None  # int32[B] LoRA adapter per row (0: none)
+
+    @property
+    def stops(self) -> jax.Array:
+        """`stop_ids` as [B, K] (a [B] array is one id per row, never another row's)."""
+        return self.stop_ids if self.stop_ids.ndim == 2 else self.stop_ids[:, None]
 
     @property
     def knobs(self) -> tuple[jax.Array, jax.Array, jax.Array]:

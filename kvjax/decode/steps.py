@@ -189,7 +189,7 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
         logits = logits[:, 0]  # [B, V]
         offset = 0 if state.position_offset is None else state.position_offset
         nxt = sample(logits, state.keys, offset + c.lengths + 1, *state.knobs)
-        stopped = jnp.any(nxt[:, None] == state.stop_ids, axis=1)
+        stopped = jnp.any(nxt[:, None] == state.stops, axis=1)
         return _Carry(
             step=c.step + 1, cache=maybe_constrain_cache(sharding, cache),
             lengths=c.lengths + active.astype(jnp.int32),

@@ -162,12 +162,12 @@ class Engine:
 
     @property
     def pool(self) -> PagePool:
-        """The target model's pool (read-only view; the pages are `self.kv`'s)."""
+        """The target model's pool, to inspect (page work goes through `self.kv`)."""
         return self.kv.target
 
     @property
     def draft_pool(self) -> PagePool | None:
-        """The draft model's pool (None without a draft model)."""
+        """The draft model's pool, to inspect (None without a draft model)."""
         return self.kv.draft
 
     @property

@@ -53,6 +53,16 @@ class Rounds:
         self.operator_log: list[tuple[str | None, tuple[str, ...]]] = []  # (cause, fields)
         self.admitted_log: list[dict] = []  # the entries of stats_log that were admitted
 
+    @property
+    def pool(self):
+        """The target's pool (the pages are `self.kv`'s)."""
+        return self.kv.target
+
+    @property
+    def draft_pool(self):
+        """The draft's pool, or None (the pages are `self.kv`'s)."""
+        return self.kv.draft
+
     def enqueue(self, req: LiveRequest) -> None:
         self.live[req.id] = req
         self.scheduler.waiting.append(req)
@@ -232,8 +242,7 @@ class Rounds:
                 self._preempt(victim)
             return victim is not None
 
-        return self.kv.grow(seq.pages, seq.length, seq.length + tokens, seq.draft_pages,
-                            seq.draft_length, preempt, lambda: self.timers("host_s"))
+        return self.kv.grow(seq, tokens, preempt, lambda: self.timers("host_s"))
 
     def _preempt(self, req: LiveRequest) -> None:
         """Returns a running request's pages and queues it first. A resumable one (`_resumes`)

@@ -9,6 +9,7 @@ the call, appends each sample's new tokens and rolls back pages past the kept hi
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,16 @@ from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.decode.sampling import sample_jit, sampling_rows
 from kvjax.decode.state import decode_state
 from kvjax.engine.numerics_policy import NumericsPolicy
-from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Seq, salts_per_page
+from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Request, Seq, salts_per_page
 from kvjax.engine.stats import Timers
+
+
+def knobs(requests: list[Request | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deprecated: `kvjax.decode.sampling.sampling_rows` of the requests' sampling."""
+    warnings.warn("runner.knobs(requests) is sampling_rows([r.sampling ...])",
+                  DeprecationWarning, stacklevel=2)
+    return sampling_rows([r.sampling if r else None for r in requests])
+
 
 LIVE_ROWS = 2  # the fewest rows a decode call of live samples alone runs (a lone row pads)
 
@@ -50,6 +59,11 @@ class StepRunner:
         self.spec = speculator  # a `kvjax.speculative.plugin.Speculator`, or None
         self.timers = timers
         self.probe_ok = probe_ok  # the start-up probe found invariant numerics holding
+
+    @property
+    def pool(self):
+        """The target's pool (the pages are `self.kv`'s)."""
+        return self.kv.target
 
     # -- admission -----------------------------------------------------------------------------
     @property
@@ -303,7 +317,7 @@ class StepRunner:
         request = seq.req.request
         seq.done = len(seq.generated) >= request.max_new_tokens or seq.last in seq.req.stops
         if self.spec is not None:  # rollback: pages wholly past the kept history
-            self.kv.rollback(seq.pages, seq.length, seq.draft_pages, seq.draft_length)
+            self.kv.rollback(seq)
 
 
 def _longest_left(rows: list[PrefillRow]) -> int:

@@ -6,12 +6,14 @@ preemption order. Host code: plain Python. The admission plan itself is page wor
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Callable
 
 from kvjax.cache.admission import Admission, PoolPlan, match, plan_admission
 from kvjax.engine.requests import LiveRequest, Seq
 
-__all__ = ["Admission", "PoolPlan", "Scheduler", "match", "plan_admission", "shares_uncached"]
+__all__ = ["Admission", "PoolPlan", "Scheduler", "match", "plan_admission", "reused_tokens",
+           "shares_uncached"]
 
 
 class Scheduler:
@@ -84,3 +86,9 @@ def shares_uncached(req: LiveRequest, reused: int, prefilling: list[LiveRequest]
             return True
     return False
 
+
+def reused_tokens(plan: PoolPlan) -> int:
+    """Deprecated: `PoolPlan.reused_tokens`."""
+    warnings.warn("scheduler.reused_tokens(plan) is plan.reused_tokens", DeprecationWarning,
+                  stacklevel=2)
+    return plan.reused_tokens

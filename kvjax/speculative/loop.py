@@ -176,7 +176,7 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     variables = partial(steps.model_variables, params, lora, config)  # called in the loop
     base = 0 if state.position_offset is None else state.position_offset
     temperature, top_k, top_p = state.knobs
-    keys, budget, stops = state.keys, state.budget, state.stop_ids
+    keys, budget, stops = state.keys, state.budget, state.stops
     all_greedy = jnp.all(temperature == 0)
     zeros_b = jnp.zeros((b,), jnp.int32)
     zeros_g = jnp.zeros((b, gamma), jnp.int32)
