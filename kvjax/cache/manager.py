@@ -147,10 +147,9 @@ class KVCacheManager:
         """A device step over both caches (the draft's is None without a draft model):
         `step(cache, draft_cache)` returns (result, new cache, new draft cache)."""
         draft_cache = None if self.draft is None else self.draft.cache
-        result, cache, draft_cache = step(self.target.cache, draft_cache)
-        self.target.run(lambda _: (None, cache))
+        result, self.target.cache, draft_cache = step(self.target.cache, draft_cache)
         if self.draft is not None:
-            self.draft.run(lambda _: (None, draft_cache))
+            self.draft.cache = draft_cache
         return result
 
     # -- views ---------------------------------------------------------------------------------

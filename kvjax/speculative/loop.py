@@ -70,7 +70,8 @@ class SpecLoopResult:
     tokens: jax.Array  # int32[B, S] (-1 past the end)
     logits: jax.Array | None  # float32[B, S, V] the target logits of each token
     lengths: jax.Array  # int32[B] tokens the target has cached
-    draft: DraftState | None  # the draft's lengths and prev after the call
+    draft_lengths: jax.Array | None  # int32[B] the draft's cached tokens (model drafter)
+    prev: jax.Array | None  # int32[B] the draft's token to feed first (model drafter)
     rounds: jax.Array  # int32 target calls
     stats: RowStats
 
@@ -279,7 +280,9 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
 
     end = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, carry)
     result = SpecLoopResult(tokens=end.tokens, logits=end.logits if return_logits else None,
-                            lengths=end.lengths, draft=end.draft, rounds=end.round,
+                            lengths=end.lengths,
+                            draft_lengths=None if draft is None else end.draft.lengths,
+                            prev=None if draft is None else end.draft.prev, rounds=end.round,
                             stats=end.stats)
     return (maybe_replicated(sharding, result), maybe_constrain_cache(sharding, end.cache),
             maybe_constrain_cache(sharding, end.draft_cache, draft=True))

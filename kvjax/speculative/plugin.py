@@ -100,10 +100,10 @@ class Speculator:
             max_out=decode_steps, return_logits=want_logits, lora=model.lora,
             sharding=model.shardings, draft_cache=draft_cache, **kwargs))
         out = jax.tree.map(np.asarray, out)
-        if out.draft is not None:
+        if out.draft_lengths is not None:
             for seq in live:
-                seq.draft_length = int(out.draft.lengths[seq.slot])
-                seq.prev = int(out.draft.prev[seq.slot])
+                seq.draft_length = int(out.draft_lengths[seq.slot])
+                seq.prev = int(out.prev[seq.slot])
         self._record(live, out, gamma)
         return out
 
