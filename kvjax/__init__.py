@@ -26,6 +26,7 @@ _EXPORTS = {
     "kvjax.engine.requests": ("InvalidRequestError", "Request", "RequestResult", "StreamEvent"),
     "kvjax.errors": ("NonCausalCacheError",),
     "kvjax.model.lora": ("init_adapter",),
+    "kvjax.model.plan": ("NumericsPlan",),
     "kvjax.model.transformer": ("Transformer", "forward", "init_params"),
 }
 # every subpackage: `import kvjax` used to import them all, which made each an attribute
@@ -49,6 +50,7 @@ __all__ = [
     "KVPool",
     "ModelConfig",
     "NonCausalCacheError",
+    "NumericsPlan",
     "PageAllocator",
     "PagePool",
     "PagedKVCache",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:  # what static tools read: the names of _EXPORTS (tests/test_l
     from kvjax.engine.requests import InvalidRequestError, Request, RequestResult, StreamEvent
     from kvjax.errors import NonCausalCacheError
     from kvjax.model.lora import init_adapter
+    from kvjax.model.plan import NumericsPlan
     from kvjax.model.transformer import Transformer, forward, init_params
 
 _getattr, __dir__ = _lazy.exports(__name__, _EXPORTS, _SUBMODULES)

@@ -1,6 +1,6 @@
 """What kvjax asks of the XLA backend before JAX starts it: plain Python, no JAX.
 
-Invariant numerics (`ModelConfig.numerics`) need every elementwise operation to round the
+Invariant numerics (`EngineConfig.numerics`) need every elementwise operation to round the
 same way whatever the shape of the array it runs on. XLA CPU's fusion emitters (the default
 in jax 0.10) do not: inside the on-device decode loop a token's layer-0 keys differed in the
 last bit (6e-8) between a batch of one row and of two, while every product, norm and

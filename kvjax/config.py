@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ConfigError(ValueError):
@@ -44,10 +44,10 @@ ROPE_SCALING = {
              "beta_slow", "truncate"),
 }
 
-# the token-row products whose row blocks `ModelConfig.row_blocks` sets ("lora": both
-# products of every LoRA delta, `kvjax.model.lora.stacked_delta`)
+# the token-row products whose row blocks `kvjax.model.plan.NumericsPlan.row_blocks` sets
+# ("lora": both products of every LoRA delta, `kvjax.model.lora.stacked_delta`)
 ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "lora", "attention")
-# those whose kernels the steps may take stored transposed (`ModelConfig.transposed`)
+# those whose kernels the steps may take stored transposed (`NumericsPlan.transposed`)
 STORED_PRODUCTS = ROW_PRODUCTS[:-2]
 
 
@@ -89,23 +89,15 @@ class ModelConfig:
     tie_embeddings: bool = True
     causal: bool = True
     dtype: str = "float32"  # parameter and activation dtype
-    # "fast": XLA picks each product's kernel by shape, so a token's bits may change with the
-    # batch or chunk around it; "invariant": every token-row product runs in row blocks of
-    # 2..row_block rows, attention per query, norms and softmax by fixed-order sums, so a
-    # token's bits depend on its own history alone (see kvjax.model.tiled)
-    numerics: str = "fast"
-    row_block: int = 32
-    # per product, the row block the engine's start-up probe chose ((name, block) pairs for
-    # ROW_PRODUCTS; 0 = one product of any row count, which the probe found invariant up to
-    # the engine's largest call); a product not named uses row_block
-    row_blocks: tuple[tuple[str, int], ...] = ()
-    # products whose kernels the steps take stored transposed, each one product of any row
-    # count (block 0): see kvjax.model.layout
-    transposed: tuple[str, ...] = ()
-    # the steps take q, k and v as one product ("qkv") and a gated MLP's gate and up as one
-    # ("mlp up"), on kernels concatenated once at load (`kvjax.model.layout.store`); the
-    # parameter tree users hold, load and save keeps its separate kernels
-    fused: bool = False
+
+    # fields that were here and moved to the numerics plan (`kvjax.model.plan`), each ->
+    # where it is set now: a config file naming one gets this answer
+    MOVED: ClassVar[dict[str, str]] = {
+        "numerics": "engine.numerics (the engine's NumericsPlan.mode)",
+        "row_block": "engine.row_block (NumericsPlan.row_block)",
+        "row_blocks": "kvjax.model.plan.NumericsPlan.row_blocks (the engine's probe)",
+        "transposed": "engine.transposed_kernels (NumericsPlan.transposed)",
+        "fused": "engine.fused_projections (NumericsPlan.fused)"}
 
     def __post_init__(self):
         for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff",
@@ -125,24 +117,6 @@ class ModelConfig:
         _choice(self.position, "position", ("rope", "learned"))
         _choice(self.mlp, "mlp", ("swiglu", "geglu", "gelu"))
         _choice(self.dtype, "dtype", ("float32", "bfloat16"))
-        _choice(self.numerics, "numerics", ("fast", "invariant"))
-        _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")
-        object.__setattr__(self, "row_blocks", tuple(tuple(p) for p in self.row_blocks))
-        for name, block in self.row_blocks:
-            _choice(name, "row_blocks", ROW_PRODUCTS)
-            _require(block == 0 or block >= 2, "row_blocks",
-                     f"{name}: a block is 0 or >= 2, got {block}")
-        object.__setattr__(self, "transposed", tuple(self.transposed))
-        for name in self.transposed:
-            _choice(name, "transposed", STORED_PRODUCTS)
-            _require(self.block(name) == 0, "transposed", f"{name}: a transposed kernel is "
-                     f"one product of any row count (row block 0)")
-            _require(name != "head" or not self.tie_embeddings, "transposed",
-                     "a tied head is the embedding [V, D], stored transposed already")
-            if name in ("q", "k/v", "qkv"):  # a fused model has "qkv", a plain one q and k/v
-                _require((name == "qkv") == self.fused, "transposed",
-                         f"{name} is not a product of a {'fused' if self.fused else 'plain'} "
-                         f"model (a fused model has 'qkv' for q and k/v)")
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",
@@ -186,10 +160,6 @@ class ModelConfig:
     def windows(self) -> tuple[int | None, ...]:
         """Every layer's window."""
         return tuple(self.window(i) for i in range(self.num_layers))
-
-    def block(self, product: str) -> int:
-        """The row block of one of ROW_PRODUCTS (see `row_blocks`)."""
-        return dict(self.row_blocks).get(product, self.row_block)
 
     @property
     def group_size(self) -> int:
@@ -273,20 +243,25 @@ class EngineConfig:
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
     attention: str = "auto"  # decode kernel: auto | reference | pallas_gpu | pallas_tpu
     attention_interpret: bool = False  # run a Pallas kernel in interpret mode (CPU tests)
-    # the model's and the draft's arithmetic (ModelConfig.numerics): "invariant" makes a
-    # request's bits depend on its own history alone; "fast" shares prefill-written pages only
+    # the one numerics switch, for the model and the draft (the mode of the engine's
+    # `kvjax.model.plan.NumericsPlan`): "invariant" makes a request's bits depend on its own
+    # history alone; "fast" shares prefill-written pages only
     numerics: str = "invariant"
     # invariant numerics: store a product's kernel transposed where that lets one product of
     # any row count replace a loop of 32-row blocks (kvjax.model.layout): faster prefill,
     # slower decode of a few rows (docs/numerics.md has the costs)
     transposed_kernels: bool = True
-    # the steps take q/k/v as one product and gate/up as one (ModelConfig.fused): their
+    # invariant numerics: the largest row block the start-up probe tries for a product it
+    # cannot run as one product of any row count (NumericsPlan.row_block)
+    row_block: int = 32
+    # the steps take q/k/v as one product and gate/up as one (NumericsPlan.fused): their
     # kernels concatenated once at load, not on a mesh (its rules shard them apart)
     fused_projections: bool = True
 
     def __post_init__(self):
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")
         _require(self.prefill_calls_per_round >= 0, "prefill_calls_per_round",
                  f"must be >= 0, got {self.prefill_calls_per_round}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
@@ -364,7 +339,8 @@ class GenerateConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole TOML file: one table per section."""
+    """A whole TOML file: one table per section. It has one cache config: `[cache]` is the
+    engine's cache too (`engine.cache` follows it)."""
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -373,6 +349,17 @@ class Config:
     engine: EngineConfig = EngineConfig()
     train: TrainConfig = TrainConfig()
     spec: SpecConfig = SpecConfig()
+
+    def __post_init__(self):
+        if self.engine.cache == self.cache:
+            return
+        if self.engine.cache == CacheConfig():  # the engine's left at its default
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, cache=self.cache))
+        elif self.cache == CacheConfig():
+            object.__setattr__(self, "cache", self.engine.cache)
+        else:
+            raise ConfigError("engine.cache", "differs from cache: a config has one cache "
+                              "config (set the cache section)")
 
 
 MESH_AXES = ("data", "model")

@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kvjax.config import Config, ConfigError, _require
+from kvjax.config import Config, ConfigError, EngineConfig, _require
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,7 +67,13 @@ def build(cls: type, table: dict[str, Any], section: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     prefix = f"{section}." if section else ""
     kwargs = {}
+    moved = getattr(cls, "MOVED", {})
     for key, value in table.items():
+        if key in moved:
+            raise ConfigError(f"{prefix}{key}", f"moved: set {moved[key]}")
+        if cls is EngineConfig and key == "cache":
+            raise ConfigError(f"{prefix}{key}", "set the cache section (one cache config: "
+                              "it is the engine's too)")
         if key not in names:
             raise ConfigError(f"{prefix}{key}",
                               f"unknown key (known: {', '.join(sorted(names))})")

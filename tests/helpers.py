@@ -12,6 +12,7 @@ from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
+from kvjax.model.plan import FAST
 from kvjax.model.transformer import init_params
 
 
@@ -66,8 +67,9 @@ def random_tokens(seed: int, lengths, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab, size=n)] for n in lengths]
 
 
-def prefill(params, config, cache_cfg, cache, tokens, pages, start=0):
-    """Prefills tokens[start:] of one sequence in fixed chunks; returns (logits [n, V], cache)."""
+def prefill(params, config, cache_cfg, cache, tokens, pages, start=0, plan=FAST):
+    """Prefills tokens[start:] of one sequence in fixed chunks; returns (logits [n, V], cache)
+    (`params` stored as `plan` says)."""
     chunk = cache_cfg.prefill_chunk
     table = page_table([pages], 1, cache_cfg.block_pages)
     out = []
@@ -77,7 +79,7 @@ def prefill(params, config, cache_cfg, cache, tokens, pages, start=0):
         padded[0, : len(piece)] = piece
         batch = BatchInfo(page_table=table, lengths=np.array([s], np.int32),
                           num_new=np.array([len(piece)], np.int32))
-        logits, cache = steps.extend(params, config, cache, padded, batch)
+        logits, cache = steps.extend(params, config, cache, padded, batch, plan=plan)
         out.append(np.asarray(logits[0, : len(piece)]))
     return np.concatenate(out), cache
 
@@ -115,13 +117,15 @@ def cached_logits(params, config: ModelConfig, cache_cfg: CacheConfig, sequences
     return [np.concatenate(x) for x in logits], cache, rows
 
 
-def fresh_prefill(params, config: ModelConfig, cache_cfg: CacheConfig, history: list[int]):
-    """A fresh cache holding `history` in pages 0, 1, ... (a prefill of it alone). The page
-    table is always as wide as the longest sequence the model takes (pages past the history
-    are never read), so every history compiles one prefill per model."""
+def fresh_prefill(params, config: ModelConfig, cache_cfg: CacheConfig, history: list[int],
+                  plan=FAST):
+    """A fresh cache holding `history` in pages 0, 1, ... (a prefill of it alone, under
+    `plan`). The page table is always as wide as the longest sequence the model takes
+    (pages past the history are never read), so every history compiles one prefill per
+    model."""
     width = min(cache_cfg.num_pages, -(-config.max_seq_len // cache_cfg.page_size))
     _, cache = prefill(params, config, cache_cfg, init_cache(config, cache_cfg), history,
-                       list(range(width)))
+                       list(range(width)), plan=plan)
     return cache
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from helpers import small_model
 
 import kvjax
-from kvjax.cache.identity import model_fingerprint
+from kvjax.cache.identity import digest_tree, model_fingerprint
 from kvjax.io import CheckpointError, load, read_metadata, save
 
 # A failed orbax restore leaves tensorstore callbacks on a closed event loop; harmless here.
@@ -76,6 +77,28 @@ def test_config_that_does_not_match_the_params_is_an_error(model, tmp_path):
     meta["config"]["num_kv_heads"] = 3
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="num_kv_heads"):
+        load(tmp_path / "ck")
+
+
+def test_a_checkpoint_saved_with_numerics_fields_in_its_config_loads(model, tmp_path):
+    """Checkpoints written before the numerics plan moved out of ModelConfig hold
+    `numerics`, `row_block`, `row_blocks`, `transposed` and `fused` in their saved config,
+    and a fingerprint over that config as written: they load (the moved keys dropped) and
+    are still checked (a changed value of a moved key is caught)."""
+    config, params = model
+    save(tmp_path / "ck", config, params)
+    meta_file = tmp_path / "ck" / "kvjax.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"] |= {"numerics": "fast", "row_block": 32, "row_blocks": [],
+                       "transposed": [], "fused": False}
+    text = json.dumps(meta["config"], sort_keys=True)  # the fingerprint as it was computed
+    meta["fingerprint"] = hashlib.sha256(text.encode() + digest_tree(params).encode()
+                                         ).hexdigest()[:32]
+    meta_file.write_text(json.dumps(meta))
+    assert load(tmp_path / "ck")[0] == config
+    meta["config"]["row_block"] = 16
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="fingerprint"):
         load(tmp_path / "ck")
 
 

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import CacheConfig, ConfigError, ModelConfig, load_config
-from kvjax.config_files import config_from_dict
+from kvjax import CacheConfig, ConfigError, EngineConfig, ModelConfig, load_config
+from kvjax.config import Config
+from kvjax.config_files import build, config_from_dict
+from kvjax.model.plan import NumericsPlan
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -85,17 +87,37 @@ def test_defaults_and_replace():
     hash(config)  # frozen configs are static jit arguments
 
 
-def test_row_blocks_and_transposed_products_read_from_toml_and_are_checked():
-    """`model.row_blocks` is a list of [product, block] pairs (fixed-length items checked
-    item by item); a wrong length, an unknown product or a transposed product that is not
-    one whole product is an error naming the key."""
-    model = config_from_dict({"model": {"numerics": "invariant", "transposed": ["q"],
-                                        "row_blocks": [["q", 0], ["o", 16]]}}).model
-    assert model.row_blocks == (("q", 0), ("o", 16)) and model.transposed == ("q",)
-    assert model.block("o") == 16 and model.block("mlp up") == model.row_block
+def test_the_numerics_plan_is_no_model_key_and_checks_its_fields():
+    """How the steps run a model moved out of `[model]` into a `NumericsPlan` beside it: a
+    file naming a moved key is told where it went. A plan built from a table (`build`) has
+    `row_blocks` as [product, block] pairs checked item by item; a wrong length, an
+    unknown product or a transposed product that is not one whole product is an error
+    naming the key."""
+    for key, value in [("numerics", "invariant"), ("row_block", 16), ("row_blocks", []),
+                       ("transposed", ["q"]), ("fused", True)]:
+        with pytest.raises(ConfigError, match=f"model.{key}: moved: set "):
+            config_from_dict({"model": {key: value}})
+    plan = build(NumericsPlan, {"mode": "invariant", "transposed": ["q"],
+                                "row_blocks": [["q", 0], ["o", 16]]})
+    assert plan.row_blocks == (("q", 0), ("o", 16)) and plan.transposed == ("q",)
+    assert plan.block("o") == 16 and plan.block("mlp up") == plan.row_block
     for bad, key in [({"row_blocks": [["q", 0, 1]]}, "expected 2 items"),
-                     ({"row_blocks": [["z", 0]]}, "'z' is not one of"),
+                     ({"row_blocks": [["z", 0]]}, "'z' is not a row product"),
                      ({"row_blocks": [["q", 1]]}, "a block is 0 or >= 2"),
-                     ({"transposed": ["o"]}, "row block 0")]:
+                     ({"transposed": ["o"]}, "row block 0"),
+                     ({"mode": "exact"}, "'exact' is not one of")]:
         with pytest.raises(ConfigError, match=key):
-            config_from_dict({"model": bad})
+            build(NumericsPlan, {"mode": "invariant", **bad})
+
+
+def test_a_config_has_one_cache_config():
+    """`[cache]` is the engine's cache too: `engine.cache` follows it, a file cannot set
+    the engine's apart, and two different ones given in Python are refused."""
+    config = config_from_dict({"cache": {"page_size": 8, "prefill_chunk": 64}})
+    assert config.engine.cache == config.cache and config.cache.page_size == 8
+    with pytest.raises(ConfigError, match="engine.cache: set the cache section"):
+        config_from_dict({"engine": {"cache": {"page_size": 8}}})
+    eight = CacheConfig(page_size=8, prefill_chunk=64)
+    assert Config(engine=EngineConfig(cache=eight)).cache == eight
+    with pytest.raises(ConfigError, match="engine.cache: differs from cache"):
+        Config(cache=eight, engine=EngineConfig(cache=CacheConfig(page_size=4)))

@@ -209,15 +209,39 @@ def test_per_layer_attention_structure_is_part_of_the_signature():
 
 def test_fused_products_are_part_of_the_model_identity(p):
     """Two engines that differ only in `fused_projections` run other products (one q/k/v
-    and one gate/up product, or separate ones), whose bits are their own: the engine's
-    model config differs in them, and so do the fingerprint and the namespace's `model`."""
+    and one gate/up product, or separate ones), whose bits are their own: the engines'
+    numerics plans differ in them (the model config is the same), and so do the
+    fingerprint and the namespace's `model`."""
     fused, plain = engine(p), engine(p, fused_projections=False)
-    assert fused.config.fused and not plain.config.fused
-    assert dataclasses.replace(fused.config, fused=False, row_blocks=plain.config.row_blocks,
-                               transposed=plain.config.transposed) == plain.config
+    assert fused.plan.fused and not plain.plan.fused and fused.config == plain.config
+    assert dataclasses.replace(fused.plan, fused=False, row_blocks=plain.plan.row_blocks,
+                               transposed=plain.plan.transposed) == plain.plan
     assert fused.fingerprint != plain.fingerprint
     request = Request(PROMPT, 4)
     assert fused.namespace(request).differing_fields(plain.namespace(request)) == ["model"]
+
+
+def test_every_field_of_the_numerics_plan_is_in_the_fingerprint(p):
+    """The plan passed beside the model config changes a token's bits in each of its
+    fields, so each is in the model fingerprint (hence the namespace); equal plans give
+    equal fingerprints, and the engine's is that of its config, weights and plan."""
+    from kvjax.cache.identity import model_fingerprint
+    from kvjax.model.plan import NumericsPlan
+
+    base = NumericsPlan("invariant", row_blocks=(("q", 0),), transposed=("q",))
+    variants = [
+        dataclasses.replace(base, mode="fast"),
+        dataclasses.replace(base, row_block=16),
+        dataclasses.replace(base, row_blocks=(("q", 0), ("o", 16))),
+        dataclasses.replace(base, transposed=()),
+        NumericsPlan("invariant", row_blocks=(("qkv", 0),), transposed=("qkv",), fused=True),
+    ]
+    prints = {model_fingerprint(CONFIG, p, plan) for plan in [base, *variants]}
+    assert len(prints) == 1 + len(variants)
+    assert model_fingerprint(CONFIG, p, dataclasses.replace(base)) in prints
+    assert model_fingerprint(CONFIG, p) not in prints  # the weights' identity alone
+    eng = engine(p)
+    assert eng.fingerprint == model_fingerprint(eng.config, p, eng.plan)
 
 
 def test_bfloat16_engine_reuses_exactly(p):

@@ -175,11 +175,12 @@ def test_rollback_frees_pages_and_never_writes_shared_pages(target, draft):
             assert len(seq.pages) == pages_for(seq.length, 4)
             assert len(seq.draft_pages) == pages_for(seq.draft_length, 4)
             assert seq.draft_length in (seq.length - 1, seq.length)
-            for cfg, p, cache, pages, n in (  # each model as the engine runs it
-                    (engine.config, engine.model.params, engine.cache, seq.pages, seq.length),
-                    (engine.spec.config, engine.spec.params, engine.draft_pool.cache,
-                     seq.draft_pages, seq.draft_length)):
-                fresh = fresh_prefill(p, cfg, CACHE, history[:n])
+            for cfg, plan, p, cache, pages, n in (  # each model as the engine runs it
+                    (engine.config, engine.plan, engine.model.params, engine.cache, seq.pages,
+                     seq.length),
+                    (engine.spec.config, engine.spec.plan, engine.spec.params,
+                     engine.draft_pool.cache, seq.draft_pages, seq.draft_length)):
+                fresh = fresh_prefill(p, cfg, CACHE, history[:n], plan)
                 for x, y in zip(gather_sequence(cache, pages, n),
                                 gather_sequence(fresh, list(range(len(pages))), n),
                                 strict=True):
@@ -298,7 +299,7 @@ def test_measured_cost_ratio_and_verify_slope(target, draft, monkeypatch):
     def fake_step_timer(models, batch, context):
         ticks, after_target = 0, False
         is_draft = lambda c: c.d_model == DRAFT.d_model  # noqa: E731 (numerics set by the engine)
-        for _, config, width, repeats in models:
+        for _, config, _, width, repeats in models:
             if is_draft(config):
                 ticks += repeats * {(True, 1): 2, (False, 1): 1}[after_target, width]
             else:

@@ -71,7 +71,7 @@ def test_row_blocks_keep_the_promise_without_transposed_kernels(p):
     request still gets its alone bits across slots, chunks and decode steps (other bits
     than the transposed layout's: another config, another cache identity)."""
     solo = engine(p, max_slots=1, prefix_cache=False, transposed_kernels=False)
-    assert solo.config.transposed == () and solo.config.block("q") == 32
+    assert solo.plan.transposed == () and solo.plan.block("q") == 32
     alone = [solo.generate([r])[0] for r in requests()]
     for knobs in (dict(max_slots=8), dict(cache=with_cache(prefill_chunk=32), decode_steps=16)):
         assert_same(engine(p, transposed_kernels=False, **knobs).generate(requests()), alone)
@@ -434,17 +434,19 @@ def test_generate_prefills_prompts_together_with_their_alone_bits(p):
     the prompts in shared calls: every prompt's tokens and logits are bitwise its own
     run's; the fast layout's values agree within float32 rounding (measured 5e-6)."""
     from kvjax import generate
-    from kvjax.engine.engine import numerics_blocks
+    from kvjax.engine.engine import numerics_plans
     from kvjax.model.layout import store
 
-    config, problems = numerics_blocks([CONFIG], EngineConfig(cache=CACHE), 0)
-    assert problems == [] and config.numerics == "invariant"
-    stored = store(p, config)
+    plan, problems = numerics_plans([CONFIG], EngineConfig(cache=CACHE), 0)
+    assert problems == [] and plan.invariant
+    stored = store(p, plan)
     prompts = random_tokens(5, [3, 17, 9, 30], CONFIG.vocab_size)
     cache = with_cache(num_pages=64)
-    together = generate(stored, config, prompts, 6, cache=cache, return_logits=True)
+    together = generate(stored, CONFIG, prompts, 6, cache=cache, return_logits=True,
+                        plan=plan)
     for i, prompt in enumerate(prompts):
-        alone = generate(stored, config, [prompt], 6, cache=cache, return_logits=True)
+        alone = generate(stored, CONFIG, [prompt], 6, cache=cache, return_logits=True,
+                         plan=plan)
         assert alone.tokens[0] == together.tokens[i]
         np.testing.assert_array_equal(alone.logits[0], together.logits[i])
     fast = generate(p, CONFIG, prompts, 6, cache=cache, return_logits=True)

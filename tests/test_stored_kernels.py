@@ -1,5 +1,5 @@
 """Kernels stored transposed and fused (`kvjax.model.layout`): the canonical tree comes back
-bit for bit, a step refuses parameters stored otherwise than its config says, the transposed
+bit for bit, a step refuses parameters stored otherwise than its plan says, the transposed
 view folds into its product in every compiled step (no copy of a weight is made, inside the
 decode loop too), and the values match the plain layout's."""
 
@@ -21,24 +21,29 @@ from kvjax.decode.batching import page_table
 from kvjax.decode.state import decode_state
 from kvjax.model import layout
 from kvjax.model.layout import KERNELS, SCOPE, Stored, canonical, store, unstored
+from kvjax.model.plan import FAST, NumericsPlan
 
 CACHE = CacheConfig(page_size=4, num_pages=16, prefill_chunk=8, attn_block=8)
 EVERY = ("q", "k/v", "o", "mlp up", "mlp down", "head")
 FUSED = ("qkv", "o", "mlp up", "mlp down", "head")
 
 
-def model(fused: bool = False, **kw):
-    """Every kernel stored transposed, the head untied so that it has a kernel of its own."""
+def model(**kw):
+    """The head untied so that it has a kernel of its own."""
+    return small_model(**{"tie_embeddings": False, **kw})
+
+
+def every(fused: bool = False, **kw) -> NumericsPlan:
+    """Every kernel stored transposed."""
     products = FUSED if fused else EVERY
-    base = dict(tie_embeddings=False, numerics="invariant", fused=fused,
-                row_blocks=tuple((name, 0) for name in products), transposed=products)
-    return small_model(**{**base, **kw})
+    return NumericsPlan(**{"mode": "invariant", "fused": fused, "transposed": products,
+                           "row_blocks": tuple((name, 0) for name in products), **kw})
 
 
 def test_store_moves_every_named_kernel_and_unstored_restores_it_bitwise():
-    config = model()
+    config, plan = model(), every()
     params = sharp_params(config)
-    held = store(params, config)
+    held = store(params, plan)
     assert isinstance(held, Stored)
     layer = held.tree["layer_0"]
     assert layer["attn"]["q"]["kernel"].shape == (4, 8, 32)  # [N, H, D] from [D, N, H]
@@ -46,11 +51,10 @@ def test_store_moves_every_named_kernel_and_unstored_restores_it_bitwise():
     assert layer["mlp"]["down"]["kernel"].shape == (32, 64)  # [D, F] from [F, D]
     assert held.tree["lm_head"]["kernel"].shape == (61, 32)  # [V, D] from [D, V]
     assert layer["attn_norm"]["scale"] is params["layer_0"]["attn_norm"]["scale"]
-    back = jax.jit(lambda p: unstored(p, config))(held)
+    back = jax.jit(lambda p: unstored(p, plan))(held)
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
     jax.tree_util.tree_map(np.testing.assert_array_equal, canonical(held, config), params)
-    plain = dataclasses.replace(config, numerics="fast", row_blocks=(), transposed=())
-    assert store(params, plain) is params
+    assert store(params, FAST) is params
 
 
 @pytest.mark.parametrize("kw", [{}, {"qkv_bias": True, "mlp_bias": True}, {"mlp": "gelu"}],
@@ -59,9 +63,9 @@ def test_fused_kernels_are_concatenated_once_and_come_back_bitwise(kw):
     """q/k/v [D, N, H] + [D, K, H] x 2 -> qkv [D, N + 2K, H] and gate/up [D, F] x 2 ->
     [D, 2F] (biases likewise; an ungated MLP keeps its up kernel), stored transposed;
     `canonical` gives back the separate kernels bit for bit."""
-    config = model(fused=True, **kw)
+    config = model(**kw)
     params = sharp_params(config)
-    held = store(params, config)
+    held = store(params, every(fused=True))
     attn, mlp = held.tree["layer_0"]["attn"], held.tree["layer_0"]["mlp"]
     assert set(attn) == {"qkv", "o"}
     assert attn["qkv"]["kernel"].shape == (8, 8, 32)  # [N + 2K, H, D]
@@ -81,37 +85,39 @@ def test_fused_kernels_are_concatenated_once_and_come_back_bitwise(kw):
     jax.tree_util.tree_map(np.testing.assert_array_equal, canonical(held, config), params)
 
 
-def test_a_step_refuses_parameters_stored_otherwise_than_its_config_says():
-    config = model()
-    params = sharp_params(config)
+def test_a_step_refuses_parameters_stored_otherwise_than_its_plan_says():
+    plan = every()
+    params = sharp_params(model())
     with pytest.raises(ValueError, match="stores .* transposed but the parameters hold"):
-        unstored(params, config)
+        unstored(params, plan)
     with pytest.raises(ValueError, match="layout.store"):
-        unstored(store(params, dataclasses.replace(config, transposed=("q",))), config)
-    fused = model(fused=True)
+        unstored(store(params, dataclasses.replace(plan, transposed=("q",))), plan)
+    fused = every(fused=True)
     with pytest.raises(ValueError, match="and fused but the parameters hold"):
-        unstored(store(params, config), fused)
+        unstored(store(params, plan), fused)
     with pytest.raises(ValueError, match="hold .* fused"):
-        unstored(store(params, fused), config)
+        unstored(store(params, fused), plan)
     with pytest.raises(ConfigError, match="fused"):
-        model(fused=True, transposed=("q",), row_blocks=(("q", 0),))
+        every(fused=True, transposed=("q",), row_blocks=(("q", 0),))
     with pytest.raises(ConfigError, match="fused"):
-        model(transposed=("qkv",), row_blocks=(("qkv", 0),))
+        every(transposed=("qkv",), row_blocks=(("qkv", 0),))
     with pytest.raises(ConfigError, match="row block 0"):
-        small_model(numerics="invariant", transposed=("q",))
+        NumericsPlan("invariant", transposed=("q",))
     with pytest.raises(ConfigError, match="tied head"):
-        small_model(numerics="invariant", row_blocks=(("head", 0),), transposed=("head",))
+        NumericsPlan("invariant", row_blocks=(("head", 0),), transposed=("head",)).check(
+            small_model())
 
 
-def compiled_steps(config, params) -> list[str]:
+def compiled_steps(config, plan, params) -> list[str]:
     """Optimised HLO of a prefill call and of the on-device decode loop."""
     cache = init_cache(config, CACHE)
     table = page_table([[0, 1, 2, 3]], 1, CACHE.block_pages)
     batch = BatchInfo(page_table=table, lengths=np.zeros(1, np.int32),
                       num_new=np.full(1, 8, np.int32))
-    extend = steps.extend.lower(params, config, cache, np.zeros((1, 8), np.int32), batch)
+    extend = steps.extend.lower(params, config, cache, np.zeros((1, 8), np.int32), batch,
+                                plan=plan)
     state = decode_state(table, [8], [0], [4], np.zeros((1, 2)))
-    loop = steps.decode_loop.lower(params, config, cache, state, max_steps=4)
+    loop = steps.decode_loop.lower(params, config, cache, state, max_steps=4, plan=plan)
     return [extend.compile().as_text(), loop.compile().as_text()]
 
 
@@ -129,9 +135,9 @@ def test_the_transposed_view_folds_into_its_product_in_every_step(fused):
     leaves copies named by the scope: seen failing that way.) Fused kernels are one product
     each: a layer's step runs 2 input-side dots instead of 5 (q, k, v, gate, up) and
     concatenates no weight."""
-    config = model(fused=fused)
-    params = store(sharp_params(config), config)
-    for text in compiled_steps(config, params):
+    config, plan = model(), every(fused=fused)
+    params = store(sharp_params(config), plan)
+    for text in compiled_steps(config, plan, params):
         left = views_left(text)
         assert left == [], left[:3]
         projections = re.compile(r"/(attn/(q|k|v|qkv)|mlp/(gate|up|gate_up))/dot_general")
@@ -154,14 +160,14 @@ def test_a_view_that_cannot_fold_is_seen_in_every_step(monkeypatch):
         n = kernel.ndim
         return jnp.moveaxis(kernel, tuple(range(n - inputs, n)), tuple(range(inputs)))
 
-    config = model()
-    params = store(sharp_params(config), config)
+    config, plan = model(), every()
+    params = store(sharp_params(config), plan)
     q = params.tree["layer_0"]["attn"]["q"]["kernel"]
     np.testing.assert_array_equal(moved(q, 1), layout.from_stored(q, 1))  # the same view
     monkeypatch.setattr(layout, "from_stored", moved)
     jax.clear_caches()  # the steps trace again with the swapped view
     try:
-        texts = compiled_steps(config, params)
+        texts = compiled_steps(config, plan, params)
     finally:
         monkeypatch.undo()
         jax.clear_caches()  # and no other test runs it
@@ -176,16 +182,13 @@ def test_stored_kernels_give_the_plain_layouts_values():
     rounding of a different summation order (measured 4.8e-6; tolerance 5e-5)."""
     config = model()
     params = sharp_params(config)
-    fast = dataclasses.replace(config, numerics="fast", row_blocks=(), transposed=())
     tokens = np.arange(8, dtype=np.int32)[None] % config.vocab_size
     batch = BatchInfo(page_table=page_table([[0, 1, 2, 3]], 1, CACHE.block_pages),
                       lengths=np.zeros(1, np.int32), num_new=np.full(1, 8, np.int32))
     out = {}
-    fused = model(fused=True)
-    for name, cfg, p in [("stored", config, store(params, config)),
-                         ("fused", fused, store(params, fused)),
-                         ("plain", fast, params)]:
-        out[name], _ = steps.extend(p, cfg, init_cache(cfg, CACHE), tokens, batch)
+    for name, plan in [("stored", every()), ("fused", every(fused=True)), ("plain", FAST)]:
+        out[name], _ = steps.extend(store(params, plan), config, init_cache(config, CACHE),
+                                    tokens, batch, plan=plan)
     for name in ("stored", "fused"):
         np.testing.assert_allclose(np.asarray(out[name]), np.asarray(out["plain"]),
                                    rtol=0, atol=5e-5)
@@ -198,7 +201,7 @@ def test_the_engine_shows_the_weights_as_loaded():
     config = small_model()
     params = sharp_params(config)
     engine = Engine(params, config, EngineConfig())
-    assert engine.config.transposed  # this backend stores some kernels transposed
-    assert engine.config.fused
+    assert engine.plan.transposed  # this backend stores some kernels transposed
+    assert engine.plan.fused
     assert isinstance(engine.model.params, Stored)
     jax.tree_util.tree_map(np.testing.assert_array_equal, engine.params, params)

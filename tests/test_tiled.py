@@ -13,6 +13,7 @@ import pytest
 from helpers import small_model
 
 from kvjax import backend
+from kvjax.model.plan import INVARIANT, NumericsPlan
 from kvjax.model.tiled import (
     PROBED,
     Calls,
@@ -111,6 +112,9 @@ def test_model_shapes_names_every_token_matmul():
     shapes = model_shapes(small_model())
     assert set(shapes) == {"q", "k/v", "o", "mlp up", "mlp down", "head"}
     assert all(d > 0 and f > 0 for d, f in shapes.values())
+    fused = model_shapes(small_model(), fused=True)
+    assert set(fused) == {"qkv", "o", "mlp up", "mlp down", "head"}
+    assert fused["mlp up"] == (shapes["mlp up"][0], 2 * shapes["mlp up"][1])
 
 
 def test_row_invariant_dot_keeps_dense_layers_values_and_bits():
@@ -138,15 +142,14 @@ def test_check_rows_probes_the_models_shapes():
     """Clean for a model at its default block; names the products whose rows a too-large
     block splits (the bench q projection at 64 rows, measured) and the fusion emitters when
     XLA_FLAGS does not turn them off."""
-    assert check_rows(small_model()) == []
-    wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61,
-                       row_block=64)
-    assert "q" in check_rows(wide)
+    assert check_rows(small_model(), INVARIANT) == []
+    wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61)
+    assert "q" in check_rows(wide, NumericsPlan("invariant", row_block=64))
 
 
 def test_the_engine_takes_the_cheapest_form_the_backend_keeps_invariant():
-    """Per product, before anything is built (the choice is in the model config and the
-    cache identity): one product of any row count where the probe finds the rows invariant
+    """Per product, before anything is built (the choice is the engine's numerics plan, in
+    the cache identity): one product of any row count where the probe finds the rows invariant
     (with the kernel stored transposed where only that holds), else the largest block that
     holds. Measured on XLA CPU: the 512-wide q/k/v projection's rows change from 33 rows in
     one plain product and at a 64-row block, and hold at every count stored transposed."""
@@ -154,21 +157,20 @@ def test_the_engine_takes_the_cheapest_form_the_backend_keeps_invariant():
 
     from kvjax import Engine, EngineConfig, init_params
 
-    wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61,
-                       row_block=64)
+    wide = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=64, vocab_size=61)
     engines = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: a form that holds was found
         for transposed in (True, False):
-            engines[transposed] = Engine(init_params(wide), wide,
-                                         EngineConfig(transposed_kernels=transposed))
-    stored, blocks = engines[True].config, engines[False].config
+            engines[transposed] = Engine(init_params(wide), wide, EngineConfig(
+                transposed_kernels=transposed, row_block=64))
+    stored, blocks = engines[True].plan, engines[False].plan
     assert stored.fused and blocks.fused  # q, k and v as one product ("qkv")
     assert "qkv" in stored.transposed and stored.block("qkv") == 0
     assert blocks.transposed == () and 2 <= blocks.block("qkv") < 64  # measured: 32
     for engine in engines.values():
         assert engine.numerics_problems == []
-        assert check_products(engine.config, PROBED._replace(keys=16)) == []
+        assert check_products(wide, engine.plan, PROBED._replace(keys=16)) == []
     fingerprints = {e.pool.fingerprint for e in engines.values()} | {Engine(
         init_params(wide), wide, EngineConfig(numerics="fast")).pool.fingerprint}
     assert len(fingerprints) == 3
@@ -181,10 +183,10 @@ def test_choose_blocks_takes_one_product_then_transposed_then_blocks():
     up projection fails (the probe can say no)."""
     model = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=1408, vocab_size=61)
     calls = Calls(rows=256, head_rows=16, queries=32, keys=16)
-    blocks, transposed, failed = choose_blocks(model, calls)
+    blocks, transposed, failed = choose_blocks(model, INVARIANT, calls)
     assert dict(blocks)["mlp down"] == 0 and "mlp down" not in transposed
     assert dict(blocks)["mlp up"] == 0 and "mlp up" in transposed and failed == []
-    blocks, transposed, _ = choose_blocks(model, calls, transpose=False)
+    blocks, transposed, _ = choose_blocks(model, INVARIANT, calls, transpose=False)
     assert dict(blocks)["mlp up"] == 32 and transposed == ()
     assert not _probe_whole((512, 1408), (0,), 256, jax.default_backend())
     assert _probe_whole((512, 1408), (0,), 256, jax.default_backend(), True)
@@ -233,13 +235,14 @@ def test_the_engine_probes_calls_as_wide_as_it_makes(monkeypatch):
 
     seen = []
     monkeypatch.setattr(engine_module, "choose_blocks",
-                        lambda config, calls, transpose: seen.append(calls) or ((), (), []))
+                        lambda config, plan, calls, transpose: seen.append(calls) or
+                        ((), (), []))
     ec = EngineConfig(cache=CacheConfig(prefill_chunk=128), max_slots=6)
-    engine_module.numerics_blocks([small_model()], ec, 0)
+    engine_module.numerics_plans([small_model()], ec, 0)
     assert seen[0].queries >= 128 * 8 and seen[0].rows >= 128 * 8
     # a packed decode step: a token per slot beside 8 prompts' 512-token slices
     ec = EngineConfig(cache=CacheConfig(prefill_chunk=512), max_slots=6, decode_steps=1)
-    engine_module.numerics_blocks([small_model()], ec, 0)
+    engine_module.numerics_plans([small_model()], ec, 0)
     assert seen[1].rows >= 6 + 8 * 512 and seen[1].head_rows >= 6 + 8
 
 
@@ -338,15 +341,15 @@ def test_the_engine_probes_its_adapters_products(monkeypatch):
     monkeypatch.setattr(engine_module, "choose_block", lambda *args: chosen.append(
         (args, lora.choose_block(*args))) or chosen[-1][1])
     engine = Engine(params(), CONFIG, EngineConfig(cache=CACHE), adapters=adapters)
-    assert "lora" in dict(engine.config.row_blocks) and engine.numerics_problems == []
+    assert "lora" in dict(engine.plan.row_blocks) and engine.numerics_problems == []
     [((shapes, rows, _), block)] = chosen
     assert shapes == lora.stacked_shapes(engine.model.lora) and rows >= PROBED.rows
-    assert block is not None and engine.config.block("lora") == block  # measured here: 32
+    assert block is not None and engine.plan.block("lora") == block  # measured here: 32
     for a, b in factors_by_shape(engine.model.lora).values():  # its adapters keep bits
         assert_delta_rows_keep_bits(a, b, block, lora_block_counts(block, rows))
     assert engine.runner.invariant
     plain = Engine(params(), CONFIG, EngineConfig(cache=CACHE))
-    assert "lora" not in dict(plain.config.row_blocks)
+    assert "lora" not in dict(plain.plan.row_blocks)
     monkeypatch.setattr(lora, "_probe_lora", lambda *args: False)
     with pytest.warns(RuntimeWarning, match="lora"):
         failed = Engine(params(), CONFIG, EngineConfig(cache=CACHE), adapters=adapters)

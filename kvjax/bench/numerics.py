@@ -27,7 +27,7 @@ from kvjax.config_files import load_config
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
 from kvjax.decode.state import decode_state
-from kvjax.engine.engine import numerics_blocks
+from kvjax.engine.engine import numerics_plans
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import filled_with_noise, median_seconds
 from kvjax.model.layout import store
@@ -42,9 +42,9 @@ CONTEXT, DECODE_STEPS, PREFILL, CHUNKS, PROMPTS, PROMPT_LEN = 512, 32, 1024, (64
 class _Point:
     """One model and cache in one mode, with its timed workloads."""
 
-    def __init__(self, model, params, cache_cfg: CacheConfig):
-        self.model, self.cache_cfg = model, cache_cfg
-        self.params = jax.device_put(store(params, model))
+    def __init__(self, model, plan, params, cache_cfg: CacheConfig):
+        self.model, self.plan, self.cache_cfg = model, plan, cache_cfg
+        self.params = jax.device_put(store(params, plan))
         self.holder = CacheHolder(filled_with_noise(init_cache(model, cache_cfg)))
 
     def decode(self, batch: int) -> float:
@@ -55,8 +55,8 @@ class _Point:
                              np.full(batch, DECODE_STEPS), np.zeros((batch, 2)))
 
         def run():
-            steps.decode(self.holder, self.params, self.model, state,
-                         DECODE_STEPS).tokens.block_until_ready()
+            steps.decode(self.holder, self.params, self.model, state, DECODE_STEPS,
+                         plan=self.plan).tokens.block_until_ready()
         return run
 
     def extend(self, tokens: np.ndarray, lengths: list[int], rows: list[list[int]]):
@@ -64,7 +64,7 @@ class _Point:
                           lengths=np.array(lengths, np.int32),
                           num_new=np.full(len(rows), tokens.shape[1], np.int32))
         return self.holder.run(lambda cache: steps.extend(
-            self.params, self.model, cache, tokens, batch, last_only=True))
+            self.params, self.model, cache, tokens, batch, last_only=True, plan=self.plan))
 
     def prefill(self, chunk: int):
         rows = [list(range(PREFILL // self.cache_cfg.page_size + 1))]
@@ -96,11 +96,11 @@ def main(args) -> int:
     params = init_params(base)
     cache_cfg = config.cache  # holds 8 x 544 tokens, a 1,024-token prompt, 8 x 128 tokens
     engine = dataclasses.replace(config.engine, cache=cache_cfg)
-    points = {m: _Point(numerics_blocks([base], dataclasses.replace(engine, **SETTINGS[m]),
-                                        0)[0], params, cache_cfg) for m in MODES}
+    points = {m: _Point(base, numerics_plans([base], dataclasses.replace(
+        engine, **SETTINGS[m]), 0)[0], params, cache_cfg) for m in MODES}
     for m in MODES[1:]:
-        emit(f"{m}: row blocks (0: one product) {dict(points[m].model.row_blocks)}, "
-             f"stored transposed {points[m].model.transposed}")
+        emit(f"{m}: row blocks (0: one product) {dict(points[m].plan.row_blocks)}, "
+             f"stored transposed {points[m].plan.transposed}")
     workloads = {f"decode batch {b}, ms/token": (lambda p, b=b: p.decode(b), DECODE_STEPS)
                  for b in (1, 8)}
     workloads |= {f"prefill {PREFILL} tokens, chunk {c}, ms": (lambda p, c=c: p.prefill(c), 1)

@@ -30,7 +30,7 @@ from kvjax.config import CacheConfig
 from kvjax.config_files import load_config
 from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import KVPool, generate
-from kvjax.engine.engine import numerics_blocks
+from kvjax.engine.engine import numerics_plans
 from kvjax.io.hf import hf_config, load_hf
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import median_timed
@@ -84,12 +84,12 @@ def main(args) -> int:
     # the engine's numerics (default invariant: the prompts share prefill calls), its forms
     ec = dataclasses.replace(cfg.engine, cache=cache)
     loaded_config, loaded_params = config, params  # the Engine chooses its own forms
-    config, problems = numerics_blocks([config], ec, 0)
-    params = jax.device_put(store(params, config))
+    plan, problems = numerics_plans([config], ec, 0)
+    params = jax.device_put(store(params, plan))
     emit(f"bench peer: {args.model or 'random bench model'}, {config.num_layers} layers, "
          f"d_model {config.d_model}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32, "
-          f"numerics {config.numerics}{' ' + str(problems) if problems else ''}; "
+          f"numerics {plan.mode}{' ' + str(problems) if problems else ''}; "
           f"torch {torch.__version__} ({args.threads} threads), jax {jax.__version__}")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -99,7 +99,7 @@ def main(args) -> int:
         lists = [list(map(int, p)) for p in prompts]
 
         def kv_run(n, lists=lists, pool=pool):
-            return generate(params, config, lists, n, cache=pool)
+            return generate(params, config, lists, n, cache=pool, plan=plan)
 
         def hf_run(n, prompts=prompts):
             with torch.no_grad():
@@ -142,7 +142,7 @@ def main(args) -> int:
              + (f"; llama.cpp {row['llamacpp_total_s']:.2f} s" if "llamacpp_total_s" in row
                 else ""))
     write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
-                  torch=torch.__version__, threads=args.threads, numerics=config.numerics)
+                  torch=torch.__version__, threads=args.threads, numerics=plan.mode)
     return 0
 
 

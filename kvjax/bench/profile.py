@@ -27,7 +27,7 @@ from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig
 from kvjax.config_files import load_config
 from kvjax.decode.batching import page_table
-from kvjax.engine.engine import numerics_blocks
+from kvjax.engine.engine import numerics_plans
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import filled_with_noise, median_seconds
 from kvjax.model.attention import paged_attention_reference
@@ -65,9 +65,9 @@ def _kernels(params, layers: int, fused: bool) -> list[dict[str, jax.Array]]:
     return out
 
 
-def _products(params, config, rows: int, stored: bool, reps: int) -> float:
+def _products(params, config, plan, rows: int, stored: bool, reps: int) -> float:
     """Seconds of one token's products as a chain of dots (see the module docstring)."""
-    layers = _kernels(params, config.num_layers, config.fused)
+    layers = _kernels(params, config.num_layers, plan.fused)
     q_width = config.num_heads * config.head_dim
     if stored:
         layers = [{n: jnp.asarray(k.T) for n, k in ks.items()} for ks in layers]
@@ -130,15 +130,16 @@ def main(args) -> int:
     emit(f"bench profile: {args.model or args.config}, {config.num_layers} layers, "
          f"{gigabytes:.3f} GB of weights, context {CONTEXT}, batch 1")
     start = time.perf_counter()
-    step, models = {}, {}
+    step, plans = {}, {}
     for mode in ("fast", "invariant"):
-        models[mode] = numerics_blocks([config], dataclasses.replace(engine, numerics=mode),
-                                       0)[0]
-        run = _Point(models[mode], params, cache_cfg).decode(1)
+        plans[mode] = numerics_plans([config], dataclasses.replace(engine, numerics=mode),
+                                     0)[0]
+        run = _Point(config, plans[mode], params, cache_cfg).decode(1)
         run()
         step[mode] = median_seconds(run, args.reps) / DECODE_STEPS
-    products = {"fast": _products(params, models["fast"], 1, False, args.reps),
-                "invariant": _products(params, models["invariant"], 2, True, args.reps)}
+    products = {"fast": _products(params, config, plans["fast"], 1, False, args.reps),
+                "invariant": _products(params, config, plans["invariant"], 2, True,
+                                       args.reps)}
     attention = _attention(config, cache_cfg, args.reps)
     rows = []
     for mode in ("fast", "invariant"):

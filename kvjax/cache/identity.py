@@ -43,9 +43,20 @@ def _to_dict(tree):
     return tree
 
 
-def model_fingerprint(config: ModelConfig, params) -> str:
-    """Digest of the config and every weight; changing any weight changes it."""
-    text = json.dumps(dataclasses.asdict(config), sort_keys=True)
+def model_fingerprint(config: ModelConfig, params, plan=None) -> str:
+    """Digest of the config, every weight and the numerics plan the steps run them with (a
+    `kvjax.model.plan.NumericsPlan`: every field of it changes a token's bits); changing
+    any of them changes it. Without a plan, the weights' identity (checkpoints)."""
+    return fingerprint_of(dataclasses.asdict(config), params,
+                          None if plan is None else dataclasses.asdict(plan))
+
+
+def fingerprint_of(config: dict, params, plan: dict | None = None) -> str:
+    """`model_fingerprint` of a config and plan given as dicts (a checkpoint's saved config
+    is checked as it was written)."""
+    text = json.dumps(config, sort_keys=True)
+    if plan is not None:
+        text += json.dumps(plan, sort_keys=True)
     return hashlib.sha256(text.encode() + digest_tree(params).encode()).hexdigest()[:32]
 
 

@@ -1,9 +1,9 @@
 """`generate()`: validate, allocate pages, prefill in fixed chunks, decode on device, free.
 
-Under `ModelConfig(numerics="invariant")` the prompts are prefilled together. The
-parameters must be stored as the config says (`kvjax.model.layout.store(params, config)`:
-kernels stored transposed, q/k/v and gate/up fused); the engine's start-up choice of forms
-is `kvjax.engine.engine.numerics_blocks`.
+Under an invariant numerics plan (`plan=kvjax.model.plan.NumericsPlan("invariant")`) the
+prompts are prefilled together. The parameters must be stored as the plan says
+(`kvjax.model.layout.store(params, plan)`: kernels stored transposed, q/k/v and gate/up
+fused); the engine's start-up choice of plan is `kvjax.engine.engine.numerics_plans`.
 
 The pages come from a `KVPool` (`kvjax.cache.pool.PagePool`, the engine's pool class).
 
@@ -29,6 +29,7 @@ from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import sample_jit, sampling_rows, sequence_keys
 from kvjax.decode.state import decode_state
 from kvjax.errors import InvalidRequestError
+from kvjax.model.plan import FAST, NumericsPlan
 
 
 @dataclasses.dataclass
@@ -39,32 +40,34 @@ class GenerateResult:
 
 
 def prefill_prompts(params, config: ModelConfig, pool: KVPool, prompts: list[list[int]],
-                    rows: list[list[int]]) -> jax.Array:
+                    rows: list[list[int]], plan: NumericsPlan = FAST) -> jax.Array:
     """Prefills the prompts into their pages; returns their last tokens' logits [n, V].
 
-    Under invariant numerics all prompts share each chunk call (a token's bits do not
+    Under an invariant plan all prompts share each chunk call (a token's bits do not
     depend on the rows around it); under fast numerics one prompt per call, in the cache's
     one chunk shape, so that a prompt's bits do not depend on the others."""
-    if config.numerics == "invariant":
+    if plan.invariant:
         rows = [PrefillRow(p, r) for p, r in zip(prompts, rows, strict=True)]
-        return jnp.stack(pool.run(lambda cache: prefill_rows(params, config, cache,
-                                                             pool.cache_config, rows)))
+        return jnp.stack(pool.run(lambda cache: prefill_rows(
+            params, config, cache, pool.cache_config, rows, plan=plan)))
     return jnp.stack([pool.run(lambda cache, prompt=prompt, pages=pages: prefill(
-        params, config, cache, pool.cache_config, prompt, pages))
+        params, config, cache, pool.cache_config, prompt, pages, plan=plan))
         for prompt, pages in zip(prompts, rows, strict=True)])
 
 
 def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
              sampling: SamplingConfig | None = None,
              cache: CacheConfig | KVPool | None = None, return_logits: bool = False,
-             stop_token: int | None = None) -> GenerateResult:
+             stop_token: int | None = None, plan: NumericsPlan = FAST) -> GenerateResult:
     """Generates up to `max_new_tokens` tokens for each token-id prompt.
 
     `cache` is a CacheConfig (a pool is built for this call), a KVPool (reused; its pages
-    are returned when the call ends), or None (a pool sized to fit). Bad input raises
-    InvalidRequestError (or NonCausalCacheError) before any page is allocated.
+    are returned when the call ends), or None (a pool sized to fit). `plan`: how the
+    arithmetic runs (`params` stored as it says). Bad input raises InvalidRequestError (or
+    NonCausalCacheError) before any page is allocated.
     """
     prompts = validate_prompts(config, prompts, max_new_tokens)
+    plan.check(config)
     sampling = sampling or SamplingConfig()
     if cache is None:
         page_size = CacheConfig().page_size
@@ -85,14 +88,14 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
 
     rows = [pool.allocate(n) for n in needs]
     try:
-        return _run(params, config, pool, prompts, rows, max_new_tokens, sampling,
+        return _run(params, config, plan, pool, prompts, rows, max_new_tokens, sampling,
                     return_logits, stop_token)
     finally:
         for row in rows:
             pool.release(row)
 
 
-def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_logits,
+def _run(params, config, plan, pool, prompts, rows, max_new_tokens, sampling, return_logits,
          stop_token) -> GenerateResult:
     n = len(prompts)
     slots = bucket(n)
@@ -103,7 +106,7 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
     lengths[:n] = [len(p) for p in prompts]
 
     t0 = time.perf_counter()
-    first_logits = prefill_prompts(params, config, pool, prompts, rows)
+    first_logits = prefill_prompts(params, config, pool, prompts, rows, plan)
     first_logits = jnp.pad(first_logits, ((0, slots - n), (0, 0)))
     first = sample_jit(first_logits, keys, lengths, *sampling_rows(samplings, slots))
     first = np.asarray(first)
@@ -120,7 +123,7 @@ def _run(params, config, pool, prompts, rows, max_new_tokens, sampling, return_l
         state = decode_state(table, lengths, first, budget, keys, samplings,
                              np.full(slots, -1 if stop_token is None else stop_token))
         res = steps.decode(pool, params, config, state, bucket(max_new_tokens - 1, 16),
-                           return_logits=return_logits)
+                           return_logits=return_logits, plan=plan)
         out, logits = res.tokens, res.logits
         out = np.asarray(out)
     t2 = time.perf_counter()

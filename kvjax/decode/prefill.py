@@ -1,8 +1,8 @@
 """Chunked prefill: the only way tokens enter a cache outside decode/verify.
 
-Every call has the fixed chunk length `prefill_chunk`, so under `numerics="fast"` a token's
+Every call has the fixed chunk length `prefill_chunk`, so under fast numerics a token's
 K/V do not depend on where its chunk started (the contract prefix reuse there relies on),
-provided each call holds one sequence. Under `numerics="invariant"` a token's bits do not
+provided each call holds one sequence. Under an invariant plan a token's bits do not
 depend on the call's other rows either, so `prefill_rows` prefills several sequences
 together: call c holds chunk c of every sequence, [B, chunk] with B bucketed.
 """
@@ -18,6 +18,7 @@ from kvjax.cache.paged import BatchInfo, PagedKVCache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table
+from kvjax.model.plan import FAST, NumericsPlan
 
 
 @dataclasses.dataclass
@@ -33,14 +34,14 @@ class PrefillRow:
 
 def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
                  rows: list[PrefillRow], lora: dict | None = None, sharding=None,
-                 calls: int | None = None, width: int | None = None
-                 ) -> tuple[list[jax.Array | None], PagedKVCache]:
+                 calls: int | None = None, width: int | None = None,
+                 plan: NumericsPlan = FAST) -> tuple[list[jax.Array | None], PagedKVCache]:
     """Prefills every row's tokens[start:] (or its first `calls` chunks); returns (each
     row's last token logits [V], or None when its last token was not in these calls, and
     the cache). Donates `cache` (through `steps.extend`; `sharding` as there). The rows are
     padded to a power of two; a row whose tokens are done rides along with no new token
     (it writes and attends nothing). `width`: tokens per row per call (default the cache's
-    chunk; another width changes a token's bits unless the numerics are invariant)."""
+    chunk; another width changes a token's bits unless `plan` is invariant)."""
     chunk, n = width or cache_config.prefill_chunk, len(rows)
     b = bucket(n)
     table = page_table([r.pages for r in rows], b, cache_config.block_pages)
@@ -66,7 +67,7 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
         batch = BatchInfo(page_table=table, lengths=lengths, num_new=num_new,
                           position_offset=offsets)
         logits, cache = steps.extend(params, config, cache, tokens, batch, lora, ids,
-                                     last_only=True, sharding=sharding)
+                                     last_only=True, sharding=sharding, plan=plan)
         for i, r in enumerate(rows):
             if num_new[i] and lengths[i] + num_new[i] == len(r.tokens):
                 out[i] = logits[i, 0]
@@ -76,9 +77,11 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
 def prefill(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
             tokens: list[int], pages: list[int], start: int = 0, position_base: int = 0,
             lora: dict | None = None, adapter_index: int | None = None,
-            sharding=None) -> tuple[jax.Array | None, PagedKVCache]:
+            sharding=None, plan: NumericsPlan = FAST) -> tuple[jax.Array | None, PagedKVCache]:
     """Writes tokens[start:] of one sequence into `pages`; returns (last token's logits [V]
-    or None, cache). Donates `cache` (through `steps.extend`; `sharding` as there)."""
+    or None, cache). Donates `cache` (through `steps.extend`; `sharding` and `plan` as
+    there)."""
     row = PrefillRow(list(tokens), list(pages), start, position_base, adapter_index or 0)
-    (logits,), cache = prefill_rows(params, config, cache, cache_config, [row], lora, sharding)
+    (logits,), cache = prefill_rows(params, config, cache, cache_config, [row], lora, sharding,
+                                    plan=plan)
     return logits, cache

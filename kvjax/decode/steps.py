@@ -24,6 +24,7 @@ from kvjax.decode.sampling import sample
 from kvjax.decode.state import DecodeState
 from kvjax.model.kernels import AttentionKernel
 from kvjax.model.layout import unstored
+from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
 from kvjax.sharding.rules import StepShardings, maybe_constrain_cache, maybe_replicated
 
@@ -40,19 +41,19 @@ def note_trace(step: str) -> None:
     _TRACES[step] += 1
 
 
-def model_variables(params, lora: dict | None, config: ModelConfig) -> dict:
-    """The variable collections for `Transformer.apply`: params (in their canonical layout:
-    see `kvjax.model.layout`), and LoRA adapters if any."""
-    params = unstored(params, config)
+def model_variables(params, lora: dict | None, plan: NumericsPlan) -> dict:
+    """The variable collections for `Transformer.apply`: params (stored as `plan` says, in
+    the layout the model takes: see `kvjax.model.layout`), and LoRA adapters if any."""
+    params = unstored(params, plan)
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
-@partial(jax.jit, static_argnames=("config", "last_only", "sharding"),
+@partial(jax.jit, static_argnames=("config", "last_only", "sharding", "plan"),
          donate_argnames=("cache",))
 def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
            batch: BatchInfo, lora: dict | None = None, adapter_ids: jax.Array | None = None,
-           last_only: bool = False,
-           sharding: StepShardings | None = None) -> tuple[jax.Array, Cache]:
+           last_only: bool = False, sharding: StepShardings | None = None,
+           plan: NumericsPlan = FAST) -> tuple[jax.Array, Cache]:
     """Appends `tokens` [B, T] to each sequence's cache; returns logits [B, T, V] and the cache.
 
     Donates `cache`. New token t of sequence b goes to cache slot `batch.lengths[b] + t` and
@@ -60,14 +61,15 @@ def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
     `kvjax.model.lora`) and `adapter_ids` int32[B] select a LoRA adapter per sequence.
     `last_only` returns only each row's last real token's logits, [B, 1, V] (the cache
     contents are the same either way). `sharding` (see `kvjax.sharding`) pins the cache's
-    sharding in and out and replicates the logits.
+    sharding in and out and replicates the logits. `plan`: how the arithmetic runs
+    (`kvjax.model.plan`; `params` stored as it says).
     """
     note_trace("extend")
     positions = model_positions(batch, tokens.shape[1])
     logits_at = jnp.maximum(batch.num_new - 1, 0) if last_only else None
     cache = maybe_constrain_cache(sharding, cache)
-    logits, cache = Transformer(config, sharding).apply(
-        model_variables(params, lora, config), tokens, positions, cache, batch, adapter_ids,
+    logits, cache = Transformer(config, sharding, plan=plan).apply(
+        model_variables(params, lora, plan), tokens, positions, cache, batch, adapter_ids,
         logits_at)
     return maybe_replicated(sharding, logits), maybe_constrain_cache(sharding, cache)
 
@@ -135,19 +137,22 @@ class _Carry:
 
 
 @partial(jax.jit,
-         static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel"),
+         static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel",
+                          "plan"),
          donate_argnames=("cache",))
 def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeState,
                 max_steps: int, return_logits: bool = False, lora: dict | None = None,
                 sharding: StepShardings | None = None, kernel: AttentionKernel | None = None,
-                fill: Fill | None = None) -> tuple[DecodeResult, Cache]:
+                fill: Fill | None = None, plan: NumericsPlan = FAST
+                ) -> tuple[DecodeResult, Cache]:
     """Decodes up to `max_steps` tokens per sequence on device, sampling inside the loop.
 
     Donates `cache`. Row b feeds `state.last[b]` (not yet cached, at slot
     `state.lengths[b]`), then keeps sampling until it has produced `state.budget[b]` tokens
     or sampled one of its `state.stop_ids`. The loop ends as soon as every row is done (and
     `fill` is written). `lora` (stacked adapters) serves `state.adapter_ids`; `sharding`:
-    see `extend`; `kernel`: the decode-attention kernel (None: the reference).
+    see `extend`; `kernel`: the decode-attention kernel (None: the reference); `plan`: see
+    `extend`.
 
     `fill` (see `Fill`) prefills prompts in the same steps: each step is one packed call of
     the decode tokens and every prompt's next slice (`Transformer`'s `groups`). Under
@@ -160,7 +165,7 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
     note_trace("decode_loop")
     b = state.last.shape[0]
     vocab = config.vocab_size
-    model = Transformer(config, sharding, kernel)
+    model = Transformer(config, sharding, kernel, plan)
     adapter_ids = state.adapter_ids
 
     def cond(c: _Carry):
@@ -174,7 +179,7 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
                           position_offset=state.position_offset)
         # the variables inside the loop: a stored kernel's transposed view must sit beside
         # its product for XLA to fold it (hoisted, it would be copied into a plain layout)
-        variables = model_variables(params, lora, config)
+        variables = model_variables(params, lora, plan)
         fill_logits = c.fill_logits
         if fill is None:
             logits, cache = model.apply(variables, c.last[:, None], model_positions(batch, 1),
@@ -217,7 +222,7 @@ def decode(holder, params: dict, config: ModelConfig, state: DecodeState, max_st
     """The one decode driver: `decode_loop` over the cache `holder` keeps (a
     `kvjax.cache.pool.PagePool`, the engine's `KVCacheManager` or a
     `kvjax.cache.paged.CacheHolder`), which keeps the new cache. `kwargs`: decode_loop's
-    (return_logits, lora, sharding, kernel, fill). The engine's runner, `generate()`, the
+    (return_logits, lora, sharding, kernel, fill, plan). The engine's runner, `generate()`, the
     model drafter and the benchmarks decode through it."""
     return holder.run(lambda cache: decode_loop(params, config, cache, state, max_steps,
                                                 **kwargs))

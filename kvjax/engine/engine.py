@@ -71,6 +71,7 @@ from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.layout import canonical, store
 from kvjax.model.lora import choose_block, stack_adapters, stacked_shapes
+from kvjax.model.plan import NumericsPlan
 from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
 from kvjax.speculative.plugin import Speculator
 
@@ -97,11 +98,10 @@ class Engine:
         gamma = 0 if spec is None else spec.gamma
         self.adapters = dict(adapters or {})
         lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
-        config, *draft_config, self.numerics_problems = numerics_blocks(
+        plan, *draft_plan, self.numerics_problems = numerics_plans(
             configs, ec, gamma, [] if lora is None else stacked_shapes(lora))
-        if draft is not None:
-            draft = (draft[0], draft_config[0])
-        self.config = config
+        self.config = config  # the architecture; how its steps run is `self.plan`
+        self.plan = plan.check(config)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         if eos_tokens is None:  # an id past the model's vocabulary is never sampled
@@ -121,11 +121,12 @@ class Engine:
         self.sharding = None if mesh is None else sharding.ShardingPlan(mesh, config)
         if self.sharding is not None and lora is not None:
             lora = self.sharding.place_replicated(lora)
-        self.model = TargetModel(params=None, config=config, lora=lora)
+        self.model = TargetModel(params=None, config=config, plan=plan, lora=lora)
         self._next_id = 0
         self._timers = Timers()
         self._backlog: list[StreamEvent] = []
-        self.spec = None if spec is None else Speculator(spec, draft, config, mesh)
+        self.spec = None if spec is None else Speculator(
+            spec, draft, config, mesh, draft_plan[0].check(draft[1]) if draft_plan else plan)
         drafting = self.spec is not None and self.spec.config is not None
         self.kv = KVCacheManager.for_engine(
             config, ec, hash_fn, self.sharding,
@@ -205,9 +206,9 @@ class Engine:
             raise RuntimeError(f"load_params with {len(live)} live requests: finish or "
                                f"cancel them first")
         # Host arrays would be copied at every step: weights live on the device(s).
-        self.model.params = (jax.device_put(store(params, self.config))
+        self.model.params = (jax.device_put(store(params, self.plan))
                               if self.sharding is None else self.sharding.place_params(params))
-        self.kv.target.fingerprint = model_fingerprint(self.config, params)
+        self.kv.target.fingerprint = model_fingerprint(self.config, params, self.plan)
 
     def namespace(self, request: Request) -> CacheNamespace:
         """The namespace (without salt) a request's cached states live under."""
@@ -337,24 +338,25 @@ class Engine:
         return req.id
 
 
-def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
-                    lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
-    """`configs` (the target's, the draft's) with the engine's numerics and, under invariant
-    numerics, each product's row block (`kvjax.model.tiled.choose_blocks`, probed per shape
-    on the running backend and cached) for the engine's largest calls: `bucket(max_slots)`
-    sequences of up to max(prefill_chunk, gamma + 1) tokens each (logits for gamma + 1 of
-    them: prefill keeps the last token's), or one prompt with all of a call's tokens
-    (a widened prefill call), attention over blocks of `attn_block` keys, and
-    never less than `kvjax.model.tiled.PROBED`, so that the choice (and so a request's
-    bits) does not change with max_slots, the chunk or gamma inside those bounds; with
-    `lora_shapes` (the target's stacked adapters, `kvjax.model.lora.stacked_shapes`) the
-    LoRA deltas' block too (`kvjax.model.lora.choose_block`). Then what still fails, with
-    the backend check (a warning names it). The blocks are part of the model config, hence
-    of the cache identity."""
-    out = [dataclasses.replace(c, numerics=ec.numerics,
-                               fused=ec.fused_projections and ec.mesh is None) for c in configs]
-    if ec.numerics != "invariant":
-        return [*out, []]
+def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
+                   lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
+    """The numerics plan (`kvjax.model.plan.NumericsPlan`) of each of `configs` (the
+    target's, the draft's) under the engine's settings, then what still fails: the mode is
+    `ec.numerics`, and under invariant numerics each product's row block
+    (`kvjax.model.tiled.choose_blocks`, probed per shape on the running backend and cached)
+    for the engine's largest calls: `bucket(max_slots)` sequences of up to
+    max(prefill_chunk, gamma + 1) tokens each (logits for gamma + 1 of them: prefill keeps
+    the last token's), or one prompt with all of a call's tokens (a widened prefill call),
+    attention over blocks of `attn_block` keys, and never less than
+    `kvjax.model.tiled.PROBED`, so that the choice (and so a request's bits) does not change
+    with max_slots, the chunk or gamma inside those bounds; with `lora_shapes` (the
+    target's stacked adapters, `kvjax.model.lora.stacked_shapes`) the LoRA deltas' block
+    too (`kvjax.model.lora.choose_block`). Problems come with the backend check (a warning
+    names them). A plan is part of the cache identity."""
+    base = NumericsPlan(ec.numerics, ec.row_block,
+                        fused=ec.fused_projections and ec.mesh is None)
+    if not base.invariant:
+        return [*(base for _ in configs), []]
     width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
     # a packed decode step (`EngineConfig.packed_prefill`) holds a decode token per slot
     # beside up to `bucket(max_slots)` prompts' slices, and a head row for each
@@ -364,19 +366,28 @@ def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
                   # a call's tokens
                   queries=max(seqs * ec.cache.prefill_chunk, gamma + 1, PROBED.queries),
                   keys=ec.cache.block_pages * ec.cache.page_size)
-    problems = []
-    for i, c in enumerate(out):
+    plans, problems = [], []
+    for i, c in enumerate(configs):
         blocks, transposed, failed = choose_blocks(
-            c, calls, transpose=ec.transposed_kernels and ec.mesh is None)
+            c, base, calls, transpose=ec.transposed_kernels and ec.mesh is None)
         if i == 0 and lora_shapes:  # the target's adapters (the draft runs without)
-            block = choose_block(lora_shapes, calls.rows, c.row_block)
-            blocks += (("lora", c.row_block if block is None else block),)
+            block = choose_block(lora_shapes, calls.rows, base.row_block)
+            blocks += (("lora", base.row_block if block is None else block),)
             failed += [] if block is not None else ["lora"]
-        out[i] = dataclasses.replace(c, row_blocks=blocks, transposed=transposed)
+        plans.append(dataclasses.replace(base, row_blocks=blocks, transposed=transposed))
         problems += [p for p in failed if p not in problems]
     problems += check_backend()
     if problems:
         warnings.warn(f"kvjax numerics='invariant' does not hold on this backend for: "
                       f"{'; '.join(problems)}. A request's bits may change with its batch.",
                       RuntimeWarning, stacklevel=3)
-    return [*out, problems]
+    return [*plans, problems]
+
+
+def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
+                    lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
+    """Deprecated: `numerics_plans` (the plans are no longer part of the model configs)."""
+    warnings.warn("kvjax.engine.engine.numerics_blocks is now numerics_plans, which returns "
+                  "the NumericsPlan of each config (kvjax.model.plan)", DeprecationWarning,
+                  stacklevel=2)
+    return numerics_plans(configs, ec, gamma, lora_shapes)

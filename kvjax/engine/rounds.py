@@ -302,7 +302,8 @@ class Rounds:
         gamma = 0
         if spec is not None:
             if spec.spec.adaptive and not spec.calibrated:
-                spec.calibrate(self.runner.model.params, self.config, ec.max_slots)
+                model = self.runner.model
+                spec.calibrate(model.params, model.config, model.plan, ec.max_slots)
             replay = self._replay_gamma()
             gamma = spec.next_gamma() if replay is None else replay
         budgets = {}

@@ -25,6 +25,7 @@ from kvjax.decode.state import decode_state
 from kvjax.engine.numerics_policy import NumericsPolicy
 from kvjax.engine.requests import MAX_STOP_TOKENS, LiveRequest, Request, Seq, salts_per_page
 from kvjax.engine.stats import Timers
+from kvjax.model.plan import FAST, NumericsPlan
 
 
 def knobs(requests: list[Request | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -41,8 +42,9 @@ LIVE_ROWS = 2  # the fewest rows a decode call of live samples alone runs (a lon
 class TargetModel:
     """The target model as the steps take it."""
 
-    params: Any  # on device (or placed on the mesh)
+    params: Any  # on device (or placed on the mesh), stored as `plan` says
     config: ModelConfig
+    plan: NumericsPlan = FAST  # how the steps run it (`kvjax.engine.engine.numerics_plans`)
     lora: Any = None  # the loaded adapters, stacked (`kvjax.model.lora.stack_adapters`)
     shardings: Any = None  # `kvjax.sharding.StepShardings` on a mesh
     kernel: Any = None  # the decode attention kernel (None: the reference)
@@ -70,7 +72,7 @@ class StepRunner:
     def policy(self) -> NumericsPolicy:
         """What the numerics allow (`kvjax.engine.numerics_policy`); read when asked, since
         the engine's shardings are set after the runner is built."""
-        return NumericsPolicy.for_engine(self.model.config.numerics,
+        return NumericsPolicy.for_engine(self.model.plan.mode,
                                          self.model.shardings is not None, self.probe_ok)
 
     @property
@@ -92,7 +94,7 @@ class StepRunner:
         with self.timers("prefill_s"):
             logits = kv.run(lambda cache: prefill_rows(
                 m.params, m.config, cache, kv.target.cache_config, rows, m.lora, m.shardings,
-                calls=1, width=width))
+                calls=1, width=width, plan=m.plan))
             logits = [None if x is None else np.asarray(x) for x in logits]
         seconds = self.timers["prefill_s"] - before
         _advance(rows, width)
@@ -103,7 +105,8 @@ class StepRunner:
             with self.timers("draft_prefill_s"):
                 kv.run(lambda cache: prefill_rows(
                     spec.params, spec.config, cache, kv.draft.cache_config, left,
-                    sharding=spec.step_shardings, calls=1, width=width), draft=True)
+                    sharding=spec.step_shardings, calls=1, width=width, plan=spec.plan),
+                    draft=True)
             _advance(left, width)
         return logits, seconds
 
@@ -168,7 +171,7 @@ class StepRunner:
             with self.timers("draft_prefill_s"):
                 kv.run(lambda cache: prefill_rows(
                     spec.params, spec.config, cache, kv.draft.cache_config, [row],
-                    sharding=spec.step_shardings), draft=True)
+                    sharding=spec.step_shardings, plan=spec.plan), draft=True)
             row.start = len(row.tokens)
         if self.engine_config.prefix_cache:
             ctx = req.context
@@ -239,7 +242,8 @@ class StepRunner:
             if self.spec is None:
                 res = steps.decode(kv, m.params, m.config, state, ec.decode_steps,
                                    return_logits=want_logits, lora=m.lora,
-                                   sharding=m.shardings, kernel=m.kernel, fill=packed)
+                                   sharding=m.shardings, kernel=m.kernel, fill=packed,
+                                   plan=m.plan)
                 fill_logits = None if packed is None else np.asarray(res.fill_logits)  # [Bp, V]
             else:
                 res = self.spec.decode(m, kv, ec.decode_steps, live, budgets, gamma, state,

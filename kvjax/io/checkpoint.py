@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from kvjax.cache.identity import model_fingerprint
+from kvjax.cache.identity import fingerprint_of, model_fingerprint
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.config_files import build
 from kvjax.io.hf import CheckpointError
@@ -58,7 +58,9 @@ def load(path) -> tuple[ModelConfig, dict]:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT}")
     try:
-        config = build(ModelConfig, meta["config"], "config")
+        # a config saved before the numerics plan moved out of ModelConfig
+        saved = {k: v for k, v in meta["config"].items() if k not in ModelConfig.MOVED}
+        config = build(ModelConfig, saved, "config")
     except ConfigError as e:
         raise CheckpointError(f"{path}: the saved config is invalid: {e}") from None
     target = param_shapes(config)
@@ -71,7 +73,7 @@ def load(path) -> tuple[ModelConfig, dict]:
     want = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), target)
     if got != want:
         raise CheckpointError(f"{path}: restored shapes/dtypes differ from the config's")
-    if model_fingerprint(config, params) != meta["fingerprint"]:
+    if fingerprint_of(meta["config"], params) != meta["fingerprint"]:
         raise CheckpointError(f"{path}: the weights do not match the fingerprint saved with "
                               f"them (corrupted or partly overwritten checkpoint)")
     return config, params

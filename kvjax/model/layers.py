@@ -13,18 +13,19 @@ import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
 from kvjax.model.lora import add_lora
+from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.tiled import RowInvariantDot, tree_sum
 
 EMBED_INIT = nn.initializers.normal(stddev=0.02)
 
 
-def row_dot(config: ModelConfig, product: str) -> RowInvariantDot | None:
+def row_dot(plan: NumericsPlan, product: str) -> RowInvariantDot | None:
     """The `dot_general` of one of the model's token-row products (a name in
-    `kvjax.config.ROW_PRODUCTS`): row-invariant blocks under `numerics="invariant"`,
-    XLA's own choice (None) otherwise."""
-    if config.numerics != "invariant":
+    `kvjax.config.ROW_PRODUCTS`): row-invariant blocks under an invariant plan, XLA's own
+    choice (None) otherwise."""
+    if not plan.invariant:
         return None
-    return RowInvariantDot(config.block(product))
+    return RowInvariantDot(plan.block(product))
 
 
 def row_mean(x: jax.Array) -> jax.Array:
@@ -132,18 +133,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple 
 
 class MLP(nn.Module):
     config: ModelConfig
+    plan: NumericsPlan = FAST
 
     @nn.compact
     def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
         """[B, T, D] -> [B, T, D]; adapter_ids int32[B] selects LoRA deltas (see lora.py)."""
-        cfg = self.config
+        cfg, plan = self.config, self.plan
 
         def product(inputs: jax.Array, features: int, name: str) -> jax.Array:
             return nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
-                            dot_general=row_dot(cfg, "mlp down" if name == "down" else
+                            dot_general=row_dot(plan, "mlp down" if name == "down" else
                                                 "mlp up"), name=name)(inputs)
 
-        lora_block = cfg.block("lora") if cfg.numerics == "invariant" else None
+        lora_block = plan.block("lora") if plan.invariant else None
 
         def lora(inputs: jax.Array, y: jax.Array, name: str) -> jax.Array:
             return add_lora(self, name, inputs, y, adapter_ids, block=lora_block)
@@ -151,7 +153,7 @@ class MLP(nn.Module):
         if cfg.mlp == "gelu":
             hidden = nn.gelu(lora(x, product(x, cfg.d_ff, "up"), "up"), approximate=True)
         else:
-            if cfg.fused:  # one product, split after (kvjax.model.layout.fuse)
+            if plan.fused:  # one product, split after (kvjax.model.layout.fuse)
                 gate, up = jnp.split(product(x, 2 * cfg.d_ff, "gate_up"), 2, axis=-1)
             else:
                 gate, up = product(x, cfg.d_ff, "gate"), product(x, cfg.d_ff, "up")

@@ -11,7 +11,7 @@ the product: the dot reads the stored array, no copy is made, and one product of
 count replaces the loop of 32-row blocks (`kvjax.model.tiled.choose_blocks` probes which
 products gain). The parameter tree keeps its names and Flax sees its usual shapes.
 
-A fused config (`ModelConfig.fused`) also takes q, k and v as one kernel ("qkv", [D, N + 2K,
+A fused plan (`NumericsPlan.fused`) also takes q, k and v as one kernel ("qkv", [D, N + 2K,
 H]) and a gated MLP's gate and up as one ("gate_up", [D, 2F]): `store` concatenates them
 once, the model splits the products' outputs, and `canonical` gives back the separate
 kernels users hold.
@@ -48,7 +48,7 @@ class Stored:
 
     tree: Any
     products: tuple[str, ...]
-    fused: bool = False  # q/k/v and gate/up concatenated (`ModelConfig.fused`)
+    fused: bool = False  # q/k/v and gate/up concatenated (`NumericsPlan.fused`)
 
     def tree_flatten(self):
         return (self.tree,), (self.products, self.fused)
@@ -130,28 +130,28 @@ def unfuse(params: dict, config) -> dict:
     return _each_fused(params, split)
 
 
-def store(params: dict, config) -> dict | Stored:
-    """The parameters as the steps of `config` take them: its `transposed` products' kernels
-    stored transposed and, for a fused config, q/k/v and gate/up concatenated; the plain
-    tree when there is neither."""
-    products, fused = tuple(config.transposed), config.fused
+def store(params: dict, plan) -> dict | Stored:
+    """The parameters as the steps of a `NumericsPlan` take them: its `transposed` products'
+    kernels stored transposed and, for a fused plan, q/k/v and gate/up concatenated; the
+    plain tree when there is neither."""
+    products, fused = tuple(plan.transposed), plan.fused
     if not products and not fused:
         return params
     tree = fuse(params) if fused else params
     return Stored(_map_kernels(tree, products, to_stored), products, fused)
 
 
-def unstored(params: dict | Stored, config) -> dict:
-    """The tree `config`'s model takes, inside a jitted step, of parameters that must be
-    stored as `config` says (transposed views; fused kernels stay fused); a clear error when
-    they were not stored so (their rows would silently lose invariance)."""
-    products, fused = tuple(config.transposed), config.fused
+def unstored(params: dict | Stored, plan) -> dict:
+    """The tree the model takes under `plan`, inside a jitted step, of parameters that must
+    be stored as `plan` says (transposed views; fused kernels stay fused); a clear error
+    when they were not stored so (their rows would silently lose invariance)."""
+    products, fused = tuple(plan.transposed), plan.fused
     held = (params.products, params.fused) if isinstance(params, Stored) else ((), False)
     if held != (products, fused):
-        raise ValueError(f"the model config stores {list(products)} transposed"
+        raise ValueError(f"the numerics plan stores {list(products)} transposed"
                          f"{' and fused' if fused else ''} but the parameters hold "
                          f"{list(held[0])}{' fused' if held[1] else ''}: pass "
-                         f"kvjax.model.layout.store(params, config)")
+                         f"kvjax.model.layout.store(params, plan)")
     if not products and not fused:
         return params
     with jax.named_scope(SCOPE):  # names what is left of the views in compiled HLO
@@ -159,8 +159,9 @@ def unstored(params: dict | Stored, config) -> dict:
 
 
 def canonical(params: dict | Stored, config) -> dict:
-    """The tree users hold (separate kernels in Flax's layout) of parameters stored for
-    `config`'s steps (`store`); plain parameters as they are."""
+    """The tree users hold (separate kernels in Flax's layout) of parameters stored for a
+    plan's steps (`store`; `config`, the ModelConfig, gives the fused kernels' widths);
+    plain parameters as they are."""
     if not isinstance(params, Stored):
         return params
     tree = _map_kernels(params.tree, params.products, from_stored)

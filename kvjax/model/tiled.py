@@ -157,25 +157,26 @@ def invariant_block(d: int, f: int, blocks: Sequence[int] = BLOCKS, seed: int = 
     return best
 
 
-def model_shapes(config) -> dict[str, tuple[int, int]]:
-    """The (d, f) of every token-row matmul of a `ModelConfig`'s layers and head."""
+def model_shapes(config, fused: bool = False) -> dict[str, tuple[int, int]]:
+    """The (d, f) of every token-row matmul of a `ModelConfig`'s layers and head (q/k/v and
+    gate/up as one product each when `fused`)."""
     out = {}
-    for name, (shape, contract) in _dot_shapes(config).items():
+    for name, (shape, contract) in _dot_shapes(config, fused).items():
         d = math.prod(shape[a] for a in contract)
         out[name] = (d, math.prod(shape) // d)
     return out
 
 
-def _dot_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+def _dot_shapes(config, fused: bool) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """(weight shape, contracted weight axes) of every token-row product of a ModelConfig,
     as the layers store them (the head as the tied embedding [V, D] when tied)."""
     c = config
-    if c.fused:  # q, k and v as one product, a gated MLP's gate and up as one
+    if fused:  # q, k and v as one product, a gated MLP's gate and up as one
         dense = {"qkv": ((c.d_model, c.num_heads + 2 * c.num_kv_heads, c.head_dim), (0,))}
     else:
         dense = {"q": ((c.d_model, c.num_heads, c.head_dim), (0,)),
                  "k/v": ((c.d_model, c.num_kv_heads, c.head_dim), (0,))}
-    up = 2 * c.d_ff if c.fused and c.mlp != "gelu" else c.d_ff
+    up = 2 * c.d_ff if fused and c.mlp != "gelu" else c.d_ff
     dense |= {"o": ((c.num_heads, c.head_dim, c.d_model), (0, 1)),
               "mlp up": ((c.d_model, up), (0,)), "mlp down": ((c.d_ff, c.d_model), (0,))}
     dense["head"] = (((c.vocab_size, c.d_model), (1,)) if c.tie_embeddings
@@ -308,21 +309,21 @@ class Calls(NamedTuple):
 PROBED = Calls(rows=2048, head_rows=256, queries=512, keys=0)
 
 
-def check_products(config, calls: Calls | None = None) -> list[str]:
+def check_products(config, plan, calls: Calls | None = None) -> list[str]:
     """The token-row products of `config` whose rows do not keep their bits on the running
-    backend (cached per shape): each product at its `config.block(name)` (a block: alone,
+    backend under `plan` (cached per shape): each at its `plan.block(name)` (a block: alone,
     in a block of three and in a loop of blocks; 0: at every probed row count up to
     `calls`' bound; attention: a KV head's query rows of `calls.queries` tokens against
     `calls.keys` keys). Empty when all hold."""
     backend_name = jax.default_backend()
     failed = []
-    for name, (shape, contract) in _dot_shapes(config).items():
-        block = config.block(name)
-        ok = (_whole(shape, contract, calls.of(name), backend_name, name in config.transposed)
+    for name, (shape, contract) in _dot_shapes(config, plan.fused).items():
+        block = plan.block(name)
+        ok = (_whole(shape, contract, calls.of(name), backend_name, name in plan.transposed)
               if block == 0 else _probe_dot(shape, contract, block, backend_name))
         if not ok:
             failed.append(name)
-    if config.block("attention") == 0 and not _attention_whole(config, calls, backend_name):
+    if plan.block("attention") == 0 and not _attention_whole(config, calls, backend_name):
         failed.append("attention")
     return failed
 
@@ -345,18 +346,19 @@ def _attention_whole(config, calls: Calls, backend_name: str) -> bool:
                             rows_bound(calls.queries * config.group_size), backend_name)
 
 
-def choose_blocks(config, calls: Calls, transpose: bool = True,
+def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
                   candidates: Sequence[int] = (32, 16, 8, 4, 2)):
-    """Per token-row product of `config` (attention included), the cheapest row block the
+    """Per token-row product of `config` under `plan` (its `fused` decides the products;
+    attention included), the cheapest row block the
     running backend keeps invariant in `calls`: 0 (one product of any row count) when that
     holds; else, with `transpose`, 0 with the kernel stored transposed when that holds
     (`kvjax.model.layout`; not the tied head, which is); else the largest of
-    `config.row_block` and `candidates` that does (attention falls back to tiles of
-    `row_block`, which the invariance tests check). Returns (`ModelConfig.row_blocks`,
-    `ModelConfig.transposed`, the products no block holds for)."""
+    `plan.row_block` and `candidates` that does (attention falls back to tiles of
+    `row_block`, which the invariance tests check). Returns (`NumericsPlan.row_blocks`,
+    `NumericsPlan.transposed`, the products no block holds for)."""
     backend_name = jax.default_backend()
     blocks, transposed, failed = [], [], []
-    for name, (shape, contract) in _dot_shapes(config).items():
+    for name, (shape, contract) in _dot_shapes(config, plan.fused).items():
         rows = calls.of(name)
         if _whole(shape, contract, rows, backend_name):
             blocks.append((name, 0))
@@ -366,12 +368,12 @@ def choose_blocks(config, calls: Calls, transpose: bool = True,
             blocks.append((name, 0))
             transposed.append(name)
             continue
-        tried = [config.row_block] + [b for b in candidates if b < config.row_block]
+        tried = [plan.row_block] + [b for b in candidates if b < plan.row_block]
         good = [b for b in tried if _probe_dot(shape, contract, b, backend_name)][:1]
-        blocks.append((name, good[0] if good else config.row_block))
+        blocks.append((name, good[0] if good else plan.row_block))
         failed += [] if good else [name]
     whole = _attention_whole(config, calls, backend_name)
-    blocks.append(("attention", 0 if whole else config.row_block))
+    blocks.append(("attention", 0 if whole else plan.row_block))
     return tuple(blocks), tuple(transposed), failed
 
 
@@ -384,6 +386,6 @@ def check_backend() -> list[str]:
     return []
 
 
-def check_rows(config, calls: Calls | None = None) -> list[str]:
-    """`check_products` and `check_backend`: empty when invariant numerics hold."""
-    return check_products(config, calls) + check_backend()
+def check_rows(config, plan, calls: Calls | None = None) -> list[str]:
+    """`check_products` and `check_backend`: empty when `plan`'s invariant numerics hold."""
+    return check_products(config, plan, calls) + check_backend()

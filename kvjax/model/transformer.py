@@ -9,7 +9,6 @@ cache by the new tokens and returns their logits and the new cache.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from functools import partial
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from kvjax.model.kernels import (
 )
 from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm, row_dot
 from kvjax.model.lora import add_lora, stack_adapters
+from kvjax.model.plan import FAST, NumericsPlan
 
 if TYPE_CHECKING:  # annotations only: the sharding layer sits above the model
     from kvjax.sharding.rules import StepShardings
@@ -43,23 +43,23 @@ class Attention(nn.Module):
     layer: int
     sharding: StepShardings | None = None
     kernel: AttentionKernel | None = None  # None: the reference for every step
+    plan: NumericsPlan = FAST
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache,
                  batch: BatchInfo | tuple[BatchInfo, ...] | None, adapter_ids: jax.Array | None,
                  groups: Groups | None = None) -> tuple[jax.Array, Cache]:
-        cfg = self.config
-
-        lora_block = cfg.block("lora") if cfg.numerics == "invariant" else None
+        cfg, plan = self.config, self.plan
+        lora_block = plan.block("lora") if plan.invariant else None
 
         def project(heads: int, name: str, product: str) -> jax.Array:
             # [B, T, D] -> [B, T, heads, H]
             return nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias,
-                                   dtype=cfg.dtype, dot_general=row_dot(cfg, product),
+                                   dtype=cfg.dtype, dot_general=row_dot(plan, product),
                                    name=name)(x)
 
         n, kv = cfg.num_heads, cfg.num_kv_heads
-        if cfg.fused:  # one product, its heads split after (kvjax.model.layout.fuse)
+        if plan.fused:  # one product, its heads split after (kvjax.model.layout.fuse)
             q, k, v = jnp.split(project(n + 2 * kv, "qkv", "qkv"), [n, n + kv], axis=2)
         else:
             q, k, v = project(n, "q", "q"), project(kv, "k", "k/v"), project(kv, "v", "k/v")
@@ -84,7 +84,7 @@ class Attention(nn.Module):
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, window, **score)
         y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
-                            dot_general=row_dot(cfg, "o"), name="o")(out)
+                            dot_general=row_dot(plan, "o"), name="o")(out)
         return add_lora(self, "o", out, y, adapter_ids, in_dims=2, block=lora_block), cache
 
     @property
@@ -116,11 +116,10 @@ class Attention(nn.Module):
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
         if one is chosen (under shard_map on a mesh), everything else by the reference;
         invariant numerics always by the reference, per query."""
-        kernel, window = self.kernel, self.config.window(self.layer)
-        invariant = self.config.numerics == "invariant"
-        if kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or invariant:
+        kernel, window, plan = self.kernel, self.config.window(self.layer), self.plan
+        if kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or plan.invariant:
             return paged_attention_reference(q, cache, self.layer, batch, window,
-                                             self.config.block("attention") if invariant
+                                             plan.block("attention") if plan.invariant
                                              else None, **self.score_math)
         if self.sharding is None:
             return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
@@ -136,23 +135,26 @@ class Block(nn.Module):
     layer: int
     sharding: StepShardings | None = None
     kernel: AttentionKernel | None = None
+    plan: NumericsPlan = FAST
 
     @nn.compact
     def __call__(self, x, positions, cache, batch, adapter_ids, groups=None):
         cfg = self.config
-        attn_out, cache = Attention(cfg, self.layer, self.sharding, self.kernel, name="attn")(
+        attn_out, cache = Attention(cfg, self.layer, self.sharding, self.kernel, self.plan,
+                                    name="attn")(
             make_norm(cfg, "attn_norm")(x), positions, cache, batch, adapter_ids, groups)
         if cfg.sandwich_norms:
             attn_out = make_norm(cfg, "post_attn_norm")(attn_out)
         x = x + attn_out
-        mlp_out = MLP(cfg, name="mlp")(make_norm(cfg, "mlp_norm")(x), adapter_ids)
+        mlp_out = MLP(cfg, self.plan, name="mlp")(make_norm(cfg, "mlp_norm")(x), adapter_ids)
         if cfg.sandwich_norms:
             mlp_out = make_norm(cfg, "post_mlp_norm")(mlp_out)
         return x + mlp_out, cache
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer; every piece is chosen by `config`.
+    """Decoder-only transformer; every piece is chosen by `config`, and how its arithmetic
+    runs by `plan` (`kvjax.model.plan`; fast by default).
 
     With `sharding` (a mesh, see `kvjax.sharding`) the hidden state's batch axis is split
     over the mesh's "data" axis; the weights' and cache's own shardings do the rest.
@@ -162,6 +164,7 @@ class Transformer(nn.Module):
     config: ModelConfig
     sharding: StepShardings | None = None
     kernel: AttentionKernel | None = None
+    plan: NumericsPlan = FAST
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache = None,
@@ -194,14 +197,15 @@ class Transformer(nn.Module):
             x = x + nn.Embed(cfg.max_seq_len, cfg.d_model, embedding_init=EMBED_INIT,
                              dtype=cfg.dtype, name="pos_embed")(positions)
         for layer in range(cfg.num_layers):
-            x, cache = Block(cfg, layer, self.sharding, self.kernel, name=f"layer_{layer}")(
+            x, cache = Block(cfg, layer, self.sharding, self.kernel, self.plan,
+                             name=f"layer_{layer}")(
                 x, positions, cache, batch, adapter_ids, groups)
         if logits_at is not None and groups is not None:
             x = x[logits_at]  # [K, 1, D]
         elif logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)
-        dot = row_dot(cfg, "head")
+        dot = row_dot(self.plan, "head")
         if cfg.tie_embeddings:  # x [B, T, D] . embedding [V, D], one product: Flax's
             # `attend` transposes the embedding, and XLA CPU fuses that transpose into a
             # loop about twice as slow as the matrix-vector product
@@ -216,20 +220,11 @@ class Transformer(nn.Module):
         return logits, cache
 
 
-def separate(config: ModelConfig) -> ModelConfig:
-    """`config` with separate q/k/v and gate/up products (the canonical parameter tree)."""
-    if not config.fused:
-        return config
-    return dataclasses.replace(config, fused=False, transposed=tuple(
-        p for p in config.transposed if p != "qkv"))
-
-
 def init_params(config: ModelConfig, seed: int = 0) -> dict:
     """Random parameters for `config` (float32), in the canonical tree (separate q/k/v and
-    gate/up kernels whatever `config.fused` says: `kvjax.model.layout.store` fuses them)."""
+    gate/up kernels: `kvjax.model.layout.store` fuses them for a fused plan)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    model = Transformer(separate(config))
-    return model.init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+    return Transformer(config).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -238,20 +233,20 @@ def param_shapes(config: ModelConfig):
     return jax.eval_shape(lambda: init_params(config))
 
 
-@partial(jax.jit, static_argnames=("config",))
+@partial(jax.jit, static_argnames=("config", "plan"))
 def _forward(params: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-             lora: dict | None, adapter_ids: jax.Array | None) -> jax.Array:
-    config = separate(config)  # the canonical tree
+             lora: dict | None, adapter_ids: jax.Array | None, plan: NumericsPlan) -> jax.Array:
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-    return Transformer(config).apply(variables, tokens, positions, None, None, adapter_ids)[0]
+    return Transformer(config, plan=plan.separate()).apply(  # the canonical tree
+        variables, tokens, positions, None, None, adapter_ids)[0]
 
 
 def forward(params: dict, config: ModelConfig, tokens, adapter: dict | None = None,
-            position_base: int = 0) -> jax.Array:
+            position_base: int = 0, plan: NumericsPlan = FAST) -> jax.Array:
     """Full-sequence logits [B, T, V] with no cache: the reference every cached path meets.
 
     `adapter` is one LoRA adapter (`kvjax.init_adapter`); `position_base` is the position
-    of the first token.
+    of the first token; `plan` how the arithmetic runs (on the canonical parameters).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = position_base + jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -260,4 +255,4 @@ def forward(params: dict, config: ModelConfig, tokens, adapter: dict | None = No
     if adapter is not None:
         lora = stack_adapters(config, [adapter])
         ids = jnp.ones(tokens.shape[0], jnp.int32)
-    return _forward(params, config, tokens, positions, lora, ids)
+    return _forward(params, config, tokens, positions, lora, ids, plan)

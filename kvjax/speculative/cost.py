@@ -29,12 +29,13 @@ from kvjax.model.transformer import Transformer
 STEPS = 16
 
 
-@partial(jax.jit, static_argnames=("configs", "repeats", "steps"), donate_argnames=("caches",))
-def _steps(params: tuple, configs: tuple, caches: tuple, tokens: tuple, batches: tuple,
-           repeats: tuple, steps: int):
+@partial(jax.jit, static_argnames=("configs", "plans", "repeats", "steps"),
+         donate_argnames=("caches",))
+def _steps(params: tuple, configs: tuple, plans: tuple, caches: tuple, tokens: tuple,
+           batches: tuple, repeats: tuple, steps: int):
     """`steps` times: model i runs `repeats[i]` extend calls at fixed lengths (each rewrites
     the same slots), the models one after the other as in a speculative round."""
-    models = [Transformer(c) for c in configs]
+    models = [Transformer(c, plan=p) for c, p in zip(configs, plans, strict=True)]
     positions = [model_positions(b, t.shape[1]) for b, t in zip(batches, tokens, strict=True)]
 
     def body(_, carry):
@@ -42,7 +43,7 @@ def _steps(params: tuple, configs: tuple, caches: tuple, tokens: tuple, batches:
         caches = list(caches)
         for i, model in enumerate(models):
             for _ in range(repeats[i]):
-                variables = model_variables(params[i], None, configs[i])
+                variables = model_variables(params[i], None, plans[i])
                 logits, caches[i] = model.apply(variables, tokens[i], positions[i],
                                                 caches[i], batches[i])
                 acc = acc + logits.sum()  # every logit is used: none is skipped
@@ -53,13 +54,13 @@ def _steps(params: tuple, configs: tuple, caches: tuple, tokens: tuple, batches:
 
 def step_timer(models: list[tuple], batch: int, context: int):
     """A compiled, warmed-up callable returning the seconds of one composite step: for each
-    (params, config, width, repeats) in `models`, `repeats` steps of `width` new tokens per
-    sequence (`batch` sequences with `context` cached tokens each)."""
+    (params, config, plan, width, repeats) in `models`, `repeats` steps of `width` new
+    tokens per sequence (`batch` sequences with `context` cached tokens each)."""
     ps = 16
-    state, args = {}, {"params": [], "configs": [], "tokens": [], "batches": [],
+    state, args = {}, {"params": [], "configs": [], "plans": [], "tokens": [], "batches": [],
                        "repeats": []}
     caches = []
-    for params, config, width, repeats in models:
+    for params, config, plan, width, repeats in models:
         per_seq = pages_for(context + width, ps)
         cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
         caches.append(init_cache(config, cc))
@@ -69,6 +70,7 @@ def step_timer(models: list[tuple], batch: int, context: int):
                                          num_new=np.full(batch, width, np.int32)))
         args["params"].append(jax.device_put(params))
         args["configs"].append(config)
+        args["plans"].append(plan)
         args["tokens"].append(np.zeros((batch, width), np.int32))
         args["repeats"].append(repeats)
     state["caches"] = tuple(caches)
@@ -92,7 +94,8 @@ def timed_ratio(numerator, denominator, repeats: int = 9) -> float:
 
 def cost_ratio(target: tuple, draft: tuple, batch: int, context: int,
                interleaved: bool = True, draft_steps: int = 4) -> float:
-    """c = seconds of a draft step / of a target step; target and draft are (params, config).
+    """c = seconds of a draft step / of a target step; target and draft are (params, config,
+    numerics plan).
 
     `interleaved` (the default) times the draft steps where a speculative round runs them,
     right after a target step: (t(target + k drafts) − t(target)) / (k · t(target)). On this

@@ -34,6 +34,7 @@ from kvjax.config import ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.sampling import DRAFT_TAG, probabilities, sample
 from kvjax.decode.state import DecodeState
+from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
 from kvjax.sharding.rules import maybe_constrain_cache, maybe_replicated
 from kvjax.speculative.ngram_device import ngram_propose
@@ -94,11 +95,11 @@ class _Carry:
     stats: RowStats
 
 
-def _draft_model(params, config, cache, draft: DraftState, state: DecodeState, lengths, last,
-                 active, gamma, sharding=None):
+def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeState, lengths,
+                 last, active, gamma, sharding=None):
     """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft lengths)."""
-    model = Transformer(config, sharding)
-    variables = partial(steps.model_variables, params, None, config)  # called in the loop
+    model = Transformer(config, sharding, plan=plan)
+    variables = partial(steps.model_variables, params, None, plan)  # called in the loop
     table, draft_lengths, prev, offset = draft.page_table, draft.lengths, draft.prev, \
         state.position_offset
     keys, (temperature, top_k, top_p) = state.keys, state.knobs
@@ -150,19 +151,22 @@ def _draft_model(params, config, cache, draft: DraftState, state: DecodeState, l
 
 
 @partial(jax.jit, static_argnames=("config", "draft_config", "drafter", "gamma", "max_out",
-                                   "ngram_max", "return_logits", "sharding"),
+                                   "ngram_max", "return_logits", "sharding", "plan",
+                                   "draft_plan"),
          donate_argnames=("cache", "draft_cache"))
 def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter: str,
               gamma: int, max_out: int, draft_params=None,
               draft_config: ModelConfig | None = None, draft_cache=None,
               draft: DraftState | None = None, history=None, ngram_max: int = 3,
-              return_logits: bool = False, lora=None, sharding=None):
+              return_logits: bool = False, lora=None, sharding=None,
+              plan: NumericsPlan = FAST, draft_plan: NumericsPlan = FAST):
     """Emits up to `state.budget[b]` tokens per row by speculative rounds on device.
 
     Donates `cache` and `draft_cache`. `drafter` is "model" (draft_params, draft_config,
     draft_cache and `draft`, its rows) or "ngram" (history int32[B, H]: each row's tokens
-    including `state.last`, H >= lengths + budget + 1). `state`, `lora` and `sharding` as
-    in `steps.decode_loop`; rows with budget 0 do nothing.
+    including `state.last`, H >= lengths + budget + 1). `state`, `lora`, `sharding` and
+    `plan` (the draft's: `draft_plan`) as in `steps.decode_loop`; rows with budget 0 do
+    nothing.
 
     Returns (SpecLoopResult, the cache, the draft cache): the result's logits only with
     `return_logits`, its draft only with the model drafter.
@@ -173,8 +177,8 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     g1 = gamma + 1
     rows = jnp.arange(b)
     cols = jnp.arange(g1)[None, :]
-    model = Transformer(config, sharding)
-    variables = partial(steps.model_variables, params, lora, config)  # called in the loop
+    model = Transformer(config, sharding, plan=plan)
+    variables = partial(steps.model_variables, params, lora, plan)  # called in the loop
     base = 0 if state.position_offset is None else state.position_offset
     temperature, top_k, top_p = state.knobs
     keys, budget, stops = state.keys, state.budget, state.stops
@@ -199,8 +203,8 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
         draft_cache, draft_state, history = s.draft_cache, s.draft, s.history
         if drafter == "model":
             drafts, q, draft_cache, draft_len = _draft_model(
-                draft_params, draft_config, draft_cache, draft_state, state, lengths, last,
-                active, gamma, sharding)
+                draft_params, draft_config, draft_plan, draft_cache, draft_state, state,
+                lengths, last, active, gamma, sharding)
             num_draft = jnp.where(active, jnp.minimum(gamma, room), 0)
         else:
             drafts, found = ngram_propose(history, lengths + 1, gamma, ngram_max)

@@ -20,6 +20,7 @@ from kvjax.decode.batching import bucket, page_table
 from kvjax.decode.state import DecodeState
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.layout import store
+from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.sharding.plan import ShardingPlan
 from kvjax.speculative.gamma import GammaPolicy
 from kvjax.speculative.loop import DraftState, SpecLoopResult, spec_loop
@@ -30,10 +31,13 @@ from kvjax.speculative.stats import SpecStats
 class Speculator:
     """Runs speculative decode calls for the engine and keeps their statistics."""
 
-    def __init__(self, spec: SpecConfig, draft, config: ModelConfig, mesh=None):
+    def __init__(self, spec: SpecConfig, draft, config: ModelConfig, mesh=None,
+                 plan: NumericsPlan = FAST):
         self.spec = spec
-        # the draft model's (None: the n-gram drafter); its pool is the manager's `draft`
+        # the draft model's (None: the n-gram drafter); its pool is the manager's `draft`;
+        # `plan`: how its steps run (the engine's, `kvjax.engine.engine.numerics_plans`)
         self.params = self.config = self.sharding = self.fingerprint = None
+        self.plan = plan
         if spec.drafter == "model":
             if draft is None:
                 raise ConfigError("spec.drafter", "the model drafter needs "
@@ -45,10 +49,10 @@ class Speculator:
                 raise ConfigError("draft.vocab_size", f"{draft_config.vocab_size} differs from "
                                   f"the target's {config.vocab_size}")
             self.sharding = None if mesh is None else ShardingPlan(mesh, draft_config)
-            self.params = (jax.device_put(store(params, draft_config))
+            self.params = (jax.device_put(store(params, plan))
                            if self.sharding is None else self.sharding.place_params(params))
             self.config = draft_config
-            self.fingerprint = model_fingerprint(draft_config, params)
+            self.fingerprint = model_fingerprint(draft_config, params, plan)
         self.totals = SpecStats.empty(spec.gamma)
         self.policy = GammaPolicy(spec.gamma)
         self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
@@ -84,7 +88,8 @@ class Speculator:
             for seq in live:
                 rows[seq.slot] = seq.draft_pages
                 lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
-            kwargs = dict(draft_params=self.params, draft_config=self.config, draft=DraftState(
+            kwargs = dict(draft_params=self.params, draft_config=self.config,
+                          draft_plan=self.plan, draft=DraftState(
                 page_table=page_table(rows, slots, kv.draft.cache_config.block_pages),
                 lengths=lengths, prev=prev))
         else:
@@ -98,7 +103,7 @@ class Speculator:
         out = kv.run_both(lambda cache, draft_cache: spec_loop(
             model.params, model.config, cache, state, drafter=self.spec.drafter, gamma=gamma,
             max_out=decode_steps, return_logits=want_logits, lora=model.lora,
-            sharding=model.shardings, draft_cache=draft_cache, **kwargs))
+            sharding=model.shardings, plan=model.plan, draft_cache=draft_cache, **kwargs))
         out = jax.tree.map(np.asarray, out)
         if out.draft_lengths is not None:
             for seq in live:
@@ -132,14 +137,16 @@ class Speculator:
     def calibrated(self) -> bool:
         return self.cost_ratio is not None and self.verify_slope is not None
 
-    def calibrate(self, params, config: ModelConfig, batch: int, context: int = 128) -> None:
+    def calibrate(self, params, config: ModelConfig, plan: NumericsPlan, batch: int,
+                  context: int = 128) -> None:
         """Measures what is not pinned in the SpecConfig: c (the draft's step time over the
         target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch."""
         from kvjax.speculative.cost import cost_ratio, verify_slope
 
-        target = (params, config)
+        target = (params, config, plan)
         if self.cost_ratio is None:
-            self.cost_ratio = cost_ratio(target, (self.params, self.config), batch, context)
+            self.cost_ratio = cost_ratio(target, (self.params, self.config, self.plan), batch,
+                                         context)
         if self.verify_slope is None:
             self.verify_slope = verify_slope(target, batch, context, self.spec.gamma + 1)
 
