@@ -48,7 +48,7 @@ class Params:
 
 def run(config) -> list[dict]:
     p = config.params
-    model = models.load(p.model)
+    model = common.real_model(p.model)
     if p.part == "chat":
         return _chat(p, model)
     return _spec(p, model)

@@ -57,6 +57,15 @@ def model(name: str, seed: int):
     return init_params(config, seed), config
 
 
+@functools.cache
+def real_model(name: str):
+    """`kvjax.models.load(name)`, loaded once per process (the real-model experiments and
+    their smoke tests share it)."""
+    from kvjax import models
+
+    return models.load(name)
+
+
 def engine_config(page_size: int, num_pages: int, slots: int, chunk: int = 64,
                   mesh: str | None = None, **engine_kw) -> EngineConfig:
     """An engine whose prefill chunk and attention block are `chunk` tokens at every page

@@ -30,8 +30,8 @@ _EXPORTS = {
     "kvjax.model.transformer": ("Transformer", "forward", "init_params"),
 }
 # every subpackage: `import kvjax` used to import them all, which made each an attribute
-_SUBMODULES = ("bench", "cache", "config", "config_files", "decode", "engine", "errors", "io",
-               "lab", "memory", "model", "models", "sharding", "speculative", "train")
+_SUBMODULES = ("bench", "cache", "config", "config_files", "data", "decode", "engine", "errors",
+               "io", "lab", "memory", "model", "models", "sharding", "speculative", "train")
 
 __version__ = "0.1.0"
 

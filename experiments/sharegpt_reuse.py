@@ -1,0 +1,205 @@
+"""ShareGPT conversations replayed on the real model: prefix reuse against the ideal, TTFT.
+
+Conversations from ShareGPT (`kvjax.data.sharegpt`, at least two user turns, at most
+`max_tokens` tokens of text) are replayed on SmolLM2-135M-Instruct as a chat client would
+(`kvjax.lab.replay`): each user turn in order, rendered with the model's chat template,
+with the model's own answers (up to `new_tokens`, or the recorded ones teacher-forced with
+`mode = "trace"`) in the history; every conversation starts at once, or at Poisson
+arrivals of `rate` per second. Each point runs once with the prefix cache off (the
+reference: its outputs, TTFT and end-to-end time; one run per page size, shared by the
+points) and once with the cache on, holding `capacity` times the working set (every
+conversation's final history, in pages) beside the running requests' pages.
+
+Reported: reused / ideal prompt tokens (ideal: the full pages some earlier request wrote
+that a prompt starts with, short of its last token: what an unbounded exact cache serves),
+misses by cause, evictions, TTFT and end-to-end time per turn (medians) on and off, and
+whether every turn's tokens and logits equal the cache-off run's, bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+
+from experiments import common
+from kvjax import models
+from kvjax.config import ConfigError
+from kvjax.data import sharegpt
+from kvjax.decode.batching import pages_for
+from kvjax.engine.engine import Engine
+from kvjax.lab.replay import MODES, poisson_arrivals, replay
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    model: str = "smollm2-135m-instruct"
+    conversations: int = 64
+    min_turns: int = 2
+    max_turns: int = 6  # user turns replayed per conversation, at most
+    max_tokens: int = 768  # text tokens of a conversation's turns together, at most
+    new_tokens: int = 32  # answer tokens per turn, at most (it ends at the end of turn)
+    mode: str = "chat"
+    page_size: int = 16
+    capacity: float = 1.0  # the prefix cache, as a fraction of the working set
+    schedule: str = "fcfs"
+    slots: int = 8
+    rate: float = 0.0  # conversations per second (Poisson); 0: all at once
+    # pages in each engine's pool, pinned (0: the running requests' pages + capacity x the
+    # working set); the smoke variant pins the real-model tests' pool, whose compiled steps
+    # it then shares
+    pool_pages: int = 0
+
+    def __post_init__(self):
+        common.check_positive(self, "conversations", "min_turns", "max_turns", "max_tokens",
+                              "new_tokens", "page_size", "slots")
+        common.check_choice(self, "mode", MODES)
+        common.check_choice(self, "schedule", ("fcfs", "lpm"))
+        if not 0 < self.capacity <= 4:
+            raise ConfigError("capacity", f"must be in (0, 4], got {self.capacity}")
+        if self.rate < 0:
+            raise ConfigError("rate", f"must be >= 0, got {self.rate}")
+        if self.pool_pages < 0:
+            raise ConfigError("pool_pages", f"must be >= 0, got {self.pool_pages}")
+        if self.model not in models.MODELS:
+            raise ConfigError("model", f"unknown model {self.model!r} (known: "
+                              f"{', '.join(sorted(models.MODELS))})")
+
+
+def _replay(p: Params, seed: int, engine: Engine):
+    model = common.real_model(p.model)
+    conversations = sharegpt(p.conversations, min_turns=p.min_turns, max_turns=p.max_turns,
+                             max_tokens=p.max_tokens, tokenizer=model.tokenizer, seed=seed)
+    arrivals = poisson_arrivals(len(conversations), p.rate or None, seed)
+    return replay(engine, conversations, model.template.render, mode=p.mode,
+                  max_new_tokens=p.new_tokens, arrivals=arrivals,
+                  decode=model.tokenizer.decode, return_logits=True)
+
+
+def _engine(p: Params, num_pages: int, **kw) -> Engine:
+    model = common.real_model(p.model)
+    ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule, **kw)
+    return Engine(model.params, model.config, ec, eos_tokens=model.stop_tokens)
+
+
+def _longest(p: Params) -> int:
+    """A bound on a request's tokens: the conversation's text, and per turn the template's
+    markers and an answer (the chat template's own system prompt included)."""
+    return p.max_tokens + p.max_turns * (p.new_tokens + 16) + 64
+
+
+@functools.cache
+def _reference(p: Params, seed: int):
+    """The cache-off run (what the cached points must reproduce) and the working set."""
+    pages = p.pool_pages or p.slots * pages_for(_longest(p), p.page_size)
+    turns = _replay(p, seed, _engine(p, pages, prefix_cache=False))
+    last = {}
+    for t in turns:
+        last[t.conversation] = t  # a conversation's turns come in order
+    working = sum(pages_for(len(t.prompt_ids) + len(t.tokens) - 1, p.page_size)
+                  for t in last.values())
+    return turns, working
+
+
+def run(config) -> dict:
+    p = config.params
+    off_params = dataclasses.replace(p, capacity=1.0, schedule="fcfs")
+    reference, working = _reference(off_params, config.seed)
+    running = p.slots * pages_for(_longest(p), p.page_size)
+    num_pages = p.pool_pages or running + round(p.capacity * working)
+    engine = _engine(p, num_pages)
+    turns = _replay(p, config.seed, engine)
+    key = lambda t: (t.conversation, t.turn)  # noqa: E731
+    same = [(a.prompt_ids, a.tokens, a.logits_digest) == (b.prompt_ids, b.tokens,
+                                                           b.logits_digest)
+            for a, b in zip(sorted(turns, key=key), sorted(reference, key=key), strict=True)]
+    m = engine.metrics()
+    causes = m["misses_by_cause"]
+    later = [t for t in turns if t.turn > 1]
+    return {
+        "conversations": len({t.conversation for t in turns}), "turns": len(turns),
+        "num_pages": num_pages, "working_set_pages": working,
+        "prompt_tokens": sum(len(t.prompt_ids) for t in turns),
+        "reused_tokens": sum(t.stats.get("reused_tokens", 0) for t in turns),
+        "ideal_tokens": sum(t.ideal_reused for t in turns),
+        "later_turns_reused": sum(t.stats.get("reused_tokens", 0) for t in later),
+        "later_turns_ideal": sum(t.ideal_reused for t in later),
+        "misses_cold": causes.get("cold", 0), "misses_capacity": causes.get("capacity", 0),
+        "misses_divergence": causes.get("divergence", 0),
+        "misses_other": sum(v for k, v in causes.items()
+                            if k not in ("cold", "capacity", "divergence")),
+        "evictions": m["evictions"], "preemptions": m["preemptions"],
+        "ttft_s": _median(t.stats.get("ttft_s", 0.0) for t in turns),
+        "ttft_off_s": _median(t.stats.get("ttft_s", 0.0) for t in reference),
+        "e2e_s": _median(t.finished_s - t.arrival_s for t in turns),
+        "e2e_off_s": _median(t.finished_s - t.arrival_s for t in reference),
+        "wall_s": max(t.finished_s for t in turns),
+        "wall_off_s": max(t.finished_s for t in reference),
+        "same_as_cache_off": all(same) and len(same) == len(reference),
+        "failed_turns": sum(t.status != "finished" for t in turns),
+        "tokens_digest": common.tokens_digest([t.tokens for t in turns]),
+        "model": p.model,
+    }
+
+
+def _median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
+def _of_ideal(r: dict) -> float:
+    return r["reused_tokens"] / max(r["ideal_tokens"], 1)
+
+
+COLUMNS = [
+    ("page", lambda r: str(r["page_size"])),
+    common.CAPACITY_COLUMN,
+    ("schedule", lambda r: r["schedule"]),
+    ("reused / ideal tokens", lambda r: f"{r['reused_tokens']:,} / {r['ideal_tokens']:,} "
+     f"({_of_ideal(r):.1%})"),
+    ("of prompt tokens", lambda r: f"{r['reused_tokens'] / max(r['prompt_tokens'], 1):.1%}"),
+    ("misses cold / capacity / divergence",
+     lambda r: f"{r['misses_cold']} / {r['misses_capacity']} / {r['misses_divergence']}"),
+    ("evictions", lambda r: f"{r['evictions']:,}"),
+    ("TTFT on / off (median)", lambda r: f"{r['ttft_s'] * 1e3:.0f} / "
+     f"{r['ttft_off_s'] * 1e3:.0f} ms"),
+    ("end-to-end on / off (median)", lambda r: f"{r['e2e_s']:.2f} / {r['e2e_off_s']:.2f} s"),
+    common.REFERENCE_COLUMN,
+]
+
+
+def headline(rows: list[dict]) -> str:
+    r0 = rows[0]
+    best = max(rows, key=_of_ideal)
+    lines = [f"ShareGPT replay on {r0['model']}: {r0['conversations']} conversations, "
+             f"{r0['turns']} turns, {r0['mode']} mode"]
+    lines.append(f"- reused / ideal prompt tokens: best {_of_ideal(best):.1%} (page "
+                 f"{best['page_size']}, cache {best['capacity']:.0%}, {best['schedule']}); "
+                 + ", ".join(f"{r['capacity']:.0%}/{r['page_size']}/{r['schedule']}: "
+                             f"{_of_ideal(r):.1%}" for r in rows))
+    lines.append(f"- every turn equal to the cache-off run, bitwise: "
+                 f"{'yes' if all(r['same_as_cache_off'] for r in rows) else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out) -> list:
+    plt, fig, (ax1, ax2) = common.figure(10.0, 3.8, ncols=2)
+    for i, (page, schedule) in enumerate(sorted({(r["page_size"], r["schedule"])
+                                                 for r in rows})):
+        rs = sorted((r for r in rows if (r["page_size"], r["schedule"]) == (page, schedule)),
+                    key=lambda r: r["capacity"])
+        ax1.plot([100 * r["capacity"] for r in rs], [100 * _of_ideal(r) for r in rs], "o-",
+                 color=f"C{i}", label=f"page {page}, {schedule}")
+    ax1.set_xlabel("prefix cache (% of the working set)")
+    ax1.set_ylabel("reused tokens (% of ideal)")
+    ax1.legend(fontsize=7)
+    labels = [f"{r['capacity']:.0%}/{r['page_size']}/{r['schedule']}" for r in rows]
+    x = list(range(len(rows)))
+    ax2.bar([i - 0.2 for i in x], [1e3 * r["ttft_s"] for r in rows], 0.4, label="cache on")
+    ax2.bar([i + 0.2 for i in x], [1e3 * r["ttft_off_s"] for r in rows], 0.4,
+            label="cache off", color="tab:gray")
+    ax2.set_xticks(x, labels, rotation=45, fontsize=6, ha="right")
+    ax2.set_ylabel("median TTFT (ms)")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"ShareGPT replay on {rows[0]['model']}", fontsize=10)
+    return [common.save(plt, fig, out, "sharegpt_reuse.png")]
