@@ -24,8 +24,9 @@ from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSource:
-    """A model file inside a package: `package`'s import name holds `file`."""
+class PackagedFile:
+    """A file inside a package on the index: `package`'s import name `module` holds `file`
+    (a model's weights here; a dataset in `kvjax.data.sources`)."""
 
     name: str
     description: str
@@ -35,7 +36,6 @@ class ModelSource:
     file: str  # inside the module's folder
     license: str
     sha256: str
-    format: str = "gguf"
 
     @property
     def pip_args(self) -> str:
@@ -44,6 +44,30 @@ class ModelSource:
     @property
     def install_command(self) -> str:
         return f"pip install {self.pip_args}"
+
+    def installed(self, missing: type[Exception], what: str) -> Path:
+        """The installed file, checked against `sha256` (once per file version and process);
+        `missing` (naming `what` and the install command) when its package is absent."""
+        spec = importlib.util.find_spec(self.module)
+        file = None if spec is None or not spec.submodule_search_locations else \
+            Path(next(iter(spec.submodule_search_locations))) / self.file
+        if file is None or not file.is_file():
+            raise missing(f"{what} is not installed: its file comes in the package "
+                          f"{self.package}=={self.version}; install it with "
+                          f"`{self.install_command}` (scripts/_setup.sh does)")
+        s = file.stat()
+        digest = _sha256(str(file), (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns))
+        if digest != self.sha256:
+            raise ValueError(f"{file}: sha256 {digest} is not the registry's {self.sha256} "
+                             f"(reinstall with `{self.install_command}`)")
+        return file
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource(PackagedFile):
+    """A model file inside a package."""
+
+    format: str = "gguf"
 
 
 MODELS = {s.name: s for s in (
@@ -80,20 +104,7 @@ def source(name: str) -> ModelSource:
 
 def path(name: str) -> Path:
     """The model's file, checked against the registry's sha256."""
-    src = source(name)
-    spec = importlib.util.find_spec(src.module)
-    file = None if spec is None or not spec.submodule_search_locations else \
-        Path(next(iter(spec.submodule_search_locations))) / src.file
-    if file is None or not file.is_file():
-        raise ModelNotInstalledError(f"model {name!r} is not installed: its file comes in the "
-                                     f"package {src.package}=={src.version}; install it with "
-                                     f"`{src.install_command}`")
-    s = file.stat()
-    digest = _sha256(str(file), (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns))
-    if digest != src.sha256:
-        raise ValueError(f"{file}: sha256 {digest} is not the registry's {src.sha256} "
-                         f"(reinstall with `{src.install_command}`)")
-    return file
+    return source(name).installed(ModelNotInstalledError, f"model {name!r}")
 
 
 @functools.lru_cache(maxsize=8)

