@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax.models import PackagedFile
+from kvjax.data.packaged import PackagedFile
 
 DataSource = PackagedFile  # a data file inside a package
 
