@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-ROLES = ("user", "assistant")
-
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
