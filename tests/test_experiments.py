@@ -104,7 +104,7 @@ SMOKE = ["prefix_page_size", "partial_copy", "eviction", "scheduling", "identity
          "kv_memory", "spec_operating_point", "tour"]
 # the real model's experiments run their smoke variants in test_real_model.py, beside the
 # other checks of the real model (one process compiles the 30-layer model's steps once)
-ELSEWHERE = ["chat", "sharegpt_reuse"]
+ELSEWHERE = ["chat", "mtbench_spec", "sharegpt_reuse"]
 
 
 def test_smoke_list_is_every_shipped_experiment():

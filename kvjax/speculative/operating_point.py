@@ -16,6 +16,8 @@ efficiency. `kvjax bench spec` and the shipped experiments `spec_operating_point
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import statistics
 
 import numpy as np
@@ -52,29 +54,37 @@ def held_out_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def _run(target, draft, prompts, spec: SpecConfig | None, decode_steps: int, gen_tokens: int,
-         slots: int):
-    """One engine run over the prompts: (decode seconds, metrics, tokens)."""
-    need = pages_for(max(map(len, prompts)) + gen_tokens + 9, 16) * slots
-    ec = EngineConfig(cache=CacheConfig(page_size=16, num_pages=need + 16),
-                      max_slots=slots, decode_steps=decode_steps, prefix_cache=False)
-    engine = Engine(*target, ec, draft=draft if spec else None, spec=spec)
+         slots: int, base: EngineConfig | None, eos_tokens: tuple[int, ...]):
+    """One engine run over the prompts: (decode seconds, metrics, tokens). `base`: the
+    engine's cache, slots and numerics (None: a pool sized to the prompts, invariant
+    numerics); the prefix cache is off either way, so every run computes every token."""
+    if base is None:
+        need = pages_for(max(map(len, prompts)) + gen_tokens + 9, 16) * slots
+        ec = EngineConfig(cache=CacheConfig(page_size=16, num_pages=need + 16),
+                          max_slots=slots, decode_steps=decode_steps, prefix_cache=False)
+    else:
+        ec = dataclasses.replace(base, decode_steps=decode_steps, prefix_cache=False)
+    engine = Engine(*target, ec, draft=draft if spec else None, spec=spec,
+                    eos_tokens=eos_tokens)
     results = engine.generate([Request(tokens=p, max_new_tokens=gen_tokens) for p in prompts])
     metrics = engine.metrics()
     return metrics["decode_s"], metrics, [r.tokens for r in results]
 
 
 def _paired(target, draft, prompts, spec: SpecConfig, decode_steps: int, gen_tokens: int,
-            slots: int, reps: int):
-    """Plain and speculative runs back to back, `reps` times after a warm-up of each: the
-    median of the per-pair time ratios (drift in the machine's speed cancels)."""
-    _run(target, None, prompts, None, decode_steps, gen_tokens, slots)
-    _run(target, draft, prompts, spec, decode_steps, gen_tokens, slots)
+            slots: int, reps: int, warmup: bool = True, **engine):
+    """Plain and speculative runs back to back, `reps` times after a warm-up of each (unless
+    the caller warmed up the same shapes): the median of the per-pair time ratios (drift in
+    the machine's speed cancels)."""
+    run = functools.partial(_run, target, prompts=prompts, decode_steps=decode_steps,
+                            gen_tokens=gen_tokens, slots=slots, **engine)
+    if warmup:
+        run(None, spec=None)
+        run(draft, spec=spec)
     ratios, plain_times, spec_times = [], [], []
     for _ in range(reps):
-        plain_s, _, plain_tokens = _run(target, None, prompts, None, decode_steps, gen_tokens,
-                                        slots)
-        spec_s, metrics, tokens = _run(target, draft, prompts, spec, decode_steps, gen_tokens,
-                                       slots)
+        plain_s, _, plain_tokens = run(None, spec=None)
+        spec_s, metrics, tokens = run(draft, spec=spec)
         ratios.append(plain_s / spec_s)
         plain_times.append(plain_s)
         spec_times.append(spec_s)
@@ -85,15 +95,20 @@ def _paired(target, draft, prompts, spec: SpecConfig, decode_steps: int, gen_tok
 
 def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bool, c: float,
                   slope: float, decode_steps: int, *, gen_tokens: int, slots: int,
-                  reps: int) -> dict:
+                  reps: int, base: EngineConfig | None = None, eos_tokens: tuple[int, ...] = (),
+                  warmup: bool = True) -> dict:
     """One operating point: `gen_tokens` new tokens per prompt from the target alone and with
     `drafter` at `gamma` (adaptive: γ re-chosen from c and `slope` at every engine call of
     `decode_steps` tokens), on `slots` engine slots, paired `reps` times (`_paired`); the
-    measured speedup beside the predictions at the measured α."""
+    measured speedup beside the predictions at the measured α. `base`: the engines' cache
+    and numerics (a fixed pool lets points of different prompts share compiled steps);
+    `eos_tokens`: where an answer stops (none: every prompt gets `gen_tokens`); `warmup`:
+    False where the caller already ran these shapes (a warm-up runs every prompt once)."""
     spec = SpecConfig(drafter=drafter, gamma=gamma, adaptive=adaptive,
                       cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None)
-    speedup, plain_s, seconds, metrics, same = _paired(target, draft, prompts, spec,
-                                                       decode_steps, gen_tokens, slots, reps)
+    speedup, plain_s, seconds, metrics, same = _paired(
+        target, draft, prompts, spec, decode_steps, gen_tokens, slots, reps, warmup,
+        base=base, eos_tokens=eos_tokens)
     s = metrics["spec"]
     history = s["gamma_history"]
     g = round(sum(history) / len(history)) if adaptive else gamma

@@ -1,0 +1,178 @@
+"""The n-gram drafter on MT-Bench, per category, on the real model: tokens per call, speedup.
+
+MT-Bench's questions (`kvjax.data.mtbench`: 80 questions of two user turns, 10 in each of
+8 categories) are rendered with SmolLM2-135M-Instruct's chat template. Turn 1: the first
+question alone; turn 2: the first question, the model's own greedy answer to it (up to
+`new_tokens`, ended at the end of turn) and the second question, as a chat client sends it.
+Each point decodes one category's prompts, one at a time (batch 1, greedy, answers ended at
+the end of turn), with the target alone and with the n-gram drafter at `gamma`
+(`kvjax.speculative.operating_point.measure_point`: the engine's own decode timer, prefill
+excluded, the median of `reps` paired ratios), under one numerics plan.
+
+Reported per category: tokens per target call (accepted drafts + 1), α and the acceptance
+rate, the speedup over plain decoding, and whether every answer's greedy tokens equal plain
+decoding's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from experiments import common
+from kvjax import models
+from kvjax.config import ConfigError
+from kvjax.data import mtbench
+from kvjax.data.mtbench import CATEGORIES
+from kvjax.engine.engine import Engine
+from kvjax.engine.requests import Request
+from kvjax.speculative.operating_point import measure_point
+
+# the longest prompt and answer a point holds: MT-Bench's longest turn-2 prompt with the
+# model's answer is under 1,600 tokens at new_tokens 256 (one pool for every category lets
+# the points share their compiled steps)
+_POOL_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    model: str = "smollm2-135m-instruct"
+    categories: tuple[str, ...] = CATEGORIES
+    questions: int = 10  # per category, at most (MT-Bench has 10 in each)
+    turn: int = 1
+    numerics: str = "fast"
+    gamma: int = 4
+    new_tokens: int = 128  # per answer, at most (it ends at the end of turn)
+    decode_steps: int = 16
+    reps: int = 1
+    page_size: int = 16
+
+    def __post_init__(self):
+        common.check_positive(self, "questions", "gamma", "new_tokens", "decode_steps", "reps",
+                              "page_size")
+        common.check_choice(self, "turn", (1, 2))
+        common.check_choice(self, "numerics", ("fast", "invariant"))
+        unknown = sorted(set(self.categories) - set(CATEGORIES))
+        if unknown or not self.categories:
+            raise ConfigError("categories", f"unknown {unknown} (known: {', '.join(CATEGORIES)})"
+                              if unknown else "at least one category")
+        if self.model not in models.MODELS:
+            raise ConfigError("model", f"unknown model {self.model!r} (known: "
+                              f"{', '.join(sorted(models.MODELS))})")
+
+
+def _engine_config(p: Params):
+    # the real-model tests' engine shape (page 16, 64-token chunks, one slot): the smoke run
+    # shares their compiled prefill and decode steps
+    pages = max(256, -(-_POOL_TOKENS // p.page_size))
+    return common.engine_config(p.page_size, pages, 1, numerics=p.numerics)
+
+
+@functools.cache
+def _first_answers(p: Params) -> dict[str, list[list[int]]]:
+    """The model's greedy turn-1 answers (token ids, end of turn included), per category:
+    what turn 2's history holds. Runs every turn-1 prompt once (it also compiles the plain
+    steps the points then time)."""
+    model = common.real_model(p.model)
+    engine = Engine(model.params, model.config, _engine_config(p), eos_tokens=model.stop_tokens)
+    out = {}
+    for category, questions in _questions(p).items():
+        results = engine.generate([Request(_render(model, q, 1), p.new_tokens)
+                                   for q in questions])
+        out[category] = [r.tokens for r in results]
+    return out
+
+
+def _questions(p: Params) -> dict[str, list]:
+    loaded = mtbench(p.categories)
+    return {c: [q for q in loaded.conversations if q.category == c][:p.questions]
+            for c in p.categories}
+
+
+def _render(model, question, turn: int, answer: list[int] | None = None) -> list[int]:
+    first, second = (text for _, text in question.turns[:2])
+    messages = [{"role": "user", "content": first}]
+    if turn == 2:
+        end = model.tokenizer.decode([model.stop_tokens[0]])
+        messages += [{"role": "assistant",
+                      "content": model.tokenizer.decode(answer).removesuffix(end)},
+                     {"role": "user", "content": second}]
+    return model.template.render(messages)
+
+
+def run(config) -> list[dict]:
+    p = config.params
+    model = common.real_model(p.model)
+    answers = _first_answers(dataclasses.replace(p, turn=1))
+    rows = []
+    for i, (category, questions) in enumerate(_questions(p).items()):
+        prompts = [_render(model, q, p.turn, a)
+                   for q, a in zip(questions, answers[category], strict=True)]
+        r = measure_point((model.params, model.config), None, prompts, "ngram", p.gamma, False,
+                          0.0, 0.0, p.decode_steps, gen_tokens=p.new_tokens, slots=1,
+                          reps=p.reps, base=_engine_config(p), eos_tokens=model.stop_tokens,
+                          warmup=i == 0)  # the first point compiles the speculative steps
+        rows.append({"category": category, "prompts": r["prompts"],
+                     "prompt_tokens": sum(map(len, prompts)),
+                     "tokens_per_call": r["mean_accepted_length"], "alpha": r["alpha"],
+                     "acceptance_rate": r["acceptance_rate"], "speedup": r["speedup"],
+                     "decode_s": r["decode_s"], "plain_decode_s": r["plain_decode_s"],
+                     "target_calls": r["target_calls"],
+                     "same_as_plain": r["same"] == r["prompts"], "model": p.model})
+    return rows
+
+
+TIMING = ("speedup", "decode_s", "plain_decode_s")
+
+COLUMNS = [
+    ("numerics", lambda r: r["numerics"]),
+    ("turn", lambda r: str(r["turn"])),
+    ("category", lambda r: r["category"]),
+    ("questions", lambda r: str(r["prompts"])),
+    ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
+    ("α", lambda r: f"{r['alpha']:.3f}"),
+    common.SPEEDUP_COLUMN,
+    ("greedy == plain", lambda r: "yes" if r["same_as_plain"] else "NO"),
+]
+
+
+def headline(rows: list[dict]) -> str:
+    lines = [f"MT-Bench, n-gram drafter (γ {rows[0]['gamma']}) on {rows[0]['model']}, "
+             "batch 1, greedy"]
+    for numerics, turn in dict.fromkeys((r["numerics"], r["turn"]) for r in rows):
+        rs = [r for r in rows if (r["numerics"], r["turn"]) == (numerics, turn)]
+        best = max(rs, key=lambda r: r["tokens_per_call"])
+        lines.append(f"- {numerics}, turn {turn}: tokens per call "
+                     f"{_span(r['tokens_per_call'] for r in rs)} (best: {best['category']}), "
+                     f"speedup {_span(r['speedup'] for r in rs)}x")
+    lines.append("- every answer's greedy tokens equal plain decoding's: "
+                 f"{'yes' if all(r['same_as_plain'] for r in rows) else 'NO'}")
+    return "\n".join(lines)
+
+
+def _span(values) -> str:
+    values = sorted(values)
+    low, high = f"{values[0]:.2f}", f"{values[-1]:.2f}"
+    return low if low == high else f"{low}-{high}"
+
+
+def plot(rows: list[dict], out) -> list:
+    plt, fig, (ax1, ax2) = common.figure(10.0, 3.8, ncols=2)
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    series = list(dict.fromkeys((r["numerics"], r["turn"]) for r in rows))
+    width = 0.8 / len(series)
+    for i, (numerics, turn) in enumerate(series):
+        by = {r["category"]: r for r in rows if (r["numerics"], r["turn"]) == (numerics, turn)}
+        x = [k + (i - (len(series) - 1) / 2) * width for k in range(len(categories))]
+        label = f"{numerics}, turn {turn}"
+        ax1.bar(x, [by[c]["tokens_per_call"] if c in by else 0 for c in categories], width,
+                label=label)
+        ax2.bar(x, [by[c]["speedup"] if c in by else 0 for c in categories], width, label=label)
+    for ax, name in ((ax1, "tokens per target call"), (ax2, "speedup over plain decoding")):
+        ax.set_xticks(range(len(categories)), categories, rotation=45, fontsize=7, ha="right")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
+    ax2.axhline(1.0, color="grey", linewidth=0.8)
+    fig.suptitle(f"n-gram drafter on MT-Bench ({rows[0]['model']}, γ {rows[0]['gamma']})",
+                 fontsize=10)
+    return [common.save(plt, fig, out, "mtbench_spec.png")]
