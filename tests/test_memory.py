@@ -77,6 +77,27 @@ def test_sliding_window_caps_kv_read():
     assert cost.kv_read_bytes == 2 * 128 * per_token
 
 
+def test_the_pages_a_sliding_layer_could_free():
+    """Gemma 3 270M's layout (5 sliding layers of window 512 per full one): the next token
+    at position L reads keys from L - 511 on, so only pages wholly before that count; none
+    below the window, none in a full layer."""
+    c = ModelConfig(vocab_size=64, num_layers=18, d_model=64, num_heads=4, num_kv_heads=1,
+                    d_ff=64, max_seq_len=8192, sliding_window=512,
+                    layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding"
+                                      for i in range(18)))
+    got = memory.windowed_pages(c, 620, 16)
+    assert got == {"pages_per_layer": 39, "layers": 18, "sliding_layers": 15,
+                   "freeable_per_sliding_layer": 6, "freeable_layer_pages": 90,
+                   "layer_pages": 702}
+    # position 527 reads keys 16.. on: page 0 (keys 0-15) is dead; at 526, key 15 is live
+    assert memory.windowed_pages(c, 527, 16)["freeable_per_sliding_layer"] == 1
+    assert memory.windowed_pages(c, 526, 16)["freeable_per_sliding_layer"] == 0
+    assert memory.windowed_pages(c, 4096, 16)["freeable_layer_pages"] == 15 * 224
+    full = ModelConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=4, num_kv_heads=1,
+                       d_ff=64, max_seq_len=8192)
+    assert memory.windowed_pages(full, 4096, 16)["freeable_layer_pages"] == 0
+
+
 def test_report_labels_its_assumptions():
     text = memory.report(LLAMA_8B, batch=16, context=4096, page_size=16, kv_bytes_per_scalar=2,
                          param_bytes=2, prefill_tokens=2048, peak_flops=989e12,

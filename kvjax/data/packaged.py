@@ -24,10 +24,15 @@ class PackagedFile:
     file: str  # inside the module's folder
     license: str
     sha256: str
+    # the function of `module` that writes `file` from the parts its dependencies ship (a file
+    # too large for one package) and returns its path; None: `file` is in the module's folder
+    assemble: str | None = None
 
     @property
     def pip_args(self) -> str:
-        return f"--no-deps {self.package}=={self.version}"
+        # an assembled file's dependencies are its parts, nothing else
+        deps = "" if self.assemble else "--no-deps "
+        return f"{deps}{self.package}=={self.version}"
 
     @property
     def install_command(self) -> str:
@@ -39,6 +44,8 @@ class PackagedFile:
         spec = importlib.util.find_spec(self.module)
         file = None if spec is None or not spec.submodule_search_locations else \
             Path(next(iter(spec.submodule_search_locations))) / self.file
+        if spec is not None and self.assemble:
+            file = self._assembled()
         if file is None or not file.is_file():
             raise missing(f"{what} is not installed: its file comes in the package "
                           f"{self.package}=={self.version}; install it with "
@@ -49,6 +56,14 @@ class PackagedFile:
             raise ValueError(f"{file}: sha256 {digest} is not the registry's {self.sha256} "
                              f"(reinstall with `{self.install_command}`)")
         return file
+
+    def _assembled(self) -> Path | None:
+        """The file its package writes from its parts (once per process; None when a part
+        is missing)."""
+        try:
+            return Path(getattr(importlib.import_module(self.module), self.assemble)())
+        except (ImportError, FileNotFoundError):
+            return None
 
 
 @functools.lru_cache(maxsize=8)

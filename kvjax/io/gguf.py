@@ -5,9 +5,9 @@ the `config.json` a Hugging Face export of the same model would have (then the s
 `config_from_hf` checks every option), and each tensor is dequantized by `gguf` (F32, F16,
 BF16, Q8_0, Q4_0, Q4_1, the K-quants: any type it can dequantize) into float32 and renamed
 to the Hugging Face layout, undoing the row permutation llama.cpp's converter applies to the
-query and key projections (its RoPE pairs neighbouring features, Hugging Face's the two
-halves of a head). `gguf_tokenizer` builds the file's tokenizer (`tokenizer.ggml.*`) with
-the `tokenizers` library and reads its chat template and special ids.
+query and key projections of a Llama (its RoPE pairs neighbouring features, Hugging Face's
+the two halves of a head) and the 1 llama.cpp adds to Gemma's norm weights.
+`kvjax.io.gguf_vocab` builds the file's tokenizer (`tokenizer.ggml.*`).
 
 GGUF lists a tensor's dimensions fastest first: a [rows, cols] numpy array is (cols, rows)
 in the file, so a Linear weight arrives [out, in] as Hugging Face stores it.
@@ -23,7 +23,7 @@ import numpy as np
 
 from kvjax.io.hf_families import CheckpointError
 
-ARCHITECTURES = ("llama",)  # GGUF `general.architecture` values kvjax loads
+ARCHITECTURES = ("llama", "gemma3")  # GGUF `general.architecture` values kvjax loads
 
 # GGUF tensor name (in block i) -> Hugging Face name
 _LAYER_TENSORS = {
@@ -34,10 +34,24 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's: its norms around both sublayers (sandwich) and on each head of q and k
+_GEMMA3_TENSORS = _LAYER_TENSORS | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 _TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
-# Metadata keys (after the architecture prefix) that name something kvjax does not compute.
+# llama.cpp's Gemma 3 constants, which its GGUF files do not carry: every 6th layer full (the
+# rest sliding), RoPE base 10,000 on the sliding layers
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10_000.0
+
+# Metadata keys (after the architecture prefix) that name something kvjax does not compute
+# (Gemma 3 maps the sliding window and soft-capping).
 _REFUSED = {
     "expert_count": "mixture-of-experts layers are not implemented",
     "attention.sliding_window": "sliding-window attention from GGUF is not implemented",
@@ -77,7 +91,8 @@ def gguf_metadata(path) -> dict[str, Any]:
 
 
 def hf_config_of(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """The `config.json` of the Hugging Face export of a GGUF file's model (llama)."""
+    """The `config.json` of the Hugging Face export of a GGUF file's model (llama, or
+    Gemma 3's text model)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"unsupported GGUF architecture {arch!r} "
@@ -92,7 +107,7 @@ def hf_config_of(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         return get(key)
 
     for key, why in _REFUSED.items():
-        if get(key):
+        if get(key) and not (arch == "gemma3" and key != "expert_count"):
             raise CheckpointError(f"{arch}.{key}={get(key)!r}: {why}")
     scaling = get("rope.scaling.type", "none")
     # llama.cpp scales linearly when a factor is given without a type
@@ -113,7 +128,7 @@ def hf_config_of(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         raise CheckpointError(f"{arch}.rope.dimension_count={get('rope.dimension_count')}: "
                               f"partial rotary embeddings are not implemented")
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-    return {"model_type": "llama", "vocab_size": int(vocab),
+    hf = {"model_type": "llama", "vocab_size": int(vocab),
             "hidden_size": d_model, "intermediate_size": int(need("feed_forward_length")),
             "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
             "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -121,6 +136,23 @@ def hf_config_of(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
             "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(get("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in tensor_names}
+    return _gemma3(hf, get) if arch == "gemma3" else hf
+
+
+def _gemma3(hf: dict, get) -> dict:
+    """Gemma 3's text model: sliding and full layers with their RoPE bases, queries scaled
+    by head_dim^-1/2 (llama.cpp's rule: the 27B model, 62 layers, by (d_model /
+    heads)^-1/2), optional soft-capping."""
+    scalar = hf["head_dim"]
+    if hf["num_hidden_layers"] == 62:
+        scalar = hf["hidden_size"] // hf["num_attention_heads"]
+    return hf | {
+        "model_type": "gemma3_text", "sliding_window": int(get("attention.sliding_window")),
+        "sliding_window_pattern": int(get("attention.sliding_window_pattern",
+                                          _GEMMA3_PATTERN)),
+        "rope_local_base_freq": _GEMMA3_LOCAL_THETA, "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping")}
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -134,6 +166,8 @@ def _tensors(reader, hf: dict) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32 under its Hugging Face name."""
     from gguf.quants import dequantize
 
+    gemma = hf["model_type"] == "gemma3_text"
+    layer_tensors = _GEMMA3_TENSORS if gemma else _LAYER_TENSORS
     out = {}
     for t in reader.tensors:
         block, _, rest = t.name.partition(".")
@@ -141,9 +175,9 @@ def _tensors(reader, hf: dict) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{t.name}: biases in GGUF checkpoints are not implemented")
         if block == "blk":
             layer, _, rest = rest.partition(".")
-            if rest not in _LAYER_TENSORS:
+            if rest not in layer_tensors:
                 raise CheckpointError(f"unexpected GGUF tensor {t.name}")
-            name = f"model.layers.{layer}.{_LAYER_TENSORS[rest]}"
+            name = f"model.layers.{layer}.{layer_tensors[rest]}"
         elif t.name in _TOP_TENSORS:
             name = _TOP_TENSORS[t.name]
         else:
@@ -154,7 +188,10 @@ def _tensors(reader, hf: dict) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{t.name}: the gguf package cannot dequantize "
                                   f"{t.tensor_type.name}") from e
         w = w.reshape(tuple(int(n) for n in reversed(t.shape)))
-        if rest == "attn_q.weight":
+        if gemma:  # its RoPE rotates a head's two halves in llama.cpp too: no permutation
+            if t.name.endswith("norm.weight"):
+                w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w); Hugging Face w
+        elif rest == "attn_q.weight":
             w = _unpermute(w, hf["num_attention_heads"])
         elif rest == "attn_k.weight":
             w = _unpermute(w, hf["num_key_value_heads"])
@@ -180,69 +217,3 @@ def load_gguf(path, dtype: str = "float32"):
         config = dataclasses.replace(config, dtype=dtype)
         params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
     return config, jax.device_put(params)
-
-
-_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _pre_tokenizer(pre: str | None):
-    """The `tokenizers` pre-tokenizer of a byte-level vocabulary's `tokenizer.ggml.pre`."""
-    from tokenizers import Regex, pre_tokenizers
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "gpt2":
-        return byte_level
-    if pre == "smollm":  # digits one by one, then GPT-2's split
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        byte_level])
-    if pre in _LLAMA3_PRES:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise CheckpointError(f"tokenizer.ggml.pre={pre!r}: this pre-tokenizer is not implemented "
-                          f"(implemented: gpt2, smollm, llama-bpe; a file that names none "
-                          f"leaves its split rules unknown)")
-
-
-def gguf_tokenizer(path):
-    """A GGUF file's byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2") as a
-    `tokenizers.Tokenizer`: its tokens and merges, the pre-tokenizer its
-    `tokenizer.ggml.pre` names, control tokens (type 3) as special tokens matched whole,
-    user-defined ones (type 4) as added tokens, and a post-processor adding BOS / EOS to a
-    prompt where `tokenizer.ggml.add_bos_token` / `add_eos_token` say so. Returns
-    (tokenizer, BOS token, EOS token, chat template source or None)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
-    meta = gguf_metadata(path)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(f"tokenizer.ggml.model={kind!r}: only byte-level BPE ('gpt2') "
-                              f"vocabularies are implemented")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
-    pre = meta.get("tokenizer.ggml.pre")
-    # Llama 3 (and llama.cpp for it) looks a whole word up before merging
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                               ignore_merges=pre in _LLAMA3_PRES))
-    tok.pre_tokenizer = _pre_tokenizer(pre)
-    tok.decoder = decoders.ByteLevel()
-    types = list(meta.get("tokenizer.ggml.token_type", ()))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types, strict=False) if kind == 3])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types, strict=False) if kind == 4])
-
-    def token(key: str) -> tuple[str, int] | None:  # (token, id)
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return (tokens[i], int(i)) if i is not None and 0 <= i < len(tokens) else None
-
-    bos, eos = token("bos"), token("eos")  # (token, id) or None
-    pre = [bos] if bos and meta.get("tokenizer.ggml.add_bos_token") else []
-    post = [eos] if eos and meta.get("tokenizer.ggml.add_eos_token") else []
-    if pre or post:  # what llama.cpp adds to a prompt
-        tok.post_processor = processors.TemplateProcessing(
-            single=" ".join([t for t, _ in pre] + ["$A"] + [t for t, _ in post]),
-            special_tokens=list(dict.fromkeys(pre + post)))
-    return tok, bos and bos[0], eos and eos[0], meta.get("tokenizer.chat_template")

@@ -272,7 +272,8 @@ def load_tokenizer(path) -> tuple[Tokenizer, ChatTemplate | None]:
         return tok, ChatTemplate(BYTE_CHAT_TEMPLATE, tok)
     path = Path(path)
     if path.suffix == ".gguf":
-        from kvjax.io.gguf import gguf_metadata, gguf_tokenizer
+        from kvjax.io.gguf import gguf_metadata
+        from kvjax.io.gguf_vocab import gguf_tokenizer
 
         backend, bos, eos, template = gguf_tokenizer(path)
         meta = gguf_metadata(path)

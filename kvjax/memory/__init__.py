@@ -11,7 +11,8 @@ from kvjax.memory.calculator import (
     param_counts,
     report,
     step_cost,
+    windowed_pages,
 )
 
 __all__ = ["ASSUMPTIONS", "StepCost", "human_bytes", "kv_bytes", "kv_bytes_paged", "num_params",
-           "param_counts", "report", "step_cost"]
+           "param_counts", "report", "step_cost", "windowed_pages"]

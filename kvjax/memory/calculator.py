@@ -25,6 +25,22 @@ def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, length: int, bat
     return 2 * batch * num_layers * length * num_kv_heads * head_dim * bytes_per_scalar
 
 
+def windowed_pages(config: ModelConfig, length: int, page_size: int) -> dict[str, int]:
+    """What sliding-window layers could give back in a sequence of `length` tokens: the
+    pages each layer holds, and the pages wholly before a sliding layer's window for the
+    next token (position `length` reads keys from `length - window + 1` on), which that
+    layer never reads again. kvjax keeps one page table for every layer, so it frees none;
+    this is the saving a per-layer table would have."""
+    pages = -(-length // page_size)
+    sliding = [w for w in config.windows if w is not None]
+    stale = [max(0, (length - w + 1) // page_size) for w in sliding]
+    return {"pages_per_layer": pages, "layers": config.num_layers,
+            "sliding_layers": len(sliding),
+            "freeable_per_sliding_layer": max(stale, default=0),
+            "freeable_layer_pages": sum(stale),
+            "layer_pages": pages * config.num_layers}
+
+
 def kv_bytes_paged(num_layers: int, num_kv_heads: int, head_dim: int, length: int,
                    page_size: int, batch: int = 1, bytes_per_scalar: int = 2) -> int:
     """Like `kv_bytes`, with each sequence rounded up to whole pages."""
