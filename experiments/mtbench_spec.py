@@ -93,9 +93,9 @@ def _render(model, question, turn: int, answer: list[int] | None = None) -> list
     first, second = (text for _, text in question.turns[:2])
     messages = [{"role": "user", "content": first}]
     if turn == 2:
-        end = model.tokenizer.decode([model.stop_tokens[0]])
-        messages += [{"role": "assistant",
-                      "content": model.tokenizer.decode(answer).removesuffix(end)},
+        while answer and answer[-1] in model.stop_tokens:  # the template ends the turn
+            answer = answer[:-1]
+        messages += [{"role": "assistant", "content": model.tokenizer.decode(answer)},
                      {"role": "user", "content": second}]
     return model.template.render(messages)
 

@@ -123,7 +123,11 @@ def _load_gguf(src: ModelSource | Path, file: Path, dtype: str) -> LoadedModel:
     if isinstance(src, ModelSource):
         if template is None and src.chat_template is not None:
             template = ChatTemplate(src.chat_template, tokenizer)
-        stops = tuple(dict.fromkeys((*stops, *map(tokenizer.token_id, src.stop_tokens))))
+        extra = [tokenizer.token_id(t) for t in src.stop_tokens]
+        if None in extra:
+            raise ValueError(f"model {src.name!r}: stop token "
+                             f"{src.stop_tokens[extra.index(None)]!r} is not in its vocabulary")
+        stops = tuple(dict.fromkeys((*stops, *extra)))
         tokenizer.eos_ids = stops  # an engine given the tokenizer stops there too
     return LoadedModel(src, config, params, tokenizer, template, stops)
 

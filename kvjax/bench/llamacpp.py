@@ -62,13 +62,15 @@ def f32_gguf(src: Path, dst: Path) -> Path:
 
 
 def run(python: Path, model: Path, prompts: list[list[int]], new_tokens: int, reps: int,
-        threads: int, prefix: dict | None = None) -> list[dict]:
+        threads: int, prefix: dict | None = None, logits: Path | None = None) -> list[dict]:
     """Per prompt: prefill seconds (time to the first token), total seconds for
     `new_tokens` greedy tokens (medians of `reps` after a warm-up) and the tokens. With
     `prefix` ({"shared": ids, "suffixes": [ids, ...]}), the first row also has the median
-    seconds of a one-token request of the shared prefix and a suffix, cold and warm."""
+    seconds of a one-token request of the shared prefix and a suffix, cold and warm. With
+    `logits` (a .npy path), llama.cpp's logits of the first prompt's greedy steps are saved
+    there, [new_tokens, vocab]."""
     args = {"model": str(model), "prompts": prompts, "new_tokens": new_tokens, "reps": reps,
-            "threads": threads, "prefix": prefix}
+            "threads": threads, "prefix": prefix, "logits": str(logits) if logits else None}
     # llama.cpp's OpenMP threads as it runs on its own: the peer benchmark sets passive
     # waiting for PyTorch, which made llama.cpp decode at 20.5 instead of 44.8 tok/s
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

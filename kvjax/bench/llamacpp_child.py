@@ -3,7 +3,10 @@ generation from token-id prompts, timed; prints one JSON line (see kvjax.bench.l
 
 With a "prefix" argument ({"shared": ids, "suffixes": [ids, ...]}) it also times one-token
 requests of the shared prefix plus each suffix: cold (an empty cache each time) and warm
-(the previous request's cache kept: llama-cpp-python reuses the longest common prefix)."""
+(the previous request's cache kept: llama-cpp-python reuses the longest common prefix).
+With "logits" (a .npy path), the first prompt and its greedy tokens are evaluated once more
+with every position's logits kept, and the rows of the generated tokens' steps saved there
+([new_tokens, vocab] float32)."""
 
 import json
 import statistics
@@ -34,6 +37,16 @@ def prefix_times(llm, shared: list, suffixes: list) -> dict:
     return {"cold_s": statistics.median(cold), "warm_s": statistics.median(warm)}
 
 
+def save_logits(llm, prompt: list, tokens: list, path: str) -> None:
+    """The logits llama.cpp gives at each step that chose `tokens` after `prompt`."""
+    import numpy as np  # llama-cpp-python's own dependency
+
+    llm.reset()
+    llm.eval(prompt + tokens[:-1])
+    rows = np.asarray(llm.scores[len(prompt) - 1:len(prompt) - 1 + len(tokens)], np.float32)
+    np.save(path, rows)
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     prefix = args.get("prefix")
@@ -41,7 +54,8 @@ def main() -> None:
     if prefix:
         longest = max(longest, len(prefix["shared"]) + max(map(len, prefix["suffixes"])) + 2)
     llm = Llama(model_path=args["model"], n_ctx=longest + 16, n_batch=512,
-                n_threads=args["threads"], n_threads_batch=args["threads"], verbose=False)
+                n_threads=args["threads"], n_threads_batch=args["threads"], verbose=False,
+                logits_all=bool(args.get("logits")))
     rows = []
     for prompt in args["prompts"]:
         timed(llm, prompt, 2)  # warm-up
@@ -51,6 +65,8 @@ def main() -> None:
         rows.append({"prefill_s": prefill, "total_s": total, "tokens": runs[0][1]})
     if prefix:
         rows[0] |= prefix_times(llm, prefix["shared"], prefix["suffixes"])
+    if args.get("logits"):
+        save_logits(llm, args["prompts"][0], rows[0]["tokens"], args["logits"])
     sys.stdout.write(json.dumps(rows) + "\n")  # the reply: the parent reads the last line
 
 

@@ -130,7 +130,7 @@ def main(args) -> int:
         }
         if args.with_peer and batch == 1:
             prefix = peer_engine.prefix_workload(config.vocab_size)
-            row |= _llamacpp(args, lists, hf_tokens, prefix)
+            row |= _llamacpp(args, lists, hf_tokens, prefix, loaded_params, loaded_config)
             row |= peer_engine.engine_figures(loaded_params, loaded_config, args.prompt_len,
                                               args.gen_tokens, args.reps, prefix)
             gigabytes = peer_engine.weight_bytes(loaded_params) / 1e9
@@ -146,24 +146,34 @@ def main(args) -> int:
     return 0
 
 
-def _llamacpp(args, prompts: list[list[int]], hf_tokens: np.ndarray, prefix: dict) -> dict:
+def _llamacpp(args, prompts: list[list[int]], hf_tokens: np.ndarray, prefix: dict, params,
+              config) -> dict:
     """llama.cpp's figures for the batch-1 prompt and the shared-prefix workload
-    (`peer_engine.prefix_workload`), on the model's weights in float32."""
+    (`peer_engine.prefix_workload`), on the model's weights in float32; and the largest
+    |kvjax - llama.cpp| over the logits of its greedy steps (`kvjax.forward` on the prompt
+    and those tokens, fast numerics)."""
     from kvjax import models
     from kvjax.bench import llamacpp
+    from kvjax.model.transformer import forward
 
     if not args.model:
         raise SystemExit("--with llama.cpp needs --model (a GGUF checkpoint)")
     python = llamacpp.environment(Path(".venv-llamacpp"), echo=emit)
     src = models.path(args.model)
     f32 = llamacpp.f32_gguf(src, Path.home() / ".cache" / "kvjax" / f"{src.stem}.f32.gguf")
-    (got,) = llamacpp.run(python, f32, prompts, args.gen_tokens, args.reps, args.threads,
-                          prefix)
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = Path(tmp) / "logits.npy"
+        (got,) = llamacpp.run(python, f32, prompts, args.gen_tokens, args.reps, args.threads,
+                              prefix, logits=saved)
+        theirs = np.load(saved)
+    ids = np.asarray([prompts[0] + got["tokens"][:-1]])
+    ours = np.asarray(forward(params, config, ids))[0, len(prompts[0]) - 1:]
     decode_n = args.gen_tokens - 1
     return {"llamacpp_prefill_s": got["prefill_s"], "llamacpp_total_s": got["total_s"],
             "llamacpp_warm_s": got["warm_s"], "llamacpp_cold_s": got["cold_s"],
             "llamacpp_decode_tok_s": decode_n / max(got["total_s"] - got["prefill_s"], 1e-9),
-            "llamacpp_identical": got["tokens"] == hf_tokens[0].tolist()}
+            "llamacpp_identical": got["tokens"] == hf_tokens[0].tolist(),
+            "llamacpp_max_logit_diff": float(np.abs(ours - theirs).max())}
 
 
 def _llamacpp_cell(key: str, fmt: str):
@@ -184,4 +194,5 @@ COLUMNS = [
     ("llama.cpp decode tok/s", _llamacpp_cell("llamacpp_decode_tok_s", ".1f")),
     ("llama.cpp end-to-end s", _llamacpp_cell("llamacpp_total_s", ".2f")),
     ("llama.cpp = transformers", _llamacpp_cell("llamacpp_identical", "")),
+    ("max logit diff kvjax / llama.cpp", _llamacpp_cell("llamacpp_max_logit_diff", ".2e")),
 ]

@@ -58,12 +58,21 @@ class PackagedFile:
         return file
 
     def _assembled(self) -> Path | None:
-        """The file its package writes from its parts (once per process; None when a part
-        is missing)."""
-        try:
-            return Path(getattr(importlib.import_module(self.module), self.assemble)())
-        except (ImportError, FileNotFoundError):
-            return None
+        """The file its package writes from its parts (None when a part is missing)."""
+        return _assemble(self.module, self.assemble)
+
+
+@functools.lru_cache(maxsize=8)
+def _assemble(module: str, function: str) -> Path | None:
+    """`module.function()`: the path of the file it writes from its parts, once per process
+    (the package re-hashes the file at every call); None when a part is not installed."""
+    try:
+        return Path(getattr(importlib.import_module(module), function)())
+    except (ImportError, FileNotFoundError):
+        return None
+    except (OSError, ValueError) as e:  # a partly written or damaged file from before
+        raise ValueError(f"{module}.{function}() could not assemble its file: {e} (delete "
+                         f"the file it names and run again)") from e
 
 
 @functools.lru_cache(maxsize=8)

@@ -136,20 +136,23 @@ def hf_config_of(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
             "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(get("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in tensor_names}
-    return _gemma3(hf, get) if arch == "gemma3" else hf
+    return _gemma3(hf, get, need) if arch == "gemma3" else hf
 
 
-def _gemma3(hf: dict, get) -> dict:
+def _gemma3(hf: dict, get, need) -> dict:
     """Gemma 3's text model: sliding and full layers with their RoPE bases, queries scaled
     by head_dim^-1/2 (llama.cpp's rule: the 27B model, 62 layers, by (d_model /
     heads)^-1/2), optional soft-capping."""
     scalar = hf["head_dim"]
     if hf["num_hidden_layers"] == 62:
         scalar = hf["hidden_size"] // hf["num_attention_heads"]
+    pattern = get("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    if pattern != _GEMMA3_PATTERN:  # llama.cpp ignores the key for gemma3: 6 it is
+        raise CheckpointError(f"gemma3.attention.sliding_window_pattern={pattern!r}: only "
+                              f"llama.cpp's Gemma 3 pattern ({_GEMMA3_PATTERN}) is implemented")
     return hf | {
-        "model_type": "gemma3_text", "sliding_window": int(get("attention.sliding_window")),
-        "sliding_window_pattern": int(get("attention.sliding_window_pattern",
-                                          _GEMMA3_PATTERN)),
+        "model_type": "gemma3_text", "sliding_window": int(need("attention.sliding_window")),
+        "sliding_window_pattern": _GEMMA3_PATTERN,
         "rope_local_base_freq": _GEMMA3_LOCAL_THETA, "query_pre_attn_scalar": scalar,
         "attn_logit_softcapping": get("attn_logit_softcapping"),
         "final_logit_softcapping": get("final_logit_softcapping")}

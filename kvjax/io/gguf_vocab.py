@@ -4,7 +4,7 @@ Two kinds of vocabulary: byte-level BPE (`tokenizer.ggml.model` "gpt2": tokens a
 the split rules `tokenizer.ggml.pre` names) and SentencePiece BPE ("llama": tokens, scores
 and token types; the merges follow from the scores: a pair merges in the order of the score
 of the piece it makes, as SentencePiece's BPE does, unknown bytes fall back to `<0xNN>`
-byte tokens). Host code.
+byte tokens).
 """
 
 from __future__ import annotations
@@ -88,12 +88,18 @@ def _byte_level(meta: dict, tokens: list[str]):
 
 
 def _sentencepiece(meta: dict, tokens: list[str], types: list[int]):
-    """SentencePiece BPE: spaces become "▁" (a "▁" before the text too where
-    `tokenizer.ggml.add_space_prefix` says so), then adjacent pieces merge while some pair
+    """SentencePiece BPE: spaces become "▁", then adjacent pieces merge while some pair
     makes a normal piece (type 1), the pair making the highest-scoring piece first (ties:
-    the lower id); characters outside the vocabulary fall back to their `<0xNN>` bytes."""
+    the lower id); characters outside the vocabulary fall back to their `<0xNN>` bytes.
+    A vocabulary that puts a "▁" before the text (`tokenizer.ggml.add_space_prefix`, Llama
+    2's) is refused: llama.cpp adds it once, before the first piece of text only, which a
+    normalizer (run on every piece between special tokens) cannot express."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        raise CheckpointError("tokenizer.ggml.add_space_prefix=True (or unset): a "
+                              "SentencePiece vocabulary with a leading space is not "
+                              "implemented (Gemma's sets it false)")
     scores = list(meta.get("tokenizer.ggml.scores", ()))
     if len(scores) != len(tokens) or len(types) != len(tokens):
         raise CheckpointError("a SentencePiece vocabulary needs tokenizer.ggml.scores and "
@@ -112,12 +118,7 @@ def _sentencepiece(meta: dict, tokens: list[str], types: list[int]):
     tok = Tokenizer(models.BPE(vocab, [(tokens[a], tokens[b]) for *_, a, b in ranked],
                                unk_token=tokens[unk] if unk is not None else None,
                                fuse_unk=True, byte_fallback=True))
-    steps = [normalizers.Replace(" ", "▁")]
-    if meta.get("tokenizer.ggml.add_space_prefix", True):
-        steps.insert(0, normalizers.Prepend("▁"))
-    tok.normalizer = normalizers.Sequence(steps)
-    decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if meta.get("tokenizer.ggml.add_space_prefix", True):
-        decode.append(decoders.Strip(" ", 1, 0))
-    tok.decoder = decoders.Sequence(decode)
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
     return tok
