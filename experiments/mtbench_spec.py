@@ -7,7 +7,9 @@ question alone; turn 2: the first question, the model's own greedy answer to it 
 Each point decodes one category's prompts, one at a time (batch 1, greedy, answers ended at
 the end of turn), with the target alone and with the n-gram drafter at `gamma`
 (`kvjax.speculative.operating_point.measure_point`: the engine's own decode timer, prefill
-excluded, the median of `reps` paired ratios), under one numerics plan.
+excluded, the median of `reps` paired ratios after an untimed run of each on the same
+prompts: the decode steps compile per context-length bucket, so a category of longer
+prompts would otherwise time compiles), under one numerics plan.
 
 Reported per category: tokens per target call (accepted drafts + 1), α and the acceptance
 rate, the speedup over plain decoding, and whether every answer's greedy tokens equal plain
@@ -105,13 +107,12 @@ def run(config) -> list[dict]:
     model = common.real_model(p.model)
     answers = _first_answers(dataclasses.replace(p, turn=1))
     rows = []
-    for i, (category, questions) in enumerate(_questions(p).items()):
+    for category, questions in _questions(p).items():
         prompts = [_render(model, q, p.turn, a)
                    for q, a in zip(questions, answers[category], strict=True)]
         r = measure_point((model.params, model.config), None, prompts, "ngram", p.gamma, False,
                           0.0, 0.0, p.decode_steps, gen_tokens=p.new_tokens, slots=1,
-                          reps=p.reps, base=_engine_config(p), eos_tokens=model.stop_tokens,
-                          warmup=i == 0)  # the first point compiles the speculative steps
+                          reps=p.reps, base=_engine_config(p), eos_tokens=model.stop_tokens)
         rows.append({"category": category, "prompts": r["prompts"],
                      "prompt_tokens": sum(map(len, prompts)),
                      "tokens_per_call": r["mean_accepted_length"], "alpha": r["alpha"],
