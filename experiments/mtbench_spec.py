@@ -26,6 +26,7 @@ from kvjax import models
 from kvjax.config import ConfigError
 from kvjax.data import mtbench
 from kvjax.data.mtbench import CATEGORIES
+from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import Request
 from kvjax.speculative.operating_point import measure_point
@@ -66,7 +67,7 @@ class Params:
 def _engine_config(p: Params):
     # the real-model tests' engine shape (page 16, 64-token chunks, one slot): the smoke run
     # shares their compiled prefill and decode steps
-    pages = max(256, -(-_POOL_TOKENS // p.page_size))
+    pages = max(256, pages_for(_POOL_TOKENS, p.page_size))
     return common.engine_config(p.page_size, pages, 1, numerics=p.numerics)
 
 
