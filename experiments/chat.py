@@ -55,7 +55,7 @@ def run(config) -> list[dict]:
 
 
 def _chat(p: Params, model) -> list[dict]:
-    ec = common.engine_config(p.page_size, 256, 1)
+    ec = common.engine_config(p.page_size, 256, 1, min_context=common.REAL_MODEL_CONTEXT)
     engine = Engine(model.params, model.config, ec, eos_tokens=model.stop_tokens)
     off = Engine(model.params, model.config, dataclasses.replace(ec, prefix_cache=False),
                  eos_tokens=model.stop_tokens)

@@ -57,6 +57,13 @@ def model(name: str, seed: int):
     return init_params(config, seed), config
 
 
+# The real-model experiments' (and tests/test_real_model.py's) engines compile every step
+# for at least this context (`EngineConfig.min_context`): one shape for every prompt and turn
+# up to it, where widths that grow with the sequence compiled a few per run (the bits are the
+# same: attention visits no block past a row's end).
+REAL_MODEL_CONTEXT = 2048
+
+
 @functools.cache
 def real_model(name: str):
     """`kvjax.models.load(name)`, loaded once per process (the real-model experiments and

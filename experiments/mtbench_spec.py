@@ -65,10 +65,11 @@ class Params:
 
 
 def _engine_config(p: Params):
-    # the real-model tests' engine shape (page 16, 64-token chunks, one slot): the smoke run
-    # shares their compiled prefill and decode steps
+    # the real-model tests' engine shape (page 16, 64-token chunks, one slot, one table width
+    # for every prompt and turn): the smoke run shares their compiled prefill and decode steps
     pages = max(256, pages_for(_POOL_TOKENS, p.page_size))
-    return common.engine_config(p.page_size, pages, 1, numerics=p.numerics)
+    return common.engine_config(p.page_size, pages, 1, numerics=p.numerics,
+                                min_context=common.REAL_MODEL_CONTEXT)
 
 
 @functools.cache

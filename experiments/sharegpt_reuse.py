@@ -78,7 +78,8 @@ def _replay(p: Params, seed: int, engine: Engine):
 
 def _engine(p: Params, num_pages: int, **kw) -> Engine:
     model = common.real_model(p.model)
-    ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule, **kw)
+    ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule,
+                              min_context=common.REAL_MODEL_CONTEXT, **kw)
     return Engine(model.params, model.config, ec, eos_tokens=model.stop_tokens)
 
 

@@ -257,8 +257,15 @@ class EngineConfig:
     # the steps take q/k/v as one product and gate/up as one (NumericsPlan.fused): their
     # kernels concatenated once at load, not on a mesh (its rules shard them apart)
     fused_projections: bool = True
+    # the context every compiled step covers at least, in tokens: page tables (and the
+    # n-gram drafter's history) are this wide or wider. 0: as wide as the longest row needs,
+    # in powers of two, so a growing sequence compiles a few shapes; the model's max_seq_len:
+    # one shape for every length. Attention visits no block past a row's end, so a wider
+    # table changes no bit and costs no attention work.
+    min_context: int = 0
 
     def __post_init__(self):
+        _require(self.min_context >= 0, "min_context", f"must be >= 0, got {self.min_context}")
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")

@@ -14,6 +14,10 @@ from kvjax import CacheConfig, Engine, EngineConfig
 CONFIG = small_model(max_seq_len=256)
 CACHE = CacheConfig(page_size=4, num_pages=96, prefill_chunk=16, attn_block=8)
 SLOTS = 4
+# every compiled step covers the model's whole context (one page-table width per cache
+# shape), so the engine tests share compiled steps whatever their lengths; the widths that
+# grow with a sequence are tested in tests/test_invariance.py and tests/test_exactness.py
+CONTEXT = CONFIG.max_seq_len
 
 
 def params(seed: int = 1):
@@ -22,7 +26,8 @@ def params(seed: int = 1):
 
 def engine(p, cache: CacheConfig = CACHE, adapters=None, hash_fn=None, **kw) -> Engine:
     ec = EngineConfig(cache=cache, max_slots=kw.pop("max_slots", SLOTS),
-                      decode_steps=kw.pop("decode_steps", 4), **kw)
+                      decode_steps=kw.pop("decode_steps", 4),
+                      min_context=kw.pop("min_context", CONTEXT), **kw)
     return Engine(p, CONFIG, ec, adapters=adapters, hash_fn=hash_fn)
 
 

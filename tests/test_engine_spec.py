@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, params, with_cache
+from engine_helpers import CACHE, CONFIG, CONTEXT, SLOTS, assert_same, params, with_cache
 from helpers import fresh_prefill, gather_sequence, random_tokens, small_model, tol
 
 import kvjax
@@ -48,7 +48,8 @@ def draft():
 
 def spec_engine(p, spec: SpecConfig | None, draft=None, cache=CACHE, **kw) -> Engine:
     ec = EngineConfig(cache=cache, max_slots=kw.pop("max_slots", SLOTS),
-                      decode_steps=kw.pop("decode_steps", 4), **kw)
+                      decode_steps=kw.pop("decode_steps", 4),
+                      min_context=kw.pop("min_context", CONTEXT), **kw)
     return Engine(p, CONFIG, ec, draft=draft, spec=spec)
 
 

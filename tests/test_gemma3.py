@@ -10,6 +10,8 @@ render Gemma's turns.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -24,9 +26,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 NAME = "gemma3-270m"
+# one page-table width for both tests' prompts (8 short ones, one past the window): they
+# share their compiled steps
 ENGINE = kvjax.EngineConfig(cache=kvjax.CacheConfig(page_size=16, num_pages=256,
                                                     prefill_chunk=64, attn_block=64),
-                            max_slots=8)
+                            max_slots=8, min_context=common.REAL_MODEL_CONTEXT)
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
            "Once upon a time, in a small village,", "The three primary colors are",
            "Water boils at", "import numpy as np\n\nx =", "A haiku about the sea:\n",
@@ -109,7 +113,7 @@ def test_past_the_window_cache_on_equals_off_and_matches_transformers(gemma):
     other = prompt[:600] + model.tokenizer.encode(" and the last item is")
     engine = kvjax.Engine(model.params, model.config, ENGINE, eos_tokens=model.stop_tokens)
     off = kvjax.Engine(model.params, model.config,
-                       kvjax.EngineConfig(cache=ENGINE.cache, max_slots=8, prefix_cache=False),
+                       dataclasses.replace(ENGINE, prefix_cache=False),
                        eos_tokens=model.stop_tokens)
     first = engine.generate([kvjax.Request(prompt, 8, return_logits=True)])[0]
     (second,) = engine.generate([kvjax.Request(other, 8, return_logits=True)])

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvjax import ConfigError, Engine, EngineConfig, Request, SamplingConfig
-from kvjax.decode import steps
+from kvjax.decode import prefill, steps
+from kvjax.engine import runner
 from kvjax.engine.numerics_policy import NumericsPolicy
 from kvjax.engine.rounds import Rounds
 from kvjax.engine.runner import StepRunner
@@ -63,6 +64,26 @@ def alone(p):
     dict(packed_prefill=True, max_slots=2)], ids=str)
 def test_a_request_gets_the_same_bits_whatever_the_knobs(p, alone, knobs):
     assert_same(engine(p, **knobs).generate(requests()), alone)
+
+
+def test_a_context_floor_changes_no_bit_and_compiles_one_table_width(p, alone, monkeypatch):
+    """`min_context` covering the model's context: every prefill and decode call's page table
+    is that wide (64 pages of 4 tokens), so a growing sequence compiles no new width, and
+    every request gets its alone bits (the widths that grow with a sequence: the other
+    tests here)."""
+    widths = set()
+
+    def spy(table_of):
+        def page_table(*args, **kwargs):
+            table = table_of(*args, **kwargs)
+            widths.add(table.shape[1])
+            return table
+        return page_table
+
+    monkeypatch.setattr(runner, "page_table", spy(runner.page_table))
+    monkeypatch.setattr(prefill, "page_table", spy(prefill.page_table))
+    assert_same(engine(p, min_context=CONFIG.max_seq_len).generate(requests()), alone)
+    assert widths == {CONFIG.max_seq_len // CACHE.page_size}
 
 
 def test_row_blocks_keep_the_promise_without_transposed_kernels(p):

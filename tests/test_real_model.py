@@ -26,10 +26,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 NAME = "smollm2-135m-instruct"
-# the chat experiment's engine settings (one compile serves every engine of this module)
+# the chat and MT-Bench experiments' engine settings (one compile serves every engine of
+# this module)
 ENGINE = kvjax.EngineConfig(cache=kvjax.CacheConfig(page_size=16, num_pages=256,
                                                     prefill_chunk=64, attn_block=64),
-                            max_slots=1)
+                            max_slots=1, min_context=common.REAL_MODEL_CONTEXT)
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Café déjà vu, naïve façade",
          "emoji 🙂🚀 ok", "日本語のテキスト、中文", "a    b\t\t c\n\n\n d   ",
          "12345 + 678.9 = 1e10", "<|im_start|>user\nhi<|im_end|>\n", "  leading spaces"]

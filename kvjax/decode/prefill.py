@@ -35,16 +35,18 @@ class PrefillRow:
 def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
                  rows: list[PrefillRow], lora: dict | None = None, sharding=None,
                  calls: int | None = None, width: int | None = None,
-                 plan: NumericsPlan = FAST) -> tuple[list[jax.Array | None], PagedKVCache]:
+                 plan: NumericsPlan = FAST, min_pages: int = 1
+                 ) -> tuple[list[jax.Array | None], PagedKVCache]:
     """Prefills every row's tokens[start:] (or its first `calls` chunks); returns (each
     row's last token logits [V], or None when its last token was not in these calls, and
     the cache). Donates `cache` (through `steps.extend`; `sharding` as there). The rows are
     padded to a power of two; a row whose tokens are done rides along with no new token
     (it writes and attends nothing). `width`: tokens per row per call (default the cache's
-    chunk; another width changes a token's bits unless `plan` is invariant)."""
+    chunk; another width changes a token's bits unless `plan` is invariant). `min_pages`:
+    the page table's least width (`EngineConfig.min_context`)."""
     chunk, n = width or cache_config.prefill_chunk, len(rows)
     b = bucket(n)
-    table = page_table([r.pages for r in rows], b, cache_config.block_pages)
+    table = page_table([r.pages for r in rows], b, cache_config.block_pages, min_pages)
     offsets = None
     if any(r.position_base for r in rows):
         offsets = np.zeros(b, np.int32)

@@ -18,7 +18,7 @@ from kvjax.cache.manager import KVCacheManager
 from kvjax.cache.trie import history_digests
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.batching import bucket, page_table
+from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.decode.sampling import sample_jit, sampling_rows
 from kvjax.decode.state import decode_state
@@ -94,7 +94,7 @@ class StepRunner:
         with self.timers("prefill_s"):
             logits = kv.run(lambda cache: prefill_rows(
                 m.params, m.config, cache, kv.target.cache_config, rows, m.lora, m.shardings,
-                calls=1, width=width, plan=m.plan))
+                calls=1, width=width, plan=m.plan, min_pages=self.min_pages(kv.target)))
             logits = [None if x is None else np.asarray(x) for x in logits]
         seconds = self.timers["prefill_s"] - before
         _advance(rows, width)
@@ -105,10 +105,14 @@ class StepRunner:
             with self.timers("draft_prefill_s"):
                 kv.run(lambda cache: prefill_rows(
                     spec.params, spec.config, cache, kv.draft.cache_config, left,
-                    sharding=spec.step_shardings, calls=1, width=width, plan=spec.plan),
-                    draft=True)
+                    sharding=spec.step_shardings, calls=1, width=width, plan=spec.plan,
+                    min_pages=self.min_pages(kv.draft)), draft=True)
             _advance(left, width)
         return logits, seconds
+
+    def min_pages(self, pool) -> int:
+        """The least page-table width of `pool`'s steps: `EngineConfig.min_context` tokens."""
+        return pages_for(self.engine_config.min_context, pool.cache_config.page_size)
 
     def call_width(self, rows: int, widen: bool, longest: int) -> int:
         """Tokens per row of a prefill call of `rows` rows whose longest has `longest`
@@ -171,7 +175,8 @@ class StepRunner:
             with self.timers("draft_prefill_s"):
                 kv.run(lambda cache: prefill_rows(
                     spec.params, spec.config, cache, kv.draft.cache_config, [row],
-                    sharding=spec.step_shardings, plan=spec.plan), draft=True)
+                    sharding=spec.step_shardings, plan=spec.plan,
+                    min_pages=self.min_pages(kv.draft)), draft=True)
             row.start = len(row.tokens)
         if self.engine_config.prefix_cache:
             ctx = req.context
@@ -231,7 +236,8 @@ class StepRunner:
             raise ValueError("packed prefill is for plain decoding only")
         # one page-table width for the decode rows and the prompts: fewer shapes to compile
         # (attention visits no block past a row's end, so the width costs nothing)
-        longest = max(len(p) for p in rows + [r.pages for r in fill])
+        longest = max(len(p) for p in [*rows, *(r.pages for r in fill)])
+        longest = max(longest, self.min_pages(kv.target))
         table = page_table(rows, slots, kv.target.cache_config.block_pages, longest)
         want_logits = any(s.req.request.return_logits for s in live)
         state = decode_state(table, lengths, last, budget, keys, samplings, stops, offsets,
@@ -247,7 +253,7 @@ class StepRunner:
                 fill_logits = None if packed is None else np.asarray(res.fill_logits)  # [Bp, V]
             else:
                 res = self.spec.decode(m, kv, ec.decode_steps, live, budgets, gamma, state,
-                                       want_logits)
+                                       want_logits, ec.min_context)
             out, logits, new_lengths = res.tokens, res.logits, res.lengths
             out, new_lengths = np.asarray(out), np.asarray(new_lengths)
             logits = np.asarray(logits) if want_logits else None

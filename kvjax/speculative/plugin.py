@@ -16,7 +16,7 @@ import numpy as np
 from kvjax.cache.identity import model_fingerprint
 from kvjax.cache.manager import KVCacheManager
 from kvjax.config import ConfigError, ModelConfig, SpecConfig
-from kvjax.decode.batching import bucket, page_table
+from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.state import DecodeState
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.layout import store
@@ -75,10 +75,11 @@ class Speculator:
 
     def decode(self, model, kv: KVCacheManager, decode_steps: int, live,
                budgets: dict[int, int], gamma: int, state: DecodeState,
-               want_logits: bool) -> SpecLoopResult:
+               want_logits: bool, min_context: int = 0) -> SpecLoopResult:
         """One `spec_loop` call over the engine's slots (`state`: a row per slot); updates
         the draft state of `live` and the statistics. `model`: the target
-        (`kvjax.engine.runner.TargetModel`), `kv`: the pools. Returns the result as numpy."""
+        (`kvjax.engine.runner.TargetModel`), `kv`: the pools; `min_context` as in
+        `EngineConfig`. Returns the result as numpy."""
         slots = len(state.lengths)
         kwargs = {}
         if kv.draft is not None:
@@ -90,10 +91,11 @@ class Speculator:
                 lengths[seq.slot], prev[seq.slot] = seq.draft_length, seq.prev
             kwargs = dict(draft_params=self.params, draft_config=self.config,
                           draft_plan=self.plan, draft=DraftState(
-                page_table=page_table(rows, slots, kv.draft.cache_config.block_pages),
+                page_table=page_table(rows, slots, kv.draft.cache_config.block_pages,
+                                      pages_for(min_context, kv.draft.cache_config.page_size)),
                 lengths=lengths, prev=prev))
         else:
-            width = bucket(max(s.length + 1 + budgets[s.slot] for s in live), 64)
+            width = bucket(max([min_context] + [s.length + 1 + budgets[s.slot] for s in live]), 64)
             history = np.zeros((slots, width), np.int32)
             for seq in live:
                 row = seq.req.tokens + seq.generated
