@@ -31,7 +31,8 @@ TARGET = ModelConfig(vocab_size=64, num_layers=1, d_model=128, num_heads=8, num_
 DRAFT = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=4,
                     d_ff=64, max_seq_len=256)
 ENGINE = EngineConfig(cache=CacheConfig(page_size=8, num_pages=96, prefill_chunk=32,
-                                        attn_block=16), max_slots=8, decode_steps=4)
+                                        attn_block=16), max_slots=8, decode_steps=4,
+                      min_context=TARGET.max_seq_len)  # one page-table width: fewer compiles
 SYSTEM = [int(t) for t in np.random.default_rng(0).integers(1, 64, 27)]
 
 
