@@ -18,7 +18,7 @@ import collections
 from typing import ClassVar
 
 import numpy as np
-from engine_helpers import CACHE, CONFIG, engine, params, with_cache
+from engine_helpers import CACHE, CONFIG, CONTEXT, engine, params, with_cache
 from helpers import fresh_prefill, small_model
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
@@ -210,7 +210,7 @@ class SpecEngineMachine(EngineMachine):
     @initialize()
     def start(self):
         ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
-                          partial_page_copy=True, poison_freed=True)
+                          min_context=CONTEXT, partial_page_copy=True, poison_freed=True)
         self.eng = Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
         self.record_writers()
 

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from engine_helpers import CONFIG, SLOTS, assert_same, engine, params, with_cache
+from engine_helpers import CONFIG, CONTEXT, SLOTS, assert_same, engine, params, with_cache
 from helpers import small_model
 
 import kvjax
@@ -175,7 +175,8 @@ def test_preemption_resets_the_speculative_stats_of_a_request(p, preemption):
     without a round; recomputed: they start over)."""
     requests = _sampled_workload()
     cache = with_cache(num_pages=30)
-    ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=4, preemption=preemption)
+    ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=4, preemption=preemption,
+                      min_context=CONTEXT)
     spec = Engine(p, CONFIG, ec, draft=(kvjax.init_params(DRAFT, seed=5), DRAFT),
                   spec=SpecConfig(gamma=3))
     results = spec.generate(requests)
@@ -278,6 +279,7 @@ def test_adaptive_gamma_recomputes_what_it_streamed(p):
     other = _sharp(kvjax.init_params(CONFIG, seed=9))
     draft = jax.tree_util.tree_map(lambda a, b: 0.5 * a + 0.5 * b, target, other)
     ec = EngineConfig(cache=with_cache(num_pages=40), max_slots=SLOTS, decode_steps=4,
+                      min_context=CONTEXT,
                       preemption="recompute")
     spec = Engine(target, CONFIG, ec, draft=(draft, CONFIG),
                   spec=SpecConfig(gamma=4, adaptive=True, cost_ratio=0.05, verify_slope=0.0))

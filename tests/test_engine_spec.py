@@ -215,7 +215,8 @@ def test_memory_pressure_samples_and_adapters(target, draft):
     cache = CacheConfig(page_size=4, num_pages=26, prefill_chunk=16, attn_block=8)
     results = []
     for spec in (None, SpecConfig(gamma=3)):
-        ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=4, poison_freed=True)
+        ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=4, poison_freed=True,
+                          min_context=CONTEXT)
         engine = Engine(target, CONFIG, ec, adapters=adapters,
                         draft=(draft, DRAFT) if spec else None, spec=spec)
         results.append(engine.generate(requests))

@@ -10,7 +10,7 @@ import dataclasses
 import json
 
 import pytest
-from engine_helpers import CACHE, CONFIG, SLOTS, params
+from engine_helpers import CACHE, CONFIG, CONTEXT, SLOTS, params
 
 from kvjax import Engine, EngineConfig, InvalidRequestError, Request
 from kvjax.config import SpecConfig
@@ -28,7 +28,7 @@ def p():
 
 
 def _engine(p, eos=None, spec=None, tokenizer=None) -> Engine:
-    ec = EngineConfig(cache=CACHE, max_slots=SLOTS, decode_steps=4)
+    ec = EngineConfig(cache=CACHE, max_slots=SLOTS, decode_steps=4, min_context=CONTEXT)
     return Engine(p, CONFIG, ec, spec=spec, eos_tokens=eos, tokenizer=tokenizer)
 
 
