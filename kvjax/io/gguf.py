@@ -1,6 +1,6 @@
 """GGUF checkpoints (llama.cpp's format, what local users hold) to kvjax.
 
-`load_gguf(path)` reads the file with the `gguf` package: its architecture metadata becomes
+`load_gguf(path)` reads the file (`kvjax.io.gguf_file`): its architecture metadata becomes
 the `config.json` a Hugging Face export of the same model would have (then the same
 `config_from_hf` checks every option), and each tensor is dequantized by `gguf` (F32, F16,
 BF16, Q8_0, Q4_0, Q4_1, the K-quants: any type it can dequantize) into float32 and renamed
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.io.gguf_file import read_gguf
 from kvjax.io.hf_families import CheckpointError
 
 ARCHITECTURES = ("llama", "gemma3")  # GGUF `general.architecture` values kvjax loads
@@ -61,8 +62,7 @@ _REFUSED = {
 
 
 def _reader(path: Path):
-    """(the file's `GGUFReader`, its metadata): opened once per file version (building the
-    reader's fields walks every vocabulary entry: seconds for a 49k-token vocabulary)."""
+    """(the file's tensors, its metadata): read once per file version."""
     if not path.is_file():
         raise CheckpointError(f"no GGUF file at {path}")
     s = path.stat()
@@ -72,17 +72,12 @@ def _reader(path: Path):
 @functools.lru_cache(maxsize=2)
 def _open(path: str, version: tuple):  # version: the file's inode, size, mtime, ctime
     try:
-        import gguf
+        import gguf  # noqa: F401  (its type table and dequantizers)
     except ImportError as e:  # pragma: no cover
         raise ImportError("GGUF files need the gguf package: pip install 'kvjax[hf]'") from e
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
-    meta = {key: field.contents() for key, field in reader.fields.items()
-            if not key.startswith("GGUF.")}
+    meta, tensors = read_gguf(path)
     meta = {k: tuple(v) if isinstance(v, list) else v for k, v in meta.items()}  # read-only
-    return reader, meta
+    return tensors, meta
 
 
 def gguf_metadata(path) -> dict[str, Any]:
@@ -165,14 +160,14 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(reader, hf: dict) -> dict[str, np.ndarray]:
+def _tensors(tensors, hf: dict) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32 under its Hugging Face name."""
     from gguf.quants import dequantize
 
     gemma = hf["model_type"] == "gemma3_text"
     layer_tensors = _GEMMA3_TENSORS if gemma else _LAYER_TENSORS
     out = {}
-    for t in reader.tensors:
+    for t in tensors:
         block, _, rest = t.name.partition(".")
         if t.name.endswith(".bias"):
             raise CheckpointError(f"{t.name}: biases in GGUF checkpoints are not implemented")
@@ -212,10 +207,10 @@ def load_gguf(path, dtype: str = "float32"):
 
     from kvjax.io.hf import config_from_hf, params_from_tensors
 
-    reader, meta = _reader(Path(path))
-    hf = hf_config_of(meta, {t.name for t in reader.tensors})
+    tensors, meta = _reader(Path(path))
+    hf = hf_config_of(meta, {t.name for t in tensors})
     config = config_from_hf(hf)
-    params = params_from_tensors(hf, config, _tensors(reader, hf))
+    params = params_from_tensors(hf, config, _tensors(tensors, hf))
     if dtype != "float32":
         config = dataclasses.replace(config, dtype=dtype)
         params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
