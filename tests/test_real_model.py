@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_gguf import transformers_from_gguf
 from test_experiments import _check_folder
 
 import kvjax
@@ -55,9 +56,7 @@ def pair():
         if os.environ.get("KVJAX_NO_MODELS"):
             pytest.skip(f"KVJAX_NO_MODELS is set: {e}")
         pytest.fail(f"{e} (scripts/test installs it)")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(file.parent), gguf_file=file.name, dtype=torch.float32)
-    ref_tok = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    ref, ref_tok = transformers_from_gguf(file)
     return common.real_model(NAME), ref, ref_tok  # one load serves the experiments below too
 
 
