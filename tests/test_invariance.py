@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 import pytest
-from engine_helpers import CACHE, CONFIG, assert_same, params, with_cache
+from engine_helpers import CACHE, CONFIG, CONTEXT, assert_same, params, with_cache
 from helpers import random_tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,8 +39,13 @@ def requests(lengths=LENGTHS, new=10, seed=11) -> list[Request]:
 
 
 def engine(p, cache=CACHE, **kw) -> Engine:
+    """An engine whose page tables cover the model's context (one table width for every
+    length, as the engine tests': each knob compiles one width); the `alone` reference's
+    tables grow with its sequences instead, so every comparison with it also shows that a
+    table's width changes no bit."""
     kw.setdefault("max_slots", 8)
     kw.setdefault("decode_steps", 4)
+    kw.setdefault("min_context", CONTEXT)
     return Engine(p, CONFIG, EngineConfig(cache=cache, **kw))
 
 
@@ -51,8 +56,9 @@ def p():
 
 @pytest.fixture(scope="module")
 def alone(p):
-    """Each request on its own, one slot, no prefix cache."""
-    e = engine(p, max_slots=1, prefix_cache=False)
+    """Each request on its own, one slot, no prefix cache, page tables as wide as its
+    sequence needs (powers of two)."""
+    e = engine(p, max_slots=1, prefix_cache=False, min_context=0)
     return [e.generate([r])[0] for r in requests()]
 
 
@@ -69,8 +75,8 @@ def test_a_request_gets_the_same_bits_whatever_the_knobs(p, alone, knobs):
 def test_a_context_floor_changes_no_bit_and_compiles_one_table_width(p, alone, monkeypatch):
     """`min_context` covering the model's context: every prefill and decode call's page table
     is that wide (64 pages of 4 tokens), so a growing sequence compiles no new width, and
-    every request gets its alone bits (the widths that grow with a sequence: the other
-    tests here)."""
+    every request gets its alone bits (the widths that grow with a sequence: the `alone`
+    reference, and test_compiles_stay_bounded)."""
     widths = set()
 
     def spy(table_of):
@@ -286,7 +292,7 @@ def test_compiles_stay_bounded(p, monkeypatch):
         nonlocal slots
         for knobs in (dict(max_slots=8), dict(max_slots=2), dict(decode_steps=1)):
             slots = knobs.get("max_slots", 8)
-            engine(p, **knobs).generate(requests())
+            engine(p, min_context=0, **knobs).generate(requests())
 
     slots = 0
     before = steps.trace_counts()
