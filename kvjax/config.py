@@ -116,7 +116,7 @@ class ModelConfig:
         _choice(self.norm, "norm", ("rms", "layer"))
         _choice(self.position, "position", ("rope", "learned"))
         _choice(self.mlp, "mlp", ("swiglu", "geglu", "gelu"))
-        _choice(self.dtype, "dtype", ("float32", "bfloat16"))
+        _choice(self.dtype, "dtype", ("float32", "bfloat16", "int8"))
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",
@@ -179,14 +179,15 @@ class CacheConfig:
 
     page_size: int = 16
     num_pages: int = 256
-    dtype: str = "float32"  # "float32" | "bfloat16"
+    # "float32" | "bfloat16" | "int8" (one float32 scale per token and KV head: kvjax.cache.paged)
+    dtype: str = "float32"
     prefill_chunk: int = 64
     attn_block: int = 64
 
     def __post_init__(self):
         for key in ("page_size", "num_pages", "prefill_chunk", "attn_block"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        _choice(self.dtype, "dtype", ("float32", "bfloat16"))
+        _choice(self.dtype, "dtype", ("float32", "bfloat16", "int8"))
         _require(self.prefill_chunk % self.page_size == 0, "prefill_chunk",
                  f"{self.prefill_chunk} is not a multiple of page_size ({self.page_size})")
         _require(self.attn_block % self.page_size == 0 or self.attn_block < self.page_size,

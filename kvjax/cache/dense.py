@@ -21,6 +21,8 @@ class DenseKVCache:
 
 def init_dense_cache(model: ModelConfig, batch: int, max_len: int,
                      dtype: str = "float32") -> DenseKVCache:
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"the dense baseline cache holds float32 or bfloat16, not {dtype!r}")
     shape = (model.num_layers, batch, max_len, model.num_kv_heads, model.head_dim)
     return DenseKVCache(k=jnp.zeros(shape, DTYPES[dtype]), v=jnp.zeros(shape, DTYPES[dtype]))
 

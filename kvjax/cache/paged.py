@@ -4,6 +4,11 @@ Layout (the one the Pallas paged-attention kernels use):
   k, v: [layers, kv_heads, num_pages, page_size, head_dim]
 A sequence owns a list of physical pages (its row of the page table); its token at position
 p lives in page `page_table[p // page_size]`, slot `p % page_size`.
+
+Int8 pages (`CacheConfig(dtype="int8")`) hold each token's K (and V) of a KV head as int8
+with one float32 scale, its largest magnitude / 127 (k_scale, v_scale: [layers, kv_heads,
+num_pages, page_size]). A token is quantized when it is written, from its own K/V alone, so
+its stored bits still depend on its own history only; attention reads int8 * scale.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import numpy as np
 
 from kvjax.config import CacheConfig, ModelConfig
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
+QUANTIZED = ("int8",)  # formats stored as integers with a scale per (token, KV head)
+_INT8_MAX = 127.0
 
 
 @flax.struct.dataclass
@@ -27,6 +34,8 @@ class PagedKVCache:
     k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
     v: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
     block_pages: int = flax.struct.field(pytree_node=False, default=1)
+    k_scale: jax.Array | None = None  # float32 [layers, kv_heads, num_pages, page_size]: int8
+    v_scale: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
@@ -75,13 +84,34 @@ def init_cache(model: ModelConfig, cache: CacheConfig) -> PagedKVCache:
     shape = (model.num_layers, model.num_kv_heads, cache.num_pages, cache.page_size,
              model.head_dim)
     dtype = DTYPES[cache.dtype]
+    scale = (lambda: jnp.zeros(shape[:-1], jnp.float32)) if cache.dtype in QUANTIZED else (
+        lambda: None)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                        block_pages=cache.block_pages)
+                        block_pages=cache.block_pages, k_scale=scale(), v_scale=scale())
+
+
+def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., head_dim] -> (int8 [..., head_dim], float32 scale [...]): each vector's largest
+    magnitude becomes +-127, the rest round to nearest (ties to even); all zeros: scale 0."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / _INT8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    q = jnp.clip(jnp.round(x / safe), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+    """Stored K or V [..., head_dim] (with its scale [...] when int8) as `dtype` numbers."""
+    if scale is None:
+        return q.astype(dtype)
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def cache_bytes(cache) -> int:
     """Physical bytes of a cache's K and V arrays (paged or dense; `jax.eval_shape` too)."""
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (cache.k, cache.v))
+    arrays = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays
+               if a is not None)
 
 
 def new_positions(batch: BatchInfo, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -114,6 +144,11 @@ def write_kv(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
     slot = positions % page_size
     # Non-adjacent advanced indices put the [batch, new_tokens] axes first, so the update
     # has k's own layout [batch, new_tokens, kv_heads, head_dim].
+    if cache.k_scale is not None:
+        (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
+        cache = cache.replace(
+            k_scale=cache.k_scale.at[layer, :, page, slot].set(k_scale, mode="drop"),
+            v_scale=cache.v_scale.at[layer, :, page, slot].set(v_scale, mode="drop"))
     new_k = cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop")
     new_v = cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop")
     return cache.replace(k=new_k, v=new_v)
@@ -125,14 +160,20 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
 
     Donates `cache`. Copy-on-write and partial-page reuse both go through here.
     """
-    k = cache.k.at[:, :, dst].set(cache.k[:, :, src], mode="drop")
-    v = cache.v.at[:, :, dst].set(cache.v[:, :, src], mode="drop")
-    return cache.replace(k=k, v=v)
+    def copy(a):
+        return None if a is None else a.at[:, :, dst].set(a[:, :, src], mode="drop")
+
+    return cache.replace(k=copy(cache.k), v=copy(cache.v), k_scale=copy(cache.k_scale),
+                         v_scale=copy(cache.v_scale))
 
 
 @partial(jax.jit, donate_argnames=("cache",))
 def poison_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
-    """Fills pages (int32[n]; ids >= num_pages ignored) with NaN. Donates `cache`."""
+    """Fills pages (int32[n]; ids >= num_pages ignored) with NaN (int8 pages: their scales,
+    so every value read from them is NaN). Donates `cache`."""
+    if cache.k_scale is not None:
+        return cache.replace(k_scale=cache.k_scale.at[:, :, pages].set(jnp.nan, mode="drop"),
+                             v_scale=cache.v_scale.at[:, :, pages].set(jnp.nan, mode="drop"))
     k = cache.k.at[:, :, pages].set(jnp.nan, mode="drop")
     v = cache.v.at[:, :, pages].set(jnp.nan, mode="drop")
     return cache.replace(k=k, v=v)

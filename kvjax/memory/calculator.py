@@ -1,9 +1,10 @@
 """KV memory calculator and prefill/decode cost explorer (plain Python, no JAX).
 
-KV bytes = 2 (K and V) * batch * layers * length * kv_heads * head_dim * bytes_per_scalar.
-That figure deliberately excludes page-table overhead, quantization scales, allocator
-rounding, temporary workspaces and recurrent state; `kv_bytes_paged` adds the rounding of
-every sequence up to whole pages. The per-device planner for a mesh is `kvjax.memory.planner`.
+KV bytes = 2 (K and V) * batch * layers * length * kv_heads * head_dim * bytes_per_scalar,
+where a quantized format's scales are part of bytes_per_scalar (`kv_bytes_per_scalar`).
+That figure deliberately excludes page-table overhead, allocator rounding, temporary
+workspaces and recurrent state; `kv_bytes_paged` adds the rounding of every sequence up to
+whole pages. The per-device planner for a mesh is `kvjax.memory.planner`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,28 @@ from kvjax.config import ModelConfig
 
 ASSUMPTIONS = (
     "KV bytes = 2 (K,V) x batch x layers x length x kv_heads x head_dim x bytes/scalar; "
-    "excludes page-table overhead, quantization scales, allocator rounding (see the "
+    "int8 pages count their scales in bytes/scalar (1 + 4 / head_dim); "
+    "excludes page-table overhead, allocator rounding (see the "
     "page-rounded figure), temporary workspaces and recurrent state."
 )
 
 
+# Bytes per stored number, and per scale of a (token, KV head) vector, of each page format
+# (`CacheConfig.dtype`; int8 pages: kvjax.cache.paged).
+KV_FORMATS = {"float32": (4, 0), "bfloat16": (2, 0), "int8": (1, 4)}
+
+
+def kv_bytes_per_scalar(cache_dtype: str, head_dim: int) -> float:
+    """Bytes per cached K or V number of `cache_dtype` pages, scales included: spread over
+    the `head_dim` numbers each scales (int8: 1 + 4 / head_dim)."""
+    number, scale = KV_FORMATS[cache_dtype]
+    return number + scale / head_dim
+
+
 def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, length: int, batch: int = 1,
-             bytes_per_scalar: int = 2) -> int:
+             bytes_per_scalar: float = 2) -> int:
     """Bytes of K and V for `batch` sequences of `length` tokens."""
-    return 2 * batch * num_layers * length * num_kv_heads * head_dim * bytes_per_scalar
+    return round(2 * batch * num_layers * length * num_kv_heads * head_dim * bytes_per_scalar)
 
 
 def windowed_pages(config: ModelConfig, length: int, page_size: int) -> dict[str, int]:

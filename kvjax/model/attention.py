@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKVCache
-from kvjax.cache.paged import BatchInfo, PagedKVCache
+from kvjax.cache.paged import BatchInfo, PagedKVCache, dequantize
 from kvjax.model.tiled import tree_sum
 
 _M_INIT = -1e30  # finite running-max start: exp(-inf - _M_INIT) == 0, never NaN
@@ -103,8 +103,9 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     end = batch.lengths + batch.num_new  # [B] keys at or past `end` are unwritten
     blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
 
-    def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        """[b, K, nt, S, H] keys or values of `pages` [b, block_pages] in this layer.
+    def gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array) -> jax.Array:
+        """[b, K, nt, S, H] keys or values of `pages` [b, block_pages] in this layer (int8
+        pages: times their `scales`).
 
         One gather from the whole pool: slicing the layer out first (`pool[layer]`) would
         materialise a copy of the layer's pages at every step, a cost that grows with the
@@ -113,6 +114,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         """
         rows_ = pages.shape[0]
         picked = pool[layer, :, pages]  # [b, block_pages, K, page_size, H]
+        if scales is not None:  # [b, block_pages, K, page_size]
+            picked = dequantize(picked, scales[layer, :, pages], q.dtype)
         picked = picked.transpose(0, 2, 1, 3, 4).reshape(rows_, kv, 1, block_len, h)
         return jnp.broadcast_to(picked.astype(q.dtype), (rows_, kv, nt, block_len, h))
 
@@ -120,7 +123,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         """One block of keys `index` for the rows of `pages` [b, block_pages] (all rows, or
         one): their queries qg_ [b, K, nt, R, H] at q_pos_ [b, nt, R], written up to end_."""
         m, l, acc = carry  # [b, K, nt, R] and acc [b, K, nt, R, H]
-        k, v = gather(cache.k, pages), gather(cache.v, pages)
+        k, v = gather(cache.k, cache.k_scale, pages), gather(cache.v, cache.v_scale, pages)
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
         written = k_pos[None, :] < end_[:, None]  # [b, S]
         v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in

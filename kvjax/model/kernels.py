@@ -90,13 +90,16 @@ def kernel_limits(backend: str, *, head_dim: int, page_size: int | None = None,
     if poison_freed:
         reasons.append(f"{backend} multiplies masked slots in, so NaN-poisoned freed pages "
                        "would leak into outputs (poison_freed=True)")
+    if cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.dtype(jnp.int8):
+        reasons.append(f"{backend} reads float pages; int8 pages (a scale per token and KV "
+                       f"head) are dequantized by the reference")
     if backend == "pallas_gpu":
         if head_dim < 16 or head_dim & (head_dim - 1):
             reasons.append(f"pallas_gpu needs head_dim a power of two >= 16, got {head_dim}")
         if page_size is not None and page_size & (page_size - 1):
             reasons.append(f"pallas_gpu needs page_size a power of two, got {page_size}")
     elif backend == "pallas_tpu":
-        if cache_dtype is not None and jnp.dtype(cache_dtype) != jnp.dtype(jnp.bfloat16):
+        if cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.dtype(jnp.float32):
             reasons.append(f"pallas_tpu rounds K/V to bfloat16; the cache is "
                            f"{jnp.dtype(cache_dtype).name}")
         if head_dim % 128:

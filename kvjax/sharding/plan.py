@@ -45,7 +45,10 @@ class ShardingPlan:
 
     def init_cache(self, cache_config):
         """A zero paged cache made directly in its shards (never whole on one device)."""
-        from kvjax.cache.paged import init_cache
+        from kvjax.cache.paged import QUANTIZED, init_cache
+        if cache_config.dtype in QUANTIZED:
+            raise NotImplementedError(f"{cache_config.dtype} pages on a mesh: their scales have "
+                                      f"no sharding rule yet (use float32 or bfloat16)")
         sharding = NamedSharding(self.mesh, self.cache_spec)
         return jax.jit(lambda: init_cache(self.config, cache_config), out_shardings=sharding)()
 

@@ -1,0 +1,151 @@
+"""Int8 pages (`CacheConfig(dtype="int8")`, `kvjax.cache.paged`): each token's K and V of a
+KV head stored as int8 with one float32 scale, quantized at write from that token alone.
+What they change is exactly the stored numbers: attention over int8 pages equals attention
+over float pages holding the dequantized numbers, bitwise; the engine keeps every exact
+promise under the format (cache on == off, a request's alone bits, poisoned pages never
+read); the format is part of the cache identity; the bytes are what the calculator says."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_helpers import CACHE, CONFIG, assert_same, engine, params, with_cache
+from helpers import random_tokens
+
+from kvjax import Request
+from kvjax.cache.paged import BatchInfo, cache_bytes, dequantize, init_cache, quantize, write_kv
+from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
+from kvjax.model.attention import paged_attention_reference
+from kvjax.model.kernels import kernel_limits, resolve_backend
+
+INT8 = with_cache(dtype="int8")
+
+
+def test_each_vector_rounds_to_within_half_a_step_of_its_own_scale():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32) * np.float32([[1e-3], [1], [1e4]])
+    x[0, 0] = 0.0  # an all-zero vector: scale 0, zeros back
+    q, scale = quantize(jnp.asarray(x))
+    q, scale = np.asarray(q), np.asarray(scale)
+    assert q.dtype == np.int8 and scale.shape == (5, 3) and scale[0, 0] == 0
+    np.testing.assert_array_equal(np.abs(q).max(-1)[scale > 0], 127)  # the largest: +-127
+    back = np.asarray(dequantize(jnp.asarray(q), jnp.asarray(scale), jnp.float32))
+    step = scale[..., None]
+    assert (np.abs(back - x) <= step * (0.5 + 1e-6)).all()
+    assert not (back == x).all()
+
+
+def test_attention_over_int8_pages_is_attention_over_their_numbers():
+    """Both pools written by `write_kv`, the float one with the dequantized K/V: every
+    output bitwise equal, prefill-shaped and decode-shaped queries, rows of other lengths."""
+    rng = np.random.default_rng(1)
+    k_, h = CONFIG.num_kv_heads, CONFIG.head_dim
+    k = jnp.asarray(rng.standard_normal((2, 12, k_, h)), jnp.float32) * 3
+    v = jnp.asarray(rng.standard_normal((2, 12, k_, h)), jnp.float32)
+    table = jnp.asarray([[3, 7, 1, 0], [5, 2, 6, 4]], jnp.int32)
+    batch = BatchInfo(page_table=table, lengths=jnp.zeros(2, jnp.int32),
+                      num_new=jnp.asarray([12, 9], jnp.int32))
+    quantized = write_kv(init_cache(CONFIG, INT8), 0, k, v, batch)
+    kq, ks = quantize(k)
+    vq, vs = quantize(v)
+    plain = write_kv(init_cache(CONFIG, CACHE), 0, dequantize(kq, ks, jnp.float32),
+                     dequantize(vq, vs, jnp.float32), batch)
+    q = jnp.asarray(rng.standard_normal((2, 12, CONFIG.num_heads, h)), jnp.float32)
+    for t, lengths in ((12, [0, 0]), (1, [11, 8])):
+        b = dataclasses.replace(batch, lengths=jnp.asarray(lengths, jnp.int32),
+                                num_new=jnp.asarray([t, t], jnp.int32))
+        args = (q[:, :t], 0, b, None)
+        got = np.asarray(paged_attention_reference(args[0], quantized, *args[1:]))
+        want = np.asarray(paged_attention_reference(args[0], plain, *args[1:]))
+        np.testing.assert_array_equal(got, want)
+        full = write_kv(init_cache(CONFIG, CACHE), 0, k, v, batch)
+        exact = np.asarray(paged_attention_reference(args[0], full, *args[1:]))
+        # against float32 pages: measured 0.023 (outputs up to 3.1)
+        assert 0 < np.abs(got - exact).max() < 0.25
+
+
+def _requests():
+    system = random_tokens(3, [22], CONFIG.vocab_size)[0]
+    tails = random_tokens(4, [3, 6, 5], CONFIG.vocab_size)
+    return [Request(tokens=system + t, max_new_tokens=8, return_logits=True) for t in tails]
+
+
+@pytest.fixture(scope="module")
+def p():
+    return params()
+
+
+def test_cache_on_equals_off_and_each_request_gets_its_alone_bits(p):
+    """Under int8 pages: requests that reuse a shared prompt's int8 pages (and pages written
+    by decoding) get the bits of a cache-off engine, and of each request run alone."""
+    on = engine(p, cache=INT8)
+    first = on.generate(_requests()[:1])
+    rest = on.generate(_requests()[1:])
+    assert all(r.stats["reused_tokens"] >= 20 for r in rest)
+    off = engine(p, cache=INT8, prefix_cache=False).generate(_requests())
+    assert_same(first + rest, off)
+    alone = engine(p, cache=INT8, max_slots=1, prefix_cache=False)
+    assert_same([alone.generate([r])[0] for r in _requests()], off)
+
+
+def test_int8_pages_change_the_logits_by_their_rounding_only(p):
+    """Against float32 pages: close (the rounding of K/V), not equal (they are int8)."""
+    got = engine(p, cache=INT8, prefix_cache=False).generate(_requests())
+    ref = engine(p, prefix_cache=False).generate(_requests())
+    worst = 0.0
+    for a, b in zip(got, ref, strict=True):
+        n = min(len(a.tokens), len(b.tokens))
+        k = next((i for i in range(n) if a.tokens[i] != b.tokens[i]), n) + 1  # same history
+        worst = max(worst, float(np.abs(np.asarray(a.logits[:k]) - np.asarray(b.logits[:k]))
+                                 .max()))
+    # measured 0.24 over the 3 x 8 steps, logits up to 9.5 (the tests' sharp weights)
+    assert 0 < worst < 2.5, worst
+
+
+def test_poisoned_freed_int8_pages_are_never_read(p):
+    """`poison_freed` fills a freed int8 page's scales with NaN (an int8 has no NaN): with
+    10 pages, evictions and preemptions, outputs equal an unpoisoned engine's."""
+    cache = with_cache(INT8, num_pages=10)
+    poisoned = engine(p, cache=cache, poison_freed=True, max_slots=2)
+    assert_same(poisoned.generate(_requests()), engine(p, cache=cache, max_slots=2)
+                .generate(_requests()))
+    m = poisoned.metrics()
+    assert m["evictions"] > 0 and m["preemptions"] > 0  # freed pages taken again
+
+
+def test_the_format_is_part_of_the_cache_identity(p):
+    r = _requests()[0]
+    assert engine(p, cache=INT8).namespace(r).differing_fields(engine(p).namespace(r)) == [
+        "kv_dtype"]
+
+
+def test_the_calculator_counts_the_bytes_the_pool_allocates():
+    for dtype in ("float32", "bfloat16", "int8"):
+        cc = with_cache(dtype=dtype)
+        per_token = kv_bytes(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 1, 1,
+                             kv_bytes_per_scalar(dtype, CONFIG.head_dim))
+        assert cache_bytes(init_cache(CONFIG, cc)) == cc.num_pages * cc.page_size * per_token
+    h = 64  # SmolLM2's head_dim: 4 * 64 / (64 + 4) tokens per byte of float32 pages
+    assert kv_bytes_per_scalar("float32", h) / kv_bytes_per_scalar("int8", h) == 256 / 68
+
+
+def test_kernels_fall_back_and_other_holders_refuse(p):
+    for backend in ("pallas_gpu", "pallas_tpu"):
+        reasons = kernel_limits(backend, head_dim=128, page_size=16, cache_dtype=jnp.int8)
+        assert reasons == [f"{backend} reads float pages; int8 pages (a scale per token and "
+                           f"KV head) are dequantized by the reference"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said once per reason per process
+        assert resolve_backend("pallas_gpu", CONFIG, "gpu", cache=INT8) == "reference"
+    from kvjax.cache.dense import init_dense_cache
+
+    with pytest.raises(ValueError, match="float32 or bfloat16, not 'int8'"):
+        init_dense_cache(CONFIG, 1, 8, "int8")
+    with pytest.raises(NotImplementedError, match="int8 pages on a mesh"):
+        engine(p, cache=INT8, mesh="data=1,model=1")
+    assert jax.devices()  # the refusals above left the process serving
