@@ -1,18 +1,19 @@
-"""KV memory: MHA vs GQA vs MQA and float32 vs bfloat16 cache, bytes per token and decode time.
+"""KV memory: MHA vs GQA vs MQA and float32 vs bfloat16 vs int8 pages, bytes per token and
+decode time.
 
-For each attention layout (query heads fixed, KV heads = query heads / 1 / all) and cache
-dtype: the calculator's bytes per token (`kvjax.memory.kv_bytes`), the bytes per token of
-the cache the engine actually allocates (its K and V arrays over its token slots), and the
-on-device multi-step decode time per token at one batch and context (median of repetitions
-after warm-up). A bfloat16 cache stores rounded K/V, so its outputs differ from the float32
-cache's: the largest logit difference on a short greedy generation is reported beside it.
+For each attention layout (query heads fixed, KV heads = query heads / 1 / all) and page
+format: the calculator's bytes per token (`kvjax.memory.kv_bytes`, int8's scales included),
+the bytes per token of the cache the engine actually allocates (its K and V arrays, and
+int8's scales, over its token slots), and the on-device multi-step decode time per token at
+one batch and context (median of repetitions after warm-up). bfloat16 and int8 pages store
+rounded K/V, so their outputs differ from float32 pages': the largest logit difference on a
+short greedy generation is reported beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
@@ -22,6 +23,7 @@ from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import generate
 from kvjax.lab.timing import Holder, contiguous_pages, filled_with_noise, multistep_seconds
+from kvjax.memory.calculator import kv_bytes_per_scalar
 from kvjax.model.transformer import init_params
 
 LAYOUTS = ("mha", "gqa", "mqa")
@@ -45,7 +47,7 @@ class Params:
 
     def __post_init__(self):
         common.check_choice(self, "attention", LAYOUTS)
-        common.check_choice(self, "cache_dtype", ("float32", "bfloat16"))
+        common.check_choice(self, "cache_dtype", ("float32", "bfloat16", "int8"))
         common.check_positive(self, "num_layers", "d_model", "num_heads", "gqa_kv_heads",
                               "d_ff", "batch", "context", "decode_steps", "reps", "page_size")
         self.model_config()  # the model's own checks (head counts, divisibility)
@@ -71,9 +73,9 @@ def run(config) -> dict:
     cache = init_cache(model, paged_cfg)
     slots = paged_cfg.num_pages * paged_cfg.page_size
     measured = cache_bytes(cache) / slots
-    itemsize = jnp.dtype(p.cache_dtype).itemsize
+    per_number = kv_bytes_per_scalar(p.cache_dtype, model.head_dim)
     calculated = memory.kv_bytes(model.num_layers, model.num_kv_heads, model.head_dim, 1,
-                                 bytes_per_scalar=itemsize)
+                                 bytes_per_scalar=per_number)
     holder = Holder(filled_with_noise(cache))
     lengths = np.full(p.batch, p.context, np.int32)
     seconds = multistep_seconds(params, model, holder, table, lengths, p.decode_steps, p.reps)
@@ -89,7 +91,8 @@ def run(config) -> dict:
 
 
 def _dtype_diff(params, model: ModelConfig, p: Params, chunk: int) -> float:
-    """Largest |logit| difference between this cache dtype and float32 (greedy, 16 tokens)."""
+    """Largest |logit| difference between this page format and float32 (greedy, 16
+    tokens)."""
     if p.cache_dtype == "float32":
         return 0.0
     prompts = [[(7 * i + 3 * j) % 256 for j in range(PROBE_LEN)] for i in range(2)]

@@ -170,6 +170,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvjax.bench import spec as bench_spec
 
         return bench_spec.main(args)
+    if args.which == "kv_format":
+        from kvjax.bench import kv_format as bench_kv_format
+
+        return bench_kv_format.main(args)
     if args.which == "trie":
         from kvjax.bench import trie as bench_trie
 
@@ -257,10 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(resume vs recompute under memory pressure), "
                                          "profile (where a decode token's time goes), "
                                          "trie (host time per admission against cached "
-                                         "pages)")
+                                         "pages), kv_format (bfloat16 and int8 pages "
+                                         "against float32 on the real model)")
     bench.add_argument("which", nargs="?",
                        choices=("decode", "prefix", "peer", "spec", "tiles", "numerics",
-                                "arrivals", "preemption", "profile", "trie"),
+                                "arrivals", "preemption", "profile", "trie", "kv_format"),
                        default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -273,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     prefix = bench.add_argument_group("prefix")
     prefix.add_argument("--requests", type=int, default=None,
-                        help="requests (default 32 prefix, 8 preemption)")
+                        help="requests (default 32 prefix and kv_format questions, 8 "
+                             "preemption)")
     prefix.add_argument("--system-len", type=int, default=1024)
     prefix.add_argument("--suffix-len", type=int, default=32)
     prefix.add_argument("--conversations", type=int, default=8)
@@ -292,11 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--prompt-len", type=int, default=None,
                       help="(peer, spec, preemption) default 512; 64 preemption")
     peer.add_argument("--gen-tokens", type=int, default=None,
-                      help="(peer, spec, arrivals, preemption) default 128; 448 preemption")
+                      help="(peer, spec, arrivals, preemption, kv_format) default 128; 448 "
+                           "preemption")
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
     peer.add_argument("--model", default=None,
-                      help="(peer, profile) a kvjax.models checkpoint instead of the random "
-                           "bench model")
+                      help="(peer, profile, kv_format) a kvjax.models checkpoint instead of "
+                           "the random bench model")
     peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
                       help="(peer, with --model) also llama.cpp at batch 1, built into "
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")

@@ -1,0 +1,187 @@
+"""Page formats against float32 pages on a real model and real text: what bfloat16 and int8
+pages change (`kvjax bench kv_format`).
+
+MT-Bench's first questions (their first turns, in the model's chat template), answered
+greedily with `new_tokens` tokens each (the end of turn ignored, so every answer has them
+all), under float32 pages and under each other format, one engine per format, the engine's
+defaults otherwise (invariant numerics). Per format:
+- agreement: the answer tokens before the first one that differs from float32 pages'
+  answer, over all answer tokens;
+- logit error: max and mean |logit - float32's| at those positions (the same history);
+- teacher-forced NLL: the mean negative log-likelihood per token of float32 pages' answers,
+  every position's logits read through a cache of the format (each prompt and answer
+  prefilled chunk by chunk), and its difference from float32 pages';
+- reuse across turns: each question asked again as a second turn (its answer in the
+  history) in the same engine, which reuses the first turn's pages, and in a cache-off
+  engine of the same format: the second turn's tokens and logits equal, bitwise;
+- bytes per token (scales included) and the decode seconds per answer token (the engine's
+  decode timer, after an untimed pass of the same work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.cache.paged import BatchInfo, init_cache
+from kvjax.config import CacheConfig, EngineConfig
+from kvjax.decode import steps
+from kvjax.decode.batching import page_table, pages_for
+from kvjax.engine import Engine, Request
+from kvjax.lab.progress import Progress
+from kvjax.lab.report import emit, markdown_table, write_results
+from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
+
+FORMATS = ("float32", "bfloat16", "int8")
+
+
+@dataclasses.dataclass
+class Case:
+    """A model, its chat template's prompts, and where its turns stop."""
+
+    params: dict
+    config: object
+    prompts: list[list[int]]  # first turns, rendered
+    second: list  # answer tokens -> the second turn's prompt (the answer in the history)
+
+
+def engine_config(fmt: str, slots: int, context: int) -> EngineConfig:
+    return EngineConfig(cache=CacheConfig(page_size=16, num_pages=max(256, slots * context
+                                                                      // 16 * 2),
+                                          dtype=fmt), max_slots=slots, min_context=context)
+
+
+def answers(case: Case, fmt: str, new_tokens: int, slots: int, context: int):
+    """(results, decode seconds per answer token, the engine): every answer run twice in one
+    engine, the second pass timed (the first compiles its shapes; the second reuses the
+    prompts' pages, and its decode is the same work)."""
+    engine = Engine(case.params, case.config, engine_config(fmt, slots, context))
+    requests = [Request(p, new_tokens, return_logits=True, ignore_eos=True)
+                for p in case.prompts]
+    engine.generate(requests)
+    before = engine.metrics()["decode_s"]
+    results = engine.generate(requests)
+    seconds = (engine.metrics()["decode_s"] - before) / (len(requests) * new_tokens)
+    return results, seconds, engine
+
+
+def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts: list[int],
+                       chunk: int = 64) -> float:
+    """Mean NLL per token of `sequences[i][starts[i]:]` given what precedes it, every
+    position's logits read through a cache of format `fmt` (fast numerics, chunks of
+    `chunk` tokens, one sequence at a time)."""
+    longest = max(map(len, sequences))
+    cc = CacheConfig(page_size=16, num_pages=pages_for(longest, 16), dtype=fmt,
+                     prefill_chunk=chunk, attn_block=chunk)
+    total, count = 0.0, 0
+    for seq, start in zip(sequences, starts, strict=True):
+        cache = init_cache(case.config, cc)
+        table = page_table([list(range(cc.num_pages))], 1, cc.block_pages)
+        logits = []
+        for at in range(0, len(seq), chunk):
+            part = seq[at: at + chunk]
+            tokens = np.zeros((1, chunk), np.int32)
+            tokens[0, :len(part)] = part
+            batch = BatchInfo(page_table=table, lengths=np.array([at], np.int32),
+                                    num_new=np.array([len(part)], np.int32))
+            lg, cache = steps.extend(case.params, case.config, cache, tokens, batch)
+            logits.append(np.asarray(lg[0, :len(part)], np.float64))
+        lg = np.concatenate(logits)[start - 1: len(seq) - 1]  # predicting seq[start:]
+        top = lg.max(-1, keepdims=True)
+        logp = lg - top - np.log(np.exp(lg - top).sum(-1, keepdims=True))
+        total -= float(logp[np.arange(len(lg)), seq[start:]].sum())
+        count += len(lg)
+    return total / count
+
+
+def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
+            context: int = 2048, progress: Progress | None = None) -> list[dict]:
+    """One row per format (float32 first: the reference the others are compared with)."""
+    rows, ref = [], None
+    for fmt in formats:
+        results, seconds, engine = answers(case, fmt, new_tokens, slots, context)
+        if ref is None:
+            ref = results
+        same, errors, means = 0, [0.0], []
+        for got, want in zip(results, ref, strict=True):
+            n = next((i for i, (a, b) in enumerate(zip(got.tokens, want.tokens, strict=True))
+                      if a != b), len(want.tokens))
+            same += n
+            diff = np.abs(np.asarray(got.logits[:n + 1]) - np.asarray(want.logits[:n + 1]))
+            errors.append(float(diff.max()))
+            means.append(float(diff.mean()))
+        sequences = [p + r.tokens for p, r in zip(case.prompts, ref, strict=True)]
+        nll = teacher_forced_nll(case, fmt, sequences, [len(p) for p in case.prompts])
+        second = [Request(case.second(p, r.tokens), new_tokens // 4, return_logits=True,
+                          ignore_eos=True) for p, r in zip(case.prompts, results, strict=True)]
+        on = engine.generate(second)
+        off = Engine(case.params, case.config, dataclasses.replace(
+            engine_config(fmt, slots, context), prefix_cache=False)).generate(second)
+        c = case.config
+        rows.append({
+            "format": fmt, "answers": len(results), "answer_tokens": new_tokens,
+            "agreement": same / (len(results) * new_tokens),
+            "max_logit_error": max(errors), "mean_logit_error": float(np.mean(means)),
+            "nll": nll, "turn2_reused_tokens": sum(r.stats["reused_tokens"] for r in on),
+            "turn2_same_as_cache_off": all(
+                a.tokens == b.tokens and np.array_equal(a.logits, b.logits)
+                for a, b in zip(on, off, strict=True)),
+            "bytes_per_token": kv_bytes(c.num_layers, c.num_kv_heads, c.head_dim, 1, 1,
+                                        kv_bytes_per_scalar(fmt, c.head_dim)),
+            "decode_s_per_token": seconds})
+        if progress is not None:
+            progress.update()
+    for r in rows:
+        r["nll_diff"] = r["nll"] - rows[0]["nll"]
+        r["tokens_per_byte_vs_f32"] = rows[0]["bytes_per_token"] / r["bytes_per_token"]
+        r["decode_vs_f32"] = r["decode_s_per_token"] / rows[0]["decode_s_per_token"]
+    return rows
+
+
+COLUMNS = [
+    ("pages", lambda r: r["format"]),
+    ("greedy agreement", lambda r: f"{r['agreement']:.1%}"),
+    ("max (mean) |Δlogit|", lambda r: f"{r['max_logit_error']:.3g} ({r['mean_logit_error']:.2g})"),
+    ("NLL/token (Δ)", lambda r: f"{r['nll']:.4f} ({r['nll_diff']:+.4f})"),
+    ("turn 2 == cache off", lambda r: "yes" if r["turn2_same_as_cache_off"] else "NO"),
+    ("bytes/token", lambda r: f"{r['bytes_per_token']:,}"),
+    ("tokens/byte vs f32", lambda r: f"{r['tokens_per_byte_vs_f32']:.2f}x"),
+    ("decode ms/token (vs f32)",
+     lambda r: f"{r['decode_s_per_token'] * 1e3:.2f} ({r['decode_vs_f32']:.2f}x)"),
+]
+
+
+def real_case(name: str, questions: int) -> Case:
+    """`questions` MT-Bench first turns for the registered model `name`."""
+    from kvjax import models
+    from kvjax.data.mtbench import mtbench
+
+    model = models.load(name)
+    picked = mtbench().conversations[:questions]
+    prompts = [model.template.render([{"role": "user", "content": q.user_turns[0]}])
+               for q in picked]
+
+    def second(prompt: list[int], answer: list[int]) -> list[int]:
+        text = model.tokenizer.decode(answer)
+        i = prompts.index(prompt)
+        return model.template.render([
+            {"role": "user", "content": picked[i].user_turns[0]},
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "Say that again in one sentence."}])
+
+    return Case(model.params, model.config, prompts, second)
+
+
+def main(args) -> int:
+    model = args.model or "smollm2-135m-instruct"
+    questions = args.requests or 32
+    new_tokens = args.gen_tokens or 128
+    emit(f"bench kv_format: {model}, {questions} MT-Bench first turns x {new_tokens} greedy "
+         f"tokens; pages {', '.join(FORMATS)}")
+    case = real_case(model, questions)
+    with Progress(len(FORMATS), "formats") as bar:
+        rows = measure(case, new_tokens=new_tokens, progress=bar)
+    write_results(args.out, markdown_table(rows, COLUMNS), rows, model=model,
+                  questions=questions, new_tokens=new_tokens)
+    return 0
