@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -138,49 +139,26 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.which == "arrivals":
-        from kvjax.bench import arrivals as bench_arrivals
+    """Runs `kvjax.bench.<which>.main` (each benchmark is a module of its own)."""
+    return importlib.import_module(f"kvjax.bench.{args.which}").main(args)
 
-        return bench_arrivals.main(args)
-    if args.which == "preemption":
-        from kvjax.bench import preemption as bench_preemption
 
-        return bench_preemption.main(args)
-    if args.which == "numerics":
-        from kvjax.bench import numerics as bench_numerics
+# Timed repetitions (medians) per benchmark when --reps is not given.
+BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
+              "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 1}
 
-        return bench_numerics.main(args)
-    if args.which == "profile":
-        from kvjax.bench import profile as bench_profile
 
-        return bench_profile.main(args)
-    if args.which == "tiles":
-        from kvjax.bench import tiles as bench_tiles
-
-        return bench_tiles.main(args)
-    if args.which == "prefix":
-        from kvjax.bench import prefix as bench_prefix
-
-        return bench_prefix.main(args)
-    if args.which == "peer":
-        from kvjax.bench import peer as bench_peer
-
-        return bench_peer.main(args)
-    if args.which == "spec":
-        from kvjax.bench import spec as bench_spec
-
-        return bench_spec.main(args)
-    if args.which == "kv_format":
-        from kvjax.bench import kv_format as bench_kv_format
-
-        return bench_kv_format.main(args)
-    if args.which == "trie":
-        from kvjax.bench import trie as bench_trie
-
-        return bench_trie.main(args)
-    from kvjax.bench import decode as bench
-
-    return bench.main(args)
+def fill_bench_defaults(args: argparse.Namespace) -> None:
+    """Fills the defaults of `kvjax bench` that depend on which benchmark runs."""
+    args.out = args.out or f"results/bench_{args.which}.json"
+    args.reps = args.reps or BENCH_REPS[args.which]
+    pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
+    for key, default in (("requests", 8 if pressure else 32),
+                         ("prompt_len", 64 if pressure else 512),
+                         ("gen_tokens", 448 if pressure else 128)):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    args.slots = args.slots or (1 if args.which == "spec" else 8)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,8 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "pages), kv_format (bfloat16 and int8 pages "
                                          "against float32 on the real model)")
     bench.add_argument("which", nargs="?",
-                       choices=("decode", "prefix", "peer", "spec", "tiles", "numerics",
-                                "arrivals", "preemption", "profile", "trie", "kv_format"),
+                       choices=tuple(BENCH_REPS),
                        default="decode")
     bench.add_argument("--config", default="configs/bench.toml")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -337,18 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
-        args.out = args.out or f"results/bench_{args.which}.json"
-        args.reps = args.reps or {"decode": 5, "prefix": 1, "peer": 3, "spec": 3,
-                                  "tiles": 7, "numerics": 3,
-                                  "arrivals": 3, "preemption": 3, "profile": 5,
-                                  "trie": 1}[args.which]
-        pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
-        for key, default in (("requests", 8 if pressure else 32),
-                             ("prompt_len", 64 if pressure else 512),
-                             ("gen_tokens", 448 if pressure else 128)):
-            if getattr(args, key) is None:
-                setattr(args, key, default)
-        args.slots = args.slots or (1 if args.which == "spec" else 8)
+        fill_bench_defaults(args)
     try:
         return args.func(args)
     except ConfigError as e:

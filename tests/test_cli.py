@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
-from kvjax.cli import main
+import pytest
+
+from kvjax.cli import BENCH_REPS, main
 
 ROOT = Path(__file__).parent.parent
 
@@ -45,3 +48,17 @@ def test_bench_preemption_runs_both_settings_on_the_same_workload(tmp_path, caps
     assert rows["resume"]["preemptions"] > 0 and rows["recompute"]["preemptions"] > 0
     assert rows["resume"]["resumed_tokens"] > 0 == rows["recompute"]["resumed_tokens"]
     assert "| resume |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("which", sorted(BENCH_REPS))
+def test_every_benchmark_starts_from_the_command_line(which, monkeypatch):
+    """`kvjax bench <which>` reaches its module's main with every default filled (a new
+    benchmark once raised KeyError here before it ran)."""
+    seen = []
+    module = importlib.import_module(f"kvjax.bench.{which}")
+    monkeypatch.setattr(module, "main", lambda args: seen.append(args) or 0)
+    assert main(["bench", which]) == 0
+    (args,) = seen
+    assert args.reps >= 1 and args.slots >= 1
+    assert args.out == f"results/bench_{which}.json"
+    assert None not in (args.requests, args.prompt_len, args.gen_tokens)
