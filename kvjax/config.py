@@ -1,9 +1,8 @@
 """Frozen configuration dataclasses (TOML loading and `--set a.b=c` overrides:
 `kvjax.config_files`).
 
-Every config is a frozen (hashable) dataclass, so it can be a static argument of a jitted
-function; variants are made with `dataclasses.replace`. Validation happens on construction
-and every error names the offending key.
+Every config is a frozen (hashable) dataclass, a static argument of jitted functions;
+variants are made with `dataclasses.replace`. Each error of validation names its key.
 """
 
 from __future__ import annotations
@@ -173,8 +172,8 @@ class CacheConfig:
 
     `prefill_chunk` is the one padded chunk length every prefill call uses (a multiple of the
     page size); `attn_block` is the number of cached tokens attention reduces over at a time
-    (rounded to whole pages). Both are fixed per cache so that a token's arithmetic never
-    depends on where its chunk started or how long the cached prefix was.
+    (whole pages). Both are fixed per cache so that a token's arithmetic never depends on
+    where its chunk started or how long the cached prefix was.
     """
 
     page_size: int = 16
@@ -183,10 +182,16 @@ class CacheConfig:
     dtype: str = "float32"
     prefill_chunk: int = 64
     attn_block: int = 64
+    # tiers for evicted full pages, each at most its bytes (0: none; kvjax.cache.tiers)
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
 
     def __post_init__(self):
-        for key in ("page_size", "num_pages", "prefill_chunk", "attn_block"):
-            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        for key, low in (("page_size", 1), ("num_pages", 1), ("prefill_chunk", 1),
+                         ("attn_block", 1), ("host_bytes", 0), ("disk_bytes", 0)):
+            _require(getattr(self, key) >= low, key, f"must be >= {low}, got {getattr(self, key)}")
+        _require((self.disk_dir is None) == (not self.disk_bytes), "disk_bytes", "needs disk_dir")
         _choice(self.dtype, "dtype", ("float32", "bfloat16", "int8"))
         _require(self.prefill_chunk % self.page_size == 0, "prefill_chunk",
                  f"{self.prefill_chunk} is not a multiple of page_size ({self.page_size})")

@@ -388,7 +388,7 @@ def test_the_checks_can_fail():
     an import runs, the lazy tables, an injected cycle, and the fake host modules above."""
     assert "kvjax.cache.admission" in GRAPH["kvjax.engine.scheduler"]
     assert "kvjax.cache.pool" not in GRAPH["kvjax.cache.admission"]  # TYPE_CHECKING only
-    assert "kvjax.bench.decode" in GRAPH["kvjax.cli"]  # a lazy import inside a function
+    assert "kvjax.decode.generate" in GRAPH["kvjax.cli"]  # a lazy import inside a function
     assert "jax" in _loads("kvjax.engine.engine")
     assert "kvjax.engine" in RUNTIME_GRAPH["kvjax.lab.workloads"]  # the __init__ it runs
     assert {"kvjax", "kvjax.cache"} <= _loads("kvjax.cache.trie").keys()

@@ -34,6 +34,8 @@ class PoolPlan:
     fresh: int
     copy_from: int | None = None
     copied: int = 0
+    # reused tokens whose pages a lower tier restored for this admission, per tier
+    restored: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def hold(self) -> None:
         self.pool.share(self.held)
@@ -65,6 +67,11 @@ class PoolPlan:
         sequence's pages, the reused ones first. `write` makes them ready on device."""
         self.pool.reserve(self.fresh)
         self.pool.trie.touch(self.nodes)
+        for node in self.nodes[:len(self.reused)]:
+            if node.restored_from is not None:  # the first reuse of a restored page
+                tier = node.restored_from
+                self.restored[tier] = self.restored.get(tier, 0) + self.pool.page_size
+                node.restored_from = None
         return self.reused + self.pool.allocate(self.fresh)
 
     def write(self, pages: list[int]) -> None:

@@ -77,7 +77,13 @@ class KVCacheManager:
         return match(self.target, req, self.prefix_cache)
 
     def admit(self, req) -> Admission | None:
-        """The request's admission with every reused page held, or None (nothing held)."""
+        """The request's admission with every reused page held, or None (nothing held).
+        Pages of the context that a lower tier of the target's pool holds are restored
+        first (`PagePool.restore`), so the plan reuses them like any cached page."""
+        if self.prefix_cache and self.target.tiers is not None:
+            ctx = req.context
+            self.target.restore(req.namespace, ctx.tokens, ctx.salts, ctx.digests,
+                                (len(ctx.tokens) - 1) // self.page_size)
         return plan_admission(req, self.target, self.draft, self.prefix_cache,
                               self.partial_page_copy)
 

@@ -33,8 +33,8 @@ def history_digests(tokens: Sequence[int], page_size: int) -> list[bytes]:
 
 class Node:
     __slots__ = ("blocked", "blocked_kids", "by_first", "children", "created", "hits", "key",
-                 "last_used", "namespace", "page", "parent", "pinned", "resident", "salt",
-                 "salt_kids", "tokens")
+                 "last_used", "namespace", "page", "parent", "pinned", "resident",
+                 "restored_from", "salt", "salt_kids", "tokens")
 
     def __init__(self, tokens: Block, salt: str | None, page: int, parent: Node | None,
                  namespace: CacheNamespace, clock: int):
@@ -53,6 +53,7 @@ class Node:
         self.pinned = self.blocked = False
         self.blocked_kids = 0
         self.resident = True
+        self.restored_from: str | None = None  # a lower tier, until an admission reuses it
         # For miss causes without scanning every child (a system prompt may be continued by
         # thousands): children per (salt, first token) and per salt; made with the first child.
         self.by_first: dict[tuple[str | None, int], list[Node]] | None = None

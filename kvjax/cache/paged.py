@@ -167,6 +167,33 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
                          v_scale=copy(cache.v_scale))
 
 
+# The arrays a page is made of, in the order page reads and writes list them.
+PAGE_FIELDS = ("k", "v", "k_scale", "v_scale")
+
+
+@jax.jit
+def read_pages(cache: PagedKVCache, pages: jax.Array) -> dict[str, jax.Array]:
+    """The stored K/V of pages (int32[n]; an id >= num_pages reads zeros): each field of
+    `PAGE_FIELDS` the cache has, pages first: k, v [n, layers, kv_heads, page_size,
+    head_dim]; int8 pages' k_scale, v_scale [n, layers, kv_heads, page_size]."""
+    out = {}
+    for name in PAGE_FIELDS:
+        a = getattr(cache, name)
+        if a is not None:
+            out[name] = jnp.moveaxis(a.at[:, :, pages].get(mode="fill", fill_value=0), 2, 0)
+    return out
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def write_pages(cache: PagedKVCache, pages: jax.Array,
+                arrays: dict[str, jax.Array]) -> PagedKVCache:
+    """Stores `arrays` (as `read_pages` returns them) into pages (int32[n]; ids >= num_pages
+    are ignored), bit for bit. Donates `cache`."""
+    return cache.replace(**{
+        name: getattr(cache, name).at[:, :, pages].set(jnp.moveaxis(a, 0, 2), mode="drop")
+        for name, a in arrays.items()})
+
+
 @partial(jax.jit, donate_argnames=("cache",))
 def poison_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
     """Fills pages (int32[n]; ids >= num_pages ignored) with NaN (int8 pages: their scales,

@@ -14,6 +14,7 @@ the caller to preempt), grow (copy on write), truncate, release, poison, insert 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from kvjax.cache.allocator import PageAllocator, free_past, pages_for
 from kvjax.cache.identity import CacheNamespace, attention_signature
+from kvjax.cache.node import Node, child_key
 from kvjax.cache.paged import (
     PagedKVCache,
     cache_bytes,
@@ -28,7 +30,11 @@ from kvjax.cache.paged import (
     init_cache,
     padded_ids,
     poison_pages,
+    read_pages,
+    write_pages,
 )
+from kvjax.cache.tier_block import TierBlock, checksum
+from kvjax.cache.tiers import Tiers
 from kvjax.cache.trie import EVICTION_POLICIES, Match, PrefixTrie
 from kvjax.config import CacheConfig, ConfigError, ModelConfig
 from kvjax.errors import NonCausalCacheError
@@ -61,6 +67,13 @@ class PagePool:
                                evicted_record=evicted_record,
                                **({} if hash_fn is None else {"hash_fn": hash_fn}))
         self.fingerprint: str | None = None  # the weights' (set by whoever loads them)
+        # Host and disk tiers for evicted pages (kvjax.cache.tiers): an evicted leaf is
+        # queued while its page still holds it, and read off the device before anything can
+        # write the page again (`_spill`, at the end of `reserve`).
+        self.tiers = Tiers.for_cache(cache)
+        self._leaving: list[tuple[tuple, tuple, tuple, int]] = []
+        if self.tiers is not None:
+            self.trie.on_evict = self._leave
         if poison_freed:
             self.cache = poison_pages(self.cache, np.arange(cache.num_pages, dtype=np.int32))
 
@@ -129,10 +142,83 @@ class PagePool:
         given) until it frees enough or reports there is nobody left to preempt."""
         while self.allocator.num_free < num_pages:
             if self.trie.evict(num_pages - self.allocator.num_free):
+                self._spill()
                 continue
             if preempt is None or not preempt():
                 return False
         return True
+
+    # -- lower tiers ---------------------------------------------------------------------------
+    def _leave(self, node: Node) -> None:
+        """The trie is evicting `node`: queue its page for the tiers (unless a tier holds
+        that block already, as after a restore)."""
+        key = (node.namespace.with_salt(None), node.key)
+        if self.tiers.has(key):
+            return
+        tokens, salts, n = [], [], node
+        while n.parent is not None:
+            tokens[:0] = n.tokens
+            salts.insert(0, n.salt)
+            n = n.parent
+        self._leaving.append((key, tuple(tokens), tuple(salts), node.page))
+
+    def _spill(self) -> None:
+        """Reads the queued pages off the device (one call) into the tiers."""
+        if not self._leaving:
+            return
+        leaving, self._leaving = self._leaving, []
+        ids = padded_ids([page for *_, page in leaving], self.cache_config.num_pages)
+        read = {name: np.asarray(a) for name, a in read_pages(self.cache, ids).items()}
+        blocks = []
+        for i, (key, tokens, salts, _) in enumerate(leaving):
+            arrays = {name: a[i].copy() for name, a in read.items()}
+            blocks.append(TierBlock(key[0], key[1], tokens, salts, arrays, checksum(arrays)))
+        self.tiers.spill(blocks)
+
+    def restore(self, namespace: CacheNamespace, tokens: list[int], salts, digests,
+                limit: int) -> None:
+        """Brings the pages of `tokens` (at most its first `limit` full pages) that a lower
+        tier holds, continuing what the trie holds, back into fresh device pages and the
+        trie, as long as there is room without preempting. Each restored node remembers its
+        tier (`Node.restored_from`) until an admission reuses it."""
+        if self.tiers is None:
+            return
+        t0 = time.perf_counter()
+        ps = self.page_size
+        found = self.trie.match(namespace, tokens, salts, digests, touch=False)
+        key = found.nodes[-1].key if found.nodes else b""
+        root = namespace.with_salt(None)
+        hits: list[tuple[TierBlock, str]] = []
+        self.share(found.pages)  # the matched pages stay while room is made
+        try:
+            for i in range(len(found.nodes), limit):
+                if len(hits) >= self.room:
+                    break
+                key = child_key(key, salts[i], tuple(tokens[i * ps:(i + 1) * ps]))
+                hit = self.tiers.find((root, key), tokens[:(i + 1) * ps], salts[:i + 1])
+                if hit is None:
+                    break
+                hits.append(hit)
+            if not hits:
+                return
+            self.reserve(len(hits))
+            fresh = self.allocate(len(hits))
+            arrays = {name: np.stack([b.arrays[name] for b, _ in hits])
+                      for name in hits[0][0].arrays}
+            n = len(padded_ids(fresh, 0))
+            arrays = {name: np.concatenate([a, np.zeros((n - len(a), *a.shape[1:]), a.dtype)])
+                      for name, a in arrays.items()}
+            self.cache = write_pages(self.cache, padded_ids(fresh, self.cache_config.num_pages),
+                                     arrays)
+            end = (len(found.nodes) + len(hits)) * ps
+            self.trie.insert(namespace, tokens[:end], salts, digests, found.pages + fresh)
+            self.release(fresh)  # the trie holds them now
+            node = self.trie.match(namespace, tokens[:end], salts, digests, touch=False)
+            for restored, (_, tier) in zip(node.nodes[len(found.nodes):], hits, strict=True):
+                restored.restored_from = tier
+        finally:
+            self.release(found.pages)
+            self.tiers.restore_s += time.perf_counter() - t0
 
     def grow(self, pages: list[int], write_from: int, end: int,
              preempt: Preempt | None = None, host_timer=contextlib.nullcontext) -> bool:
@@ -171,11 +257,14 @@ class PagePool:
         if pages:
             self.allocator.free(pages)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         """What the engine's metrics read of the pool: resident (cached) pages, evictions,
-        copy-on-write copies, free pages."""
-        return {"resident_pages": self.trie.num_nodes, "evictions": self.trie.evictions,
-                "cow_copies": self.allocator.copies, "free_pages": self.allocator.num_free}
+        copy-on-write copies, free pages; with lower tiers, theirs (`Tiers.stats`)."""
+        out = {"resident_pages": self.trie.num_nodes, "evictions": self.trie.evictions,
+               "cow_copies": self.allocator.copies, "free_pages": self.allocator.num_free}
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.stats()
+        return out
 
     def flush_poison(self) -> None:
         """Poisons the pages freed since the last call that are still free (debug mode)."""

@@ -113,6 +113,9 @@ class PrefixTrie:
         self._heap: list[tuple[tuple, int, Node]] = []
         self._order = itertools.count()
         allocator.listener = self._refcount_changed
+        # Told of every leaf `evict` is about to drop, while its page still holds its K/V
+        # and its parents are still cached (the pool's lower tiers keep it).
+        self.on_evict: Callable[[Node], None] | None = None
 
     # -- queries ----------------------------------------------------------------------------
     def _root(self, base: CacheNamespace, create: bool) -> Node | None:
@@ -319,6 +322,8 @@ class PrefixTrie:
             if key != self.priority(node):
                 self._offer(node)  # its key changed since: back in at the current one
                 continue
+            if self.on_evict is not None:
+                self.on_evict(node)
             self._remove(node)
             freed += 1
         if len(self._heap) > 2 * self.num_nodes + 64:  # drop the stale entries

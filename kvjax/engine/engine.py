@@ -51,7 +51,7 @@ from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket
 from kvjax.decode.sampling import sequence_keys
-from kvjax.engine.engine_metrics import EngineMetrics
+from kvjax.engine.engine_metrics import EngineMetrics, tier_metrics
 from kvjax.engine.requests import (
     MAX_STOP_TOKENS,
     LiveRequest,
@@ -304,7 +304,8 @@ class Engine:
             preemptions=counters["preemptions"], resident_pages=pages["resident_pages"],
             resident_bytes=pages["resident_pages"] * self.kv.target.page_bytes,
             free_pages=pages["free_pages"], prefill_s=self._timers["prefill_s"],
-            decode_s=self._timers["decode_s"], host_s=self._timers["host_s"], **spec)
+            decode_s=self._timers["decode_s"], host_s=self._timers["host_s"],
+            tiers=tier_metrics(log, pages.get("tiers")), **spec)
 
     def write_metrics(self, path) -> None:
         """Per-request stats as JSON lines, then one line of aggregates."""

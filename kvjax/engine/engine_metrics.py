@@ -44,9 +44,14 @@ class EngineMetrics(Mapping):
     draft_prefill_s: float | None = None  # with speculative decoding only
     draft_reused_tokens: int | None = None
     spec: dict | None = None  # the speculative totals (kvjax.speculative.plugin)
+    # with host/disk tiers: reused tokens by tier, and each tier's state and counters
+    # (kvjax.cache.tiers.Tiers.stats)
+    tiers: dict | None = None
 
     def _keys(self) -> list[str]:
         names = [f.name for f in dataclasses.fields(self)]
+        if self.tiers is None:
+            names.remove("tiers")
         return names if self.spec is not None else [n for n in names if n not in _SPEC_ONLY]
 
     def __getitem__(self, key: str):
@@ -63,3 +68,16 @@ class EngineMetrics(Mapping):
     def as_dict(self) -> dict:
         """Plain data, ready for JSON (the keys of the mapping)."""
         return dict(self)
+
+
+def tier_metrics(log: list[dict], tiers: dict | None) -> dict | None:
+    """Reused tokens by the tier they came from (device: cached there all along) beside
+    the tiers' own figures; None without tiers."""
+    if tiers is None:
+        return None
+    restored = {"host": 0, "disk": 0}
+    for s in log:
+        for tier, n in (s.get("restored_tokens") or {}).items():
+            restored[tier] += n
+    reused = sum(s["reused_tokens"] for s in log)
+    return {"reused_tokens": {"device": reused - sum(restored.values()), **restored}, **tiers}

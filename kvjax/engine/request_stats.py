@@ -39,11 +39,14 @@ class RequestStats:
     resumed_tokens: int = 0  # answer tokens a resume took back instead of decoding them
     ttft_s: float = 0.0
     draft_reused_tokens: int | None = None  # with a draft model: the draft pool's reuse
+    # with host/disk tiers: of the reused tokens, those restored from each tier
+    restored_tokens: dict[str, int] | None = None
     spec: SpecStats | None = None  # with speculative decoding: this request's rounds
 
     def as_dict(self) -> dict:
         """The result's stats as plain data: the admission's figures once admitted (before,
-        only `preemptions`, if any), then `draft_reused_tokens` and `spec` where present."""
+        only `preemptions`, if any), then `draft_reused_tokens`, `restored_tokens` and `spec`
+        where present."""
         if self.admitted:
             out = {key: getattr(self, key) for key in ADMISSION_KEYS}
             out["miss_fields"] = list(self.miss_fields)
@@ -51,6 +54,8 @@ class RequestStats:
             out = {"preemptions": self.preemptions} if self.preemptions else {}
         if self.draft_reused_tokens is not None:
             out["draft_reused_tokens"] = self.draft_reused_tokens
+        if self.restored_tokens is not None:
+            out["restored_tokens"] = dict(self.restored_tokens)
         if self.spec is not None:
             out["spec"] = self.spec.as_dict(timings=False)
         return out

@@ -229,6 +229,8 @@ class Rounds:
                          unbounded, self.kv.page_size)
         if self.kv.draft is not None and req.stats.draft_reused_tokens is None:
             req.stats.draft_reused_tokens = draft_reused  # the first admission's
+        if self.kv.target.tiers is not None and req.stats.restored_tokens is None:
+            req.stats.restored_tokens = dict(adm.target.restored)  # the first admission's
         if self._emit(req, events):
             self._retire_if_done(req)
 
