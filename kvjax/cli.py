@@ -45,9 +45,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from kvjax import memory
     from kvjax.memory import planner as memory_plan
+    from kvjax.memory.calculator import kv_bytes_per_scalar
 
     device_memory = round((args.device_memory_gib or 80.0) * memory_plan.GIB)
     if args.table is not None:
+        if args.kv_format is not None:
+            raise ConfigError("kv_format", "the table takes --kv-bytes (one width for every "
+                                           "model); --kv-format needs one model's head_dim")
         paths = args.table or memory_plan.LARGE_CONFIGS
         for path in paths:
             if not Path(path).is_file():
@@ -65,6 +69,8 @@ def _memory(args: argparse.Namespace) -> int:
                             num_heads=args.heads or args.kv_heads, head_dim=args.head_dim,
                             d_model=args.d_model, d_ff=args.d_ff, vocab_size=args.vocab,
                             max_seq_len=args.max_seq_len, tie_embeddings=args.tied)
+    if args.kv_format is not None:  # int8: 1 + 4 / head_dim (one float32 scale per vector)
+        args.kv_bytes = kv_bytes_per_scalar(args.kv_format, model.head_dim)
     plan = None  # made first, so that a bad mesh is refused before anything is printed
     if args.mesh is not None or args.device_memory_gib is not None:
         plan = memory_plan.plan_report(
@@ -145,7 +151,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 # Timed repetitions (medians) per benchmark when --reps is not given.
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
-              "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 1}
+              "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 1,
+              "tiers": 5}
 
 
 def fill_bench_defaults(args: argparse.Namespace) -> None:
@@ -154,7 +161,7 @@ def fill_bench_defaults(args: argparse.Namespace) -> None:
     args.reps = args.reps or BENCH_REPS[args.which]
     pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
     for key, default in (("requests", 8 if pressure else 32),
-                         ("prompt_len", 64 if pressure else 512),
+                         ("prompt_len", 64 if pressure else 1024 if args.which == "tiers" else 512),
                          ("gen_tokens", 448 if pressure else 128)):
         if getattr(args, key) is None:
             setattr(args, key, default)
@@ -208,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--prefill-tokens", type=int, default=2048)
     mem.add_argument("--page-size", type=int, default=16)
     mem.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached scalar")
+    mem.add_argument("--kv-format", choices=("float32", "bfloat16", "int8"), default=None,
+                     help="the pages' format: bytes per cached scalar with its scales "
+                          "(instead of --kv-bytes)")
     mem.add_argument("--param-bytes", type=int, default=2, help="bytes per weight")
     mem.add_argument("--peak-gflops", type=float, default=989e3,
                      help="machine peak (default: H100 bf16 dense)")
@@ -239,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(resume vs recompute under memory pressure), "
                                          "profile (where a decode token's time goes), "
                                          "trie (host time per admission against cached "
-                                         "pages), kv_format (bfloat16 and int8 pages "
+                                         "pages), tiers (a prefix restored from the host "
+                                         "or disk tier vs prefilled), kv_format (bfloat16 "
+                                         "and int8 pages "
                                          "against float32 on the real model)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
@@ -279,11 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "preemption")
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
     peer.add_argument("--model", default=None,
-                      help="(peer, profile, kv_format) a kvjax.models checkpoint instead of "
+                      help="(peer, profile, kv_format, tiers) a kvjax.models checkpoint instead of "
                            "the random bench model")
     peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
                       help="(peer, with --model) also llama.cpp at batch 1, built into "
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")
+    peer.add_argument("--formats", default=None,
+                      help="(kv_format) page formats, comma-separated, float32 first "
+                           "(default float32,bfloat16,int8)")
     trie = bench.add_argument_group("trie")
     trie.add_argument("--pages", default="10000,100000,1000000",
                       help="(trie) cached-page counts, comma-separated")

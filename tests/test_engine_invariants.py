@@ -15,6 +15,9 @@ machine's source does not change them (derandomize alone seeds from the source).
 from __future__ import annotations
 
 import collections
+import shutil
+import tempfile
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -33,10 +36,12 @@ from hypothesis.stateful import (
 
 import kvjax
 from kvjax import Engine, EngineConfig, Request, SamplingConfig, SpecConfig
+from kvjax.cache.tier_block import read_block
 
 P = params(seed=4)
 NUM_PAGES = 36
 PS = CACHE.page_size
+PAGE_BYTES = 1024  # 2 layers x 2 KV heads x 4 slots x head dim 8 x float32, K and V
 SYSTEM = list(range(3, 30))
 DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
                     max_seq_len=256, tie_embeddings=False)
@@ -200,6 +205,46 @@ class EngineMachine(RuleBasedStateMachine):
             assert compared == set(pages)
 
 
+class TieredEngineMachine(EngineMachine):
+    """The same rules on an engine whose evicted pages go to a host tier of 6 pages and on
+    to a disk tier of about 12: after every rule each tier is within its bytes (the folder
+    too); at the end every page a tier holds is its history's fresh-prefill K/V, and
+    over the run pages were restored from both tiers."""
+
+    checked: ClassVar[collections.Counter] = collections.Counter()
+    host_bytes, disk_bytes = 6 * PAGE_BYTES, 12 * (PAGE_BYTES + 700)
+
+    def make_engine(self, packed: bool) -> Engine:
+        self.folder = tempfile.mkdtemp(prefix="kvjax-tiers-")
+        return engine(P, cache=with_cache(num_pages=NUM_PAGES, host_bytes=self.host_bytes,
+                                          disk_dir=self.folder, disk_bytes=self.disk_bytes),
+                      max_slots=3, decode_steps=3, partial_page_copy=True, poison_freed=True,
+                      packed_prefill=packed)
+
+    @invariant()
+    def tiers_stay_within_their_bytes(self):
+        host, disk = self.eng.kv.target.tiers.levels
+        on_disk = sum(f.stat().st_size for f in Path(self.folder).glob("*.kvpage"))
+        assert host.bytes <= self.host_bytes
+        assert on_disk == disk.bytes <= self.disk_bytes
+
+    def teardown(self):
+        super().teardown()
+        host, disk = self.eng.kv.target.tiers.levels
+        blocks = [("host", b) for b in host.blocks.values()] + [
+            ("disk", read_block(str(f))) for f in Path(self.folder).glob("*.kvpage")]
+        for tier, block in blocks:
+            fresh = fresh_prefill(self.eng.model.params, CONFIG, CACHE, list(block.tokens),
+                                  self.eng.plan)
+            page = len(block.tokens) // PS - 1
+            np.testing.assert_array_equal(block.arrays["k"], np.asarray(fresh.k)[:, :, page])
+            np.testing.assert_array_equal(block.arrays["v"], np.asarray(fresh.v)[:, :, page])
+            type(self).checked[tier] += 1
+        for level in (host, disk):
+            type(self).checked[f"restored_{level.name}"] += level.stats["restored_pages"]
+        shutil.rmtree(self.folder)
+
+
 class SpecEngineMachine(EngineMachine):
     """The same rules on an engine drafting with a model (γ 2): both pools checked. Packed
     steps are plain decoding only, so this machine draws no `packed` flag."""
@@ -237,6 +282,12 @@ def test_engine_invariants():
     checked = run(EngineMachine, 30)
     for writer in ("prefill", "packed", "decode"):
         assert checked[0, writer] > 0, (writer, checked)
+
+
+def test_tiered_engine_invariants():
+    checked = run(TieredEngineMachine, 12)
+    for key in ("host", "disk", "restored_host", "restored_disk"):
+        assert checked[key] > 0, (key, checked)
 
 
 def test_spec_engine_invariants():

@@ -101,7 +101,7 @@ def _check_folder(out: Path, exp) -> list[dict]:
 
 
 SMOKE = ["prefix_page_size", "partial_copy", "eviction", "scheduling", "identity",
-         "kv_memory", "spec_operating_point", "tour"]
+         "kv_memory", "kv_tiers", "spec_operating_point", "tour"]
 # the real model's experiments run their smoke variants in test_real_model.py, beside the
 # other checks of the real model (one process compiles the 30-layer model's steps once)
 ELSEWHERE = ["chat", "mtbench_spec", "sharegpt_reuse"]
@@ -189,6 +189,18 @@ def _kv_memory(rows):
     assert by["mha"] > by["mqa"]
 
 
+def _kv_tiers(rows):
+    """The smoke sweep: int8 pages, a restart half way, no tiers vs host + disk."""
+    for r in rows:
+        assert r["same_as_cache_off"]  # bitwise, in its own format
+        assert r["max_logit_diff_vs_f32"] > 0  # int8 pages: not float32's numbers
+        assert r["reused_tokens"] == r["reused_device"] + r["reused_host"] + r["reused_disk"]
+    by = {r["tiers"]: r for r in rows}
+    assert by["none"]["reused_host"] == by["none"]["reused_disk"] == 0
+    assert by["host+disk"]["reused_disk"] > 0  # the restarted engine read the disk
+    assert by["host+disk"]["fraction_of_ceiling"] > by["none"]["fraction_of_ceiling"]
+
+
 def _spec(rows):
     assert {r["drafter"] for r in rows} == {"model", "ngram"}
     for r in rows:
@@ -207,6 +219,7 @@ def _tour(rows):
 
 CHECKS = {"prefix_page_size": _prefix, "partial_copy": _partial, "eviction": _eviction,
           "scheduling": _scheduling, "identity": _identity, "kv_memory": _kv_memory,
+          "kv_tiers": _kv_tiers,
           "spec_operating_point": _spec, "tour": _tour}
 
 

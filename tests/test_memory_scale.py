@@ -170,3 +170,17 @@ def test_cli_rejects_a_bad_mesh_before_printing(argv, message, capsys):
     assert captured.out == ""
     assert captured.err.startswith("kvjax: config error: ")
     assert message in captured.err
+
+
+def test_cli_counts_a_page_format_with_its_scales(capsys):
+    """`--kv-format int8`: one byte per number and a float32 scale per 128-number vector
+    (2 x 32 layers x 8 KV heads x 128 x (1 + 4 / 128) = 67,584 B per token), in the report
+    and the plan; the table refuses it (its models differ in head_dim)."""
+    assert main(["memory", "--kv-format", "int8", "--mesh", "model=1"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token per sequence: 66.00 KiB (67,584 B)" in out
+    assert "KV per token per device: 66.00 KiB (67,584 B" in out
+    assert main(["memory", "--kv-format", "bfloat16"]) == 0
+    assert "(131,072 B)" in capsys.readouterr().out
+    assert main(["memory", "--table", "--kv-format", "int8"]) == 2
+    assert "kv_format: the table takes --kv-bytes" in capsys.readouterr().err

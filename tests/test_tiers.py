@@ -199,3 +199,33 @@ def test_each_tier_stays_within_its_bytes(p, tmp_path, pages):
     assert on_disk == tiers["disk"]["bytes"] <= disk_bytes
     assert tiers["host"]["evictions"] > 0 and tiers["disk"]["evictions"] > 0
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_tiers_benchmark_restores_what_it_prefilled(p):
+    """`kvjax bench tiers` at toy size: each scene restores the prompt's full pages but the
+    last (the bench raises if an answer changed), and the dropped-file-cache scene runs."""
+    from engine_helpers import CONFIG
+
+    from kvjax.bench import tiers
+
+    rows = tiers.measure(p, CONFIG, prompt_len=64, reps=1)
+    assert [r["scene"] for r in rows] == list(tiers.SCENES)
+    for r in rows:
+        assert r["restored_tokens"] == 48  # (64 - 1) // 16 pages of 16
+        assert r["restore_s"] > 0 and r["cold_prefill_s"] > 0
+
+
+def test_tiers_are_refused_on_a_mesh_and_kept_from_the_draft_pool(p):
+    """A mesh has no rule for the tiers' page reads and writes yet: refused by name. A draft
+    model's pool gets no tiers (its pages are recomputed), so it never shares the folder."""
+    from engine_helpers import CONFIG
+
+    from kvjax import EngineConfig
+    from kvjax.cache.manager import KVCacheManager
+    from kvjax.cache.pool import PagePool
+
+    tiered = with_cache(CACHE, host_bytes=1 << 20)
+    with pytest.raises(NotImplementedError, match="tiers on a device mesh"):
+        PagePool(CONFIG, tiered, sharding=object())
+    kv = KVCacheManager.for_engine(CONFIG, EngineConfig(cache=tiered), draft_config=CONFIG)
+    assert kv.target.tiers is not None and kv.draft.tiers is None

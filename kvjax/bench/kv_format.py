@@ -30,7 +30,7 @@ from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.engine import Engine, Request
 from kvjax.lab.progress import Progress
-from kvjax.lab.report import emit, markdown_table, write_results
+from kvjax.lab.report import emit, markdown_table, refuse, write_results
 from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
 
 FORMATS = ("float32", "bfloat16", "int8")
@@ -177,11 +177,14 @@ def main(args) -> int:
     model = args.model or "smollm2-135m-instruct"
     questions = args.requests or 32
     new_tokens = args.gen_tokens or 128
+    formats = tuple(args.formats.split(",")) if args.formats else FORMATS
+    if formats[0] != "float32" or not set(formats) <= set(FORMATS):
+        return refuse(f"--formats: float32 first, then any of {', '.join(FORMATS[1:])}")
     emit(f"bench kv_format: {model}, {questions} MT-Bench first turns x {new_tokens} greedy "
-         f"tokens; pages {', '.join(FORMATS)}")
+         f"tokens; pages {', '.join(formats)}")
     case = real_case(model, questions)
-    with Progress(len(FORMATS), "formats") as bar:
-        rows = measure(case, new_tokens=new_tokens, progress=bar)
+    with Progress(len(formats), "formats") as bar:
+        rows = measure(case, formats, new_tokens=new_tokens, progress=bar)
     write_results(args.out, markdown_table(rows, COLUMNS), rows, model=model,
                   questions=questions, new_tokens=new_tokens)
     return 0

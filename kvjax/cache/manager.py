@@ -59,7 +59,8 @@ class KVCacheManager:
         ec = engine_config
         target = PagePool.for_engine(config, ec, hash_fn, sharding)
         draft = (None if draft_config is None
-                 else PagePool.for_engine(draft_config, ec, hash_fn, draft_sharding))
+                 else PagePool.for_engine(draft_config, ec, hash_fn, draft_sharding,
+                                          tiers=False))  # the draft's pages are recomputed
         return cls(target, draft, prefix_cache=ec.prefix_cache,
                    partial_page_copy=ec.partial_page_copy)
 

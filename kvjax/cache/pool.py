@@ -14,6 +14,7 @@ the caller to preempt), grow (copy on write), truncate, release, poison, insert 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +58,9 @@ class PagePool:
         if eviction not in EVICTION_POLICIES:
             raise ConfigError("engine.eviction", f"{eviction!r} is not one of "
                               f"{', '.join(map(repr, EVICTION_POLICIES))}")
+        if sharding is not None and (cache.host_bytes or cache.disk_dir is not None):
+            raise NotImplementedError("host and disk tiers on a device mesh: their page "
+                                      "reads and writes have no sharding rule yet")
         self.model_config = model
         self.cache_config = cache
         self.sharding = sharding
@@ -67,22 +71,23 @@ class PagePool:
                                evicted_record=evicted_record,
                                **({} if hash_fn is None else {"hash_fn": hash_fn}))
         self.fingerprint: str | None = None  # the weights' (set by whoever loads them)
-        # Host and disk tiers for evicted pages (kvjax.cache.tiers): an evicted leaf is
-        # queued while its page still holds it, and read off the device before anything can
-        # write the page again (`_spill`, at the end of `reserve`).
+        # Host and disk tiers for evicted pages (kvjax.cache.tiers): the trie hands over
+        # what each eviction dropped while the pages still hold it (`_spill`).
         self.tiers = Tiers.for_cache(cache)
-        self._leaving: list[tuple[tuple, tuple, tuple, int]] = []
         if self.tiers is not None:
-            self.trie.on_evict = self._leave
+            self.trie.on_evict = self._spill
         if poison_freed:
             self.cache = poison_pages(self.cache, np.arange(cache.num_pages, dtype=np.int32))
 
     @classmethod
     def for_engine(cls, model: ModelConfig, engine_config, hash_fn=None,
-                   sharding=None) -> PagePool:
-        """A pool with an `EngineConfig`'s cache, eviction and debug settings."""
+                   sharding=None, tiers: bool = True) -> PagePool:
+        """A pool with an `EngineConfig`'s cache, eviction and debug settings (without its
+        host and disk tiers unless `tiers`)."""
         ec = engine_config
-        return cls(model, ec.cache, eviction=ec.eviction, evicted_record=ec.evicted_record,
+        cache = ec.cache if tiers else dataclasses.replace(ec.cache, host_bytes=0,
+                                                            disk_dir=None, disk_bytes=0)
+        return cls(model, cache, eviction=ec.eviction, evicted_record=ec.evicted_record,
                    hash_fn=hash_fn, poison_freed=ec.poison_freed, sharding=sharding)
 
     def namespace(self, position_base: int, adapter: str = "none") -> CacheNamespace:
@@ -142,31 +147,34 @@ class PagePool:
         given) until it frees enough or reports there is nobody left to preempt."""
         while self.allocator.num_free < num_pages:
             if self.trie.evict(num_pages - self.allocator.num_free):
-                self._spill()
                 continue
             if preempt is None or not preempt():
                 return False
         return True
 
-    # -- lower tiers ---------------------------------------------------------------------------
-    def _leave(self, node: Node) -> None:
-        """The trie is evicting `node`: queue its page for the tiers (unless a tier holds
-        that block already, as after a restore)."""
-        key = (node.namespace.with_salt(None), node.key)
-        if self.tiers.has(key):
-            return
-        tokens, salts, n = [], [], node
-        while n.parent is not None:
-            tokens[:0] = n.tokens
-            salts.insert(0, n.salt)
-            n = n.parent
-        self._leaving.append((key, tuple(tokens), tuple(salts), node.page))
+    def evict(self, num_pages: int) -> int:
+        """Evicts up to `num_pages` cached pages now (into the tiers, when the pool has
+        them); returns how many went. Benchmarks and tests use it; admissions evict as they
+        need room (`reserve`)."""
+        return self.trie.evict(num_pages)
 
-    def _spill(self) -> None:
-        """Reads the queued pages off the device (one call) into the tiers."""
-        if not self._leaving:
+    # -- lower tiers ---------------------------------------------------------------------------
+    def _spill(self, nodes: list[Node]) -> None:
+        """The trie evicted `nodes`: their pages (one device read) go to the tiers, except
+        blocks a tier holds already (as after a restore)."""
+        leaving = []
+        for node in nodes:
+            key = (node.namespace.with_salt(None), node.key)
+            if self.tiers.has(key):
+                continue
+            tokens, salts, n = [], [], node
+            while n.parent is not None:
+                tokens[:0] = n.tokens
+                salts.insert(0, n.salt)
+                n = n.parent
+            leaving.append((key, tuple(tokens), tuple(salts), node.page))
+        if not leaving:
             return
-        leaving, self._leaving = self._leaving, []
         ids = padded_ids([page for *_, page in leaving], self.cache_config.num_pages)
         read = {name: np.asarray(a) for name, a in read_pages(self.cache, ids).items()}
         blocks = []

@@ -96,9 +96,11 @@ def write_block(path: str, block: TierBlock) -> int:
     return len(MAGIC) + _LEN.size + len(header) + block.nbytes
 
 
-def read_block(path: str, root: CacheNamespace, key: bytes) -> TierBlock:
+def read_block(path: str, root: CacheNamespace | None = None,
+               key: bytes | None = None) -> TierBlock:
     """The block in `path`, checked: raises `DamagedBlock` (truncated, corrupted, not a
-    block file) or `ForeignBlock` (another namespace or key than `root`, `key`)."""
+    block file) or `ForeignBlock` (another namespace or key than `root`, `key`; without
+    them, whatever intact block the file holds, for inspection)."""
     with open(path, "rb") as f:
         data = f.read()
     start = len(MAGIC) + _LEN.size
@@ -125,7 +127,7 @@ def read_block(path: str, root: CacheNamespace, key: bytes) -> TierBlock:
                       tuple(header["salts"]), arrays, header["checksum"])
     if not block.intact():
         raise DamagedBlock(f"{path}: checksum mismatch")
-    if block.root != root or block.key != key:
+    if root is not None and (block.root != root or block.key != key):
         raise ForeignBlock(f"{path}: holds another block (namespace fields "
                            f"{root.differing_fields(block.root) or 'equal'})")
     return block

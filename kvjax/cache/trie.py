@@ -113,9 +113,10 @@ class PrefixTrie:
         self._heap: list[tuple[tuple, int, Node]] = []
         self._order = itertools.count()
         allocator.listener = self._refcount_changed
-        # Told of every leaf `evict` is about to drop, while its page still holds its K/V
-        # and its parents are still cached (the pool's lower tiers keep it).
-        self.on_evict: Callable[[Node], None] | None = None
+        # Told of the leaves each `evict` call dropped, before it returns: their pages still
+        # hold their K/V (nothing can write a page before the caller gets it back) and
+        # their parent links still name their histories (the pool's lower tiers keep them).
+        self.on_evict: Callable[[list[Node]], None] | None = None
 
     # -- queries ----------------------------------------------------------------------------
     def _root(self, base: CacheNamespace, create: bool) -> Node | None:
@@ -314,7 +315,7 @@ class PrefixTrie:
     def evict(self, num_pages: int) -> int:
         """Frees up to `num_pages` pages, one evictable leaf at a time in policy order (a
         parent whose last child goes competes from then on)."""
-        freed = 0
+        freed, evicted = 0, []
         while freed < num_pages and self._heap:
             key, _, node = heapq.heappop(self._heap)
             if not node.resident or node.children or node.pinned:
@@ -322,10 +323,11 @@ class PrefixTrie:
             if key != self.priority(node):
                 self._offer(node)  # its key changed since: back in at the current one
                 continue
-            if self.on_evict is not None:
-                self.on_evict(node)
             self._remove(node)
+            evicted.append(node)
             freed += 1
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         if len(self._heap) > 2 * self.num_nodes + 64:  # drop the stale entries
             self._heap = [e for e in self._heap if e[2].resident]
             heapq.heapify(self._heap)

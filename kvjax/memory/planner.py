@@ -50,12 +50,12 @@ def weight_bytes_per_device(config: ModelConfig, sizes: dict[str, int], param_by
 
 
 def kv_bytes_per_token_per_device(config: ModelConfig, sizes: dict[str, int],
-                                  kv_bytes_per_scalar: int,
+                                  kv_bytes_per_scalar: float,
                                   notes: list[str] | None = None) -> int:
     """K and V bytes one token adds on each device: KV heads split over "model" (or not)."""
     spec = sharding.cache_spec(config, sizes, notes)
     one_token = (config.num_layers, config.num_kv_heads, 1, 1, config.head_dim)  # [L, K, 1, 1, H]
-    return 2 * kv_bytes_per_scalar * _scalars(one_token, spec, sizes)
+    return round(2 * kv_bytes_per_scalar * _scalars(one_token, spec, sizes))
 
 
 def _round_up(n: int, multiple: int) -> int:
