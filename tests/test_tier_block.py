@@ -154,3 +154,15 @@ def test_tiers_cascade_and_never_return_another_history(tmp_path):
     with pytest.warns(UserWarning, match="foreign"):
         assert tiers.find((ROOT, b0.key), b0.tokens, ("tenant",) * len(b0.salts)) is None
     assert host.stats["skipped_foreign"] == 2 and len(host) == 0
+
+
+def test_a_host_block_that_fails_its_checksum_is_skipped():
+    """Memory that changed under a kept block (a bit flipped in place) is never restored."""
+    b = block(5)
+    tiers = Tiers(1 << 20)
+    tiers.spill([b])
+    b.arrays["k"][0, 0, 0, 0] ^= 1
+    with pytest.warns(UserWarning, match="damaged"):
+        assert tiers.find((ROOT, b.key), b.tokens, b.salts) is None
+    host = tiers.levels[0]
+    assert host.stats["skipped_damaged"] == 1 and len(host) == 0 and host.bytes == 0

@@ -5,11 +5,12 @@ One engine per tier (host memory; disk, with no host tier above it), the model's
 wide enough for the prompt, one slot. Each repetition takes a new prompt of `prompt_len`
 random token ids: it is prefilled cold (its `prefill_s`), every cached page is evicted into
 the tier, and the same prompt is admitted again, its full pages restored (the tier's
-`restore_s`, which includes finding, checking and writing the pages to the device) and its
-last page prefilled. The second answer must equal the first, logits bitwise. Disk pages are
-read twice: from the operating system's file cache (as just written), and with the files
-dropped from it first (fsync, then POSIX_FADV_DONTNEED), what a restart after the cache
-is gone reads. Medians over `reps` after one untimed repetition that compiles the shapes.
+`restore_s`: finding, checking and writing the pages to the device, until written) and its
+last page prefilled; its time to first token is set against the cold one's. The second
+answer must equal the first, logits bitwise. Disk pages are read twice: from the operating
+system's file cache (as just written), and with the files dropped from it first (fsync,
+then POSIX_FADV_DONTNEED), what a restart after the cache is gone reads. Medians over
+`reps` after one untimed repetition that compiles the shapes.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def measure(params, config, prompt_len: int, reps: int, progress=None) -> list[d
         folder = tempfile.mkdtemp(prefix="kvjax-bench-tiers-")
         engine = _engine(params, config, scene, prompt_len, folder)
         pool = engine.kv.target
-        cold_s, restore_s, tail_s, restored = [], [], [], 0
+        cold_s, restore_s, tail_s, ttft, restored = [], [], [], [], 0
         for rep in range(reps + 1):
             prompt = [int(t) for t in rng.integers(0, config.vocab_size, prompt_len)]
             request = Request(prompt, 1, return_logits=True, ignore_eos=True)
@@ -73,6 +74,7 @@ def measure(params, config, prompt_len: int, reps: int, progress=None) -> list[d
                 cold_s.append(cold.stats["prefill_s"])
                 restore_s.append(pool.tiers.restore_s - before)
                 tail_s.append(warm.stats["prefill_s"])
+                ttft.append(warm.stats["ttft_s"] / cold.stats["ttft_s"])
                 restored = sum(warm.stats["restored_tokens"].values())
         page_bytes = pool.page_bytes
         cold, restore = statistics.median(cold_s), statistics.median(restore_s)
@@ -80,6 +82,7 @@ def measure(params, config, prompt_len: int, reps: int, progress=None) -> list[d
                      "cold_prefill_s": cold, "restore_s": restore,
                      "last_page_prefill_s": statistics.median(tail_s),
                      "restore_vs_prefill": restore / cold,
+                     "ttft_vs_cold": statistics.median(ttft),
                      "restore_mb_per_s": restored // PAGE * page_bytes / restore / 1e6})
         if progress is not None:
             progress.update()
@@ -95,6 +98,7 @@ COLUMNS = [
     ("restore / prefill", lambda r: f"{r['restore_vs_prefill']:.3f}x"),
     ("restore rate", lambda r: f"{r['restore_mb_per_s']:,.0f} MB/s"),
     ("then the last page", lambda r: f"{r['last_page_prefill_s'] * 1e3:.0f} ms"),
+    ("TTFT vs cold", lambda r: f"{r['ttft_vs_cold']:.3f}x"),
 ]
 
 

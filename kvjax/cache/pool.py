@@ -74,6 +74,7 @@ class PagePool:
         # Host and disk tiers for evicted pages (kvjax.cache.tiers): the trie hands over
         # what each eviction dropped while the pages still hold it (`_spill`).
         self.tiers = Tiers.for_cache(cache)
+        self._buffers: dict[int, dict[str, np.ndarray]] = {}  # restores' staging buffers
         if self.tiers is not None:
             self.trie.on_evict = self._spill
         if poison_freed:
@@ -183,6 +184,15 @@ class PagePool:
             blocks.append(TierBlock(key[0], key[1], tokens, salts, arrays, checksum(arrays)))
         self.tiers.spill(blocks)
 
+    def _staging(self, n: int, page: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Host buffers for `n` pages shaped like `page`, kept for the next restore of that
+        many (a fresh buffer of tens of megabytes costs page faults each time). The write
+        of padded rows is dropped, so what they hold does not matter."""
+        if n not in self._buffers:
+            self._buffers = {n: {name: np.empty((n, *a.shape), a.dtype)
+                                 for name, a in page.items()}}
+        return self._buffers[n]
+
     def restore(self, namespace: CacheNamespace, tokens: list[int], salts, digests,
                 limit: int) -> None:
         """Brings the pages of `tokens` (at most its first `limit` full pages) that a lower
@@ -211,13 +221,13 @@ class PagePool:
                 return
             self.reserve(len(hits))
             fresh = self.allocate(len(hits))
-            arrays = {name: np.stack([b.arrays[name] for b, _ in hits])
-                      for name in hits[0][0].arrays}
-            n = len(padded_ids(fresh, 0))
-            arrays = {name: np.concatenate([a, np.zeros((n - len(a), *a.shape[1:]), a.dtype)])
-                      for name, a in arrays.items()}
+            arrays = self._staging(len(padded_ids(fresh, 0)), hits[0][0].arrays)
+            for j, (block, _) in enumerate(hits):
+                for name, a in arrays.items():
+                    a[j] = block.arrays[name]
             self.cache = write_pages(self.cache, padded_ids(fresh, self.cache_config.num_pages),
                                      arrays)
+            self.cache.k.block_until_ready()  # restore_s counts the device write too
             end = (len(found.nodes) + len(hits)) * ps
             self.trie.insert(namespace, tokens[:end], salts, digests, found.pages + fresh)
             self.release(fresh)  # the trie holds them now

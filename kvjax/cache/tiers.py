@@ -57,9 +57,18 @@ class HostTier:
         return False
 
     def get(self, key: Key) -> TierBlock | None:
+        """The block kept under `key` if its checksum still holds; a block that fails it is
+        skipped with a warning, counted and dropped."""
         block = self.blocks.get(key)
-        if block is not None:
-            self.blocks.move_to_end(key)
+        if block is None:
+            return None
+        if not block.intact():
+            self.stats["skipped_damaged"] += 1
+            warnings.warn("kvjax host tier: skipped a damaged page (recomputed instead)",
+                          stacklevel=3)
+            self.discard(key)
+            return None
+        self.blocks.move_to_end(key)
         return block
 
     def discard(self, key: Key) -> None:
@@ -214,19 +223,17 @@ class Tiers:
 
     def find(self, key: Key, tokens, salts) -> tuple[TierBlock, str] | None:
         """(block, tier name) of the first tier holding exactly the page `key` names for the
-        history `tokens` with page salts `salts`, or None. A block found on disk is kept in
+        history `tokens` with page salts `salts`, its checksum checked (by the tier), or
+        None. A block found on disk is kept in
         host memory too (what that evicts goes to disk as usual)."""
         for i, level in enumerate(self.levels):
             block = level.get(key)
             if block is None:
                 continue
-            kind = None if block.intact() else "damaged"
-            if kind is None and not block.same_history(key[0], tokens, salts):
-                kind = "foreign"
-            if kind is not None:
-                level.stats[f"skipped_{kind}"] += 1
-                warnings.warn(f"kvjax {level.name} tier: skipped a {kind} page (recomputed "
-                              "instead)", stacklevel=2)
+            if not block.same_history(key[0], tokens, salts):  # never on a key alone
+                level.stats["skipped_foreign"] += 1
+                warnings.warn(f"kvjax {level.name} tier: skipped a foreign page (another "
+                              "history under its key; recomputed instead)", stacklevel=2)
                 level.discard(key)
                 return None
             level.stats["restored_pages"] += 1
