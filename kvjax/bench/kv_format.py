@@ -11,6 +11,9 @@ defaults otherwise (invariant numerics). Per format:
 - teacher-forced NLL: the mean negative log-likelihood per token of float32 pages' answers,
   every position's logits read through a cache of the format (each prompt and answer
   prefilled chunk by chunk), and its difference from float32 pages';
+- teacher-forced top-1 agreement: at those same positions (the same history for both), how
+  often the format's argmax is float32 pages' (greedy agreement ends at the first
+  difference; this counts every position);
 - reuse across turns: each question asked again as a second turn (its answer in the
   history) in the same engine, which reuses the first turn's pages, and in a cache-off
   engine of the same format: the second turn's tokens and logits equal, bitwise;
@@ -67,14 +70,14 @@ def answers(case: Case, fmt: str, new_tokens: int, slots: int, context: int):
 
 
 def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts: list[int],
-                       chunk: int = 64) -> float:
-    """Mean NLL per token of `sequences[i][starts[i]:]` given what precedes it, every
-    position's logits read through a cache of format `fmt` (fast numerics, chunks of
-    `chunk` tokens, one sequence at a time)."""
+                       chunk: int = 64) -> tuple[float, np.ndarray]:
+    """(mean NLL per token of `sequences[i][starts[i]:]` given what precedes it, and the
+    argmax at each of those positions), every position's logits read through a cache of
+    format `fmt` (fast numerics, chunks of `chunk` tokens, one sequence at a time)."""
     longest = max(map(len, sequences))
     cc = CacheConfig(page_size=16, num_pages=pages_for(longest, 16), dtype=fmt,
                      prefill_chunk=chunk, attn_block=chunk)
-    total, count = 0.0, 0
+    total, count, top1 = 0.0, 0, []
     for seq, start in zip(sequences, starts, strict=True):
         cache = init_cache(case.config, cc)
         table = page_table([list(range(cc.num_pages))], 1, cc.block_pages)
@@ -92,13 +95,14 @@ def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts:
         logp = lg - top - np.log(np.exp(lg - top).sum(-1, keepdims=True))
         total -= float(logp[np.arange(len(lg)), seq[start:]].sum())
         count += len(lg)
-    return total / count
+        top1.append(lg.argmax(-1))
+    return total / count, np.concatenate(top1)
 
 
 def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
             context: int = 2048, progress: Progress | None = None) -> list[dict]:
     """One row per format (float32 first: the reference the others are compared with)."""
-    rows, ref = [], None
+    rows, ref, ref_top1 = [], None, None
     for fmt in formats:
         results, seconds, engine = answers(case, fmt, new_tokens, slots, context)
         if ref is None:
@@ -112,7 +116,8 @@ def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
             errors.append(float(diff.max()))
             means.append(float(diff.mean()))
         sequences = [p + r.tokens for p, r in zip(case.prompts, ref, strict=True)]
-        nll = teacher_forced_nll(case, fmt, sequences, [len(p) for p in case.prompts])
+        nll, top1 = teacher_forced_nll(case, fmt, sequences, [len(p) for p in case.prompts])
+        ref_top1 = top1 if ref_top1 is None else ref_top1
         second = [Request(case.second(p, r.tokens), new_tokens // 4, return_logits=True,
                           ignore_eos=True) for p, r in zip(case.prompts, results, strict=True)]
         on = engine.generate(second)
@@ -123,6 +128,7 @@ def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
             "format": fmt, "answers": len(results), "answer_tokens": new_tokens,
             "agreement": same / (len(results) * new_tokens),
             "max_logit_error": max(errors), "mean_logit_error": float(np.mean(means)),
+            "forced_agreement": float(np.mean(top1 == ref_top1)),
             "nll": nll, "turn2_reused_tokens": sum(r.stats["reused_tokens"] for r in on),
             "turn2_same_as_cache_off": all(
                 a.tokens == b.tokens and np.array_equal(a.logits, b.logits)
@@ -142,6 +148,7 @@ def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
 COLUMNS = [
     ("pages", lambda r: r["format"]),
     ("greedy agreement", lambda r: f"{r['agreement']:.1%}"),
+    ("teacher-forced top-1 agreement", lambda r: f"{r['forced_agreement']:.2%}"),
     ("max (mean) |Δlogit|", lambda r: f"{r['max_logit_error']:.3g} ({r['mean_logit_error']:.2g})"),
     ("NLL/token (Δ)", lambda r: f"{r['nll']:.4f} ({r['nll_diff']:+.4f})"),
     ("turn 2 == cache off", lambda r: "yes" if r["turn2_same_as_cache_off"] else "NO"),
