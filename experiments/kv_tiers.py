@@ -55,11 +55,7 @@ class Params:
         for key in ("host_capacity", "disk_capacity"):
             if not 0 < getattr(self, key) <= 16:
                 raise ConfigError(key, f"must be in (0, 16], got {getattr(self, key)}")
-        eviction.Params(capacity=self.capacity, model=self.model, requests=self.requests,
-                        prompts=self.prompts, prompt_len=self.prompt_len,
-                        suffix_len=self.suffix_len, zipf=self.zipf,
-                        new_tokens=self.new_tokens, slots=self.slots,
-                        page_size=self.page_size)
+        _eviction_params(self)  # checks the workload's fields as the eviction experiment does
 
 
 def _eviction_params(p: Params) -> eviction.Params:
