@@ -22,6 +22,7 @@ import json
 import os
 import struct
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 names with numpy)
 import numpy as np
 
 from kvjax.cache.identity import CacheNamespace
@@ -38,12 +39,24 @@ class ForeignBlock(ValueError):
     """A block file that is intact but holds another block (another namespace or key)."""
 
 
+def _dtype_tag(dtype: np.dtype) -> str:
+    """How a block names an array's dtype: numpy's type string ('<f4'), or the name for an
+    ml_dtypes type (bfloat16, float8_e4m3fn), whose type string ('<V2', '<V1') would read
+    back as raw bytes. `np.dtype(tag)` is the dtype again."""
+    return dtype.name if dtype.kind == "V" else dtype.str
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    """The array's bytes in C order (ml_dtypes arrays do not export a buffer themselves)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
 def checksum(arrays: dict[str, np.ndarray]) -> str:
     """sha256 over every array's name, dtype, shape and bytes (in `arrays`' order)."""
     h = hashlib.sha256()
     for name, a in arrays.items():
-        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        h.update(np.ascontiguousarray(a).data)
+        h.update(f"{name}:{_dtype_tag(a.dtype)}:{a.shape}".encode())
+        h.update(_bytes(a))
     return h.hexdigest()
 
 
@@ -84,14 +97,14 @@ def write_block(path: str, block: TierBlock) -> int:
     header = json.dumps({
         "namespace": dataclasses.asdict(block.root), "key": block.key.hex(),
         "tokens": list(block.tokens), "salts": list(block.salts), "checksum": block.digest,
-        "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in block.arrays.items()],
+        "arrays": [[name, _dtype_tag(a.dtype), list(a.shape)] for name, a in block.arrays.items()],
     }).encode()
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(MAGIC + _LEN.pack(len(header)) + header)
         for a in block.arrays.values():
-            f.write(np.ascontiguousarray(a).data)
+            f.write(_bytes(a))
     os.replace(tmp, path)
     return len(MAGIC) + _LEN.size + len(header) + block.nbytes
 
