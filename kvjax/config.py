@@ -115,7 +115,7 @@ class ModelConfig:
         _choice(self.norm, "norm", ("rms", "layer"))
         _choice(self.position, "position", ("rope", "learned"))
         _choice(self.mlp, "mlp", ("swiglu", "geglu", "gelu"))
-        _choice(self.dtype, "dtype", ("float32", "bfloat16", "int8"))
+        _choice(self.dtype, "dtype", ("float32", "bfloat16"))
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",

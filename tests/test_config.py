@@ -47,6 +47,7 @@ def test_dotted_overrides(tmp_path):
     ({"model": {"num_layers": "four"}}, "model.num_layers", "expected an integer"),
     ({"model": {"num_layers": True}}, "model.num_layers", "expected an integer"),
     ({"model": {"norm": "batch"}}, "model.norm", "not one of"),
+    ({"model": {"dtype": "int8"}}, "model.dtype", "not one of"),  # a page format, not weights
     ({"cache": {"page_size": 16, "prefill_chunk": 24}}, "cache.prefill_chunk",
      "not a multiple of page_size"),
     ({"cache": {"dtype": "float16"}}, "cache.dtype", "not one of"),
