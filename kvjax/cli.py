@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.config_files import load_config
+from kvjax.memory.calculator import KV_FORMATS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -69,7 +70,7 @@ def _memory(args: argparse.Namespace) -> int:
                             num_heads=args.heads or args.kv_heads, head_dim=args.head_dim,
                             d_model=args.d_model, d_ff=args.d_ff, vocab_size=args.vocab,
                             max_seq_len=args.max_seq_len, tie_embeddings=args.tied)
-    if args.kv_format is not None:  # int8: 1 + 4 / head_dim (one float32 scale per vector)
+    if args.kv_format is not None:  # int8, float8: 1 + 4 / head_dim (a float32 scale per vector)
         args.kv_bytes = kv_bytes_per_scalar(args.kv_format, model.head_dim)
     plan = None  # made first, so that a bad mesh is refused before anything is printed
     if args.mesh is not None or args.device_memory_gib is not None:
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--prefill-tokens", type=int, default=2048)
     mem.add_argument("--page-size", type=int, default=16)
     mem.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached scalar")
-    mem.add_argument("--kv-format", choices=("float32", "bfloat16", "int8"), default=None,
+    mem.add_argument("--kv-format", choices=tuple(KV_FORMATS), default=None,
                      help="the pages' format: bytes per cached scalar with its scales "
                           "(instead of --kv-bytes)")
     mem.add_argument("--param-bytes", type=int, default=2, help="bytes per weight")
@@ -250,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "profile (where a decode token's time goes), "
                                          "trie (host time per admission against cached "
                                          "pages), tiers (a prefix restored from the host "
-                                         "or disk tier vs prefilled), kv_format (bfloat16 "
-                                         "and int8 pages "
+                                         "or disk tier vs prefilled), kv_format (bfloat16, "
+                                         "int8 and float8 pages "
                                          "against float32 on the real model)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")
     peer.add_argument("--formats", default=None,
                       help="(kv_format) page formats, comma-separated, float32 first "
-                           "(default float32,bfloat16,int8)")
+                           "(default float32,bfloat16,int8,float8_e4m3fn)")
     trie = bench.add_argument_group("trie")
     trie.add_argument("--pages", default="10000,100000,1000000",
                       help="(trie) cached-page counts, comma-separated")

@@ -1,5 +1,5 @@
-"""Page formats against float32 pages on a real model and real text: what bfloat16 and int8
-pages change (`kvjax bench kv_format`).
+"""Page formats against float32 pages on a real model and real text: what bfloat16, int8 and
+float8 pages change (`kvjax bench kv_format`).
 
 MT-Bench's first questions (their first turns, in the model's chat template), answered
 greedily with `new_tokens` tokens each (the end of turn ignored, so every answer has them
@@ -36,7 +36,7 @@ from kvjax.lab.progress import Progress
 from kvjax.lab.report import emit, markdown_table, refuse, write_results
 from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
 
-FORMATS = ("float32", "bfloat16", "int8")
+FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass

@@ -7,8 +7,11 @@ p lives in page `page_table[p // page_size]`, slot `p % page_size`.
 
 Int8 pages (`CacheConfig(dtype="int8")`) hold each token's K (and V) of a KV head as int8
 with one float32 scale, its largest magnitude / 127 (k_scale, v_scale: [layers, kv_heads,
-num_pages, page_size]). A token is quantized when it is written, from its own K/V alone, so
-its stored bits still depend on its own history only; attention reads int8 * scale.
+num_pages, page_size]). Float8 pages (`"float8_e4m3fn"`) are the same with e4m3 numbers and
+the largest magnitude at 448 (e4m3's largest): the same bytes, another grid (int8 steps are
+even across a vector, e4m3 steps relative to each number). A token is quantized when it is
+written, from its own K/V alone, so its stored bits still depend on its own history only;
+attention reads number * scale.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import numpy as np
 
 from kvjax.config import CacheConfig, ModelConfig
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
-QUANTIZED = ("int8",)  # formats stored as integers with a scale per (token, KV head)
-_INT8_MAX = 127.0
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+          "float8_e4m3fn": jnp.float8_e4m3fn}
+QUANTIZED = ("int8", "float8_e4m3fn")  # formats stored with a scale per (token, KV head)
+_LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
 
 @flax.struct.dataclass
@@ -34,7 +38,7 @@ class PagedKVCache:
     k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
     v: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
     block_pages: int = flax.struct.field(pytree_node=False, default=1)
-    k_scale: jax.Array | None = None  # float32 [layers, kv_heads, num_pages, page_size]: int8
+    k_scale: jax.Array | None = None  # quantized: float32 [layers, kv_heads, num_pages, page_size]
     v_scale: jax.Array | None = None
 
     @property
@@ -90,18 +94,22 @@ def init_cache(model: ModelConfig, cache: CacheConfig) -> PagedKVCache:
                         block_pages=cache.block_pages, k_scale=scale(), v_scale=scale())
 
 
-def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., head_dim] -> (int8 [..., head_dim], float32 scale [...]): each vector's largest
-    magnitude becomes +-127, the rest round to nearest (ties to even); all zeros: scale 0."""
+def quantize(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """x [..., head_dim] -> (`dtype` [..., head_dim], float32 scale [...]): each vector's
+    largest magnitude becomes the format's largest (int8 127, e4m3 448), the rest round to
+    the nearest number of the format (ties to even); all zeros: scale 0."""
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / _INT8_MAX
+    top = _LARGEST[jnp.dtype(dtype)]
+    scale = jnp.max(jnp.abs(x), axis=-1) / top
     safe = jnp.where(scale > 0, scale, 1.0)[..., None]
-    q = jnp.clip(jnp.round(x / safe), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
-    return q, scale
+    y = jnp.clip(x / safe, -top, top)
+    q = jnp.round(y) if jnp.issubdtype(dtype, jnp.integer) else y
+    return q.astype(dtype), scale
 
 
 def dequantize(q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
-    """Stored K or V [..., head_dim] (with its scale [...] when int8) as `dtype` numbers."""
+    """Stored K or V [..., head_dim] (with its scale [...] when quantized) as `dtype`
+    numbers."""
     if scale is None:
         return q.astype(dtype)
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
@@ -145,7 +153,7 @@ def write_kv(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
     # Non-adjacent advanced indices put the [batch, new_tokens] axes first, so the update
     # has k's own layout [batch, new_tokens, kv_heads, head_dim].
     if cache.k_scale is not None:
-        (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
+        (k, k_scale), (v, v_scale) = quantize(k, cache.k.dtype), quantize(v, cache.v.dtype)
         cache = cache.replace(
             k_scale=cache.k_scale.at[layer, :, page, slot].set(k_scale, mode="drop"),
             v_scale=cache.v_scale.at[layer, :, page, slot].set(v_scale, mode="drop"))
@@ -175,7 +183,7 @@ PAGE_FIELDS = ("k", "v", "k_scale", "v_scale")
 def read_pages(cache: PagedKVCache, pages: jax.Array) -> dict[str, jax.Array]:
     """The stored K/V of pages (int32[n]; an id >= num_pages reads zeros): each field of
     `PAGE_FIELDS` the cache has, pages first: k, v [n, layers, kv_heads, page_size,
-    head_dim]; int8 pages' k_scale, v_scale [n, layers, kv_heads, page_size]."""
+    head_dim]; quantized pages' k_scale, v_scale [n, layers, kv_heads, page_size]."""
     out = {}
     for name in PAGE_FIELDS:
         a = getattr(cache, name)
@@ -196,7 +204,7 @@ def write_pages(cache: PagedKVCache, pages: jax.Array,
 
 @partial(jax.jit, donate_argnames=("cache",))
 def poison_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
-    """Fills pages (int32[n]; ids >= num_pages ignored) with NaN (int8 pages: their scales,
+    """Fills pages (int32[n]; ids >= num_pages ignored) with NaN (quantized pages: their scales,
     so every value read from them is NaN). Donates `cache`."""
     if cache.k_scale is not None:
         return cache.replace(k_scale=cache.k_scale.at[:, :, pages].set(jnp.nan, mode="drop"),

@@ -60,12 +60,12 @@ def measure_bandwidth(megabytes: int = 256, reps: int = 10) -> float:
 
 def filled_with_noise(cache, seed: int = 0):
     """Pseudo-random K/V so attention reads real numbers (timing does not depend on them);
-    int8 pages: the noise quantized, each (token, KV head) with its own scale."""
+    quantized pages: the noise quantized, each (token, KV head) with its own scale."""
     k = noise(jnp.uint32(seed % 2**32), cache.k.shape, jnp.float32)
     if cache.k_scale is None:
         k = k.astype(cache.k.dtype)
         return cache.replace(k=k, v=k * 0.5)
-    (kq, ks), (vq, vs) = quantize(k), quantize(k * 0.5)
+    (kq, ks), (vq, vs) = quantize(k, cache.k.dtype), quantize(k * 0.5, cache.k.dtype)
     return cache.replace(k=kq, v=vq, k_scale=ks, v_scale=vs)
 
 

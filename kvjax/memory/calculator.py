@@ -15,20 +15,20 @@ from kvjax.config import ModelConfig
 
 ASSUMPTIONS = (
     "KV bytes = 2 (K,V) x batch x layers x length x kv_heads x head_dim x bytes/scalar; "
-    "int8 pages count their scales in bytes/scalar (1 + 4 / head_dim); "
+    "int8 and float8 pages count their scales in bytes/scalar (1 + 4 / head_dim); "
     "excludes page-table overhead, allocator rounding (see the "
     "page-rounded figure), temporary workspaces and recurrent state."
 )
 
 
 # Bytes per stored number, and per scale of a (token, KV head) vector, of each page format
-# (`CacheConfig.dtype`; int8 pages: kvjax.cache.paged).
-KV_FORMATS = {"float32": (4, 0), "bfloat16": (2, 0), "int8": (1, 4)}
+# (`CacheConfig.dtype`; int8 and float8 pages: kvjax.cache.paged).
+KV_FORMATS = {"float32": (4, 0), "bfloat16": (2, 0), "int8": (1, 4), "float8_e4m3fn": (1, 4)}
 
 
 def kv_bytes_per_scalar(cache_dtype: str, head_dim: int) -> float:
     """Bytes per cached K or V number of `cache_dtype` pages, scales included: spread over
-    the `head_dim` numbers each scales (int8: 1 + 4 / head_dim)."""
+    the `head_dim` numbers each scales (int8, float8: 1 + 4 / head_dim)."""
     number, scale = KV_FORMATS[cache_dtype]
     return number + scale / head_dim
 

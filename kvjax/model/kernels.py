@@ -49,7 +49,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
 from jax.experimental.pallas.ops.tpu import paged_attention as tpu_kernel
 from jax.sharding import Mesh, PartitionSpec
 
-from kvjax.cache.paged import DTYPES, BatchInfo, PagedKVCache
+from kvjax.cache.paged import DTYPES, QUANTIZED, BatchInfo, PagedKVCache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.model.attention import paged_attention_reference
 
@@ -90,9 +90,9 @@ def kernel_limits(backend: str, *, head_dim: int, page_size: int | None = None,
     if poison_freed:
         reasons.append(f"{backend} multiplies masked slots in, so NaN-poisoned freed pages "
                        "would leak into outputs (poison_freed=True)")
-    if cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.dtype(jnp.int8):
-        reasons.append(f"{backend} reads float pages; int8 pages (a scale per token and KV "
-                       f"head) are dequantized by the reference")
+    if cache_dtype is not None and jnp.dtype(cache_dtype).name in QUANTIZED:
+        reasons.append(f"{backend} reads float pages; {jnp.dtype(cache_dtype).name} pages (a "
+                       f"scale per token and KV head) are dequantized by the reference")
     if backend == "pallas_gpu":
         if head_dim < 16 or head_dim & (head_dim - 1):
             reasons.append(f"pallas_gpu needs head_dim a power of two >= 16, got {head_dim}")
