@@ -27,6 +27,7 @@ import numpy as np
 from experiments import common, eviction
 from kvjax.config import ConfigError
 from kvjax.engine.engine import Engine
+from kvjax.memory.calculator import KV_FORMATS, kv_bytes, kv_bytes_per_scalar
 
 TIERS = ("none", "host", "host+disk")
 
@@ -51,7 +52,7 @@ class Params:
 
     def __post_init__(self):
         common.check_choice(self, "tiers", TIERS)
-        common.check_choice(self, "kv_format", ("float32", "bfloat16", "int8"))
+        common.check_choice(self, "kv_format", tuple(KV_FORMATS))
         for key in ("host_capacity", "disk_capacity"):
             if not 0 < getattr(self, key) <= 16:
                 raise ConfigError(key, f"must be in (0, 16], got {getattr(self, key)}")
@@ -77,10 +78,8 @@ def _tier_bytes(p: Params, folder: str | None) -> dict:
         return {}
     _, model = common.model(p.model, 0)
     _, working, _ = eviction.pool_pages(_eviction_params(p))
-    page = (2 * model.num_layers * model.num_kv_heads * p.page_size * model.head_dim
-            * {"float32": 4, "bfloat16": 2}.get(p.kv_format, 1))
-    if p.kv_format == "int8":
-        page += 2 * model.num_layers * model.num_kv_heads * p.page_size * 4  # scales
+    page = kv_bytes(model.num_layers, model.num_kv_heads, model.head_dim, p.page_size, 1,
+                    kv_bytes_per_scalar(p.kv_format, model.head_dim))  # scales included
     out = {"host_bytes": round(p.host_capacity * working * page)}
     if p.tiers == "host+disk":
         out.update(disk_dir=folder, disk_bytes=round(p.disk_capacity * working * page))

@@ -10,17 +10,24 @@ reference: its outputs, TTFT and end-to-end time; one run per page size, shared 
 points) and once with the cache on, holding `capacity` times the working set (every
 conversation's final history, in pages) beside the running requests' pages.
 
+With `tiers` the pages the device pool evicts go to host memory (`host_capacity` x the
+working set's bytes) and on to a disk folder (`disk_capacity` x), and come back when a later
+turn needs them (`kvjax.cache.tiers`); `kv_format` is the pages' format (the cache-off
+reference runs in the same format).
+
 Reported: reused / ideal prompt tokens (ideal: the full pages some earlier request wrote
 that a prompt starts with, short of its last token: what an unbounded exact cache serves),
-misses by cause, evictions, TTFT and end-to-end time per turn (medians) on and off, and
-whether every turn's tokens and logits equal the cache-off run's, bitwise.
+reuse by tier, misses by cause, evictions, TTFT and end-to-end time per turn (medians) on
+and off, and whether every turn's tokens and logits equal the cache-off run's, bitwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 import statistics
+import tempfile
 
 from experiments import common
 from kvjax import models
@@ -29,6 +36,9 @@ from kvjax.data import sharegpt
 from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.lab.replay import MODES, poisson_arrivals, replay
+from kvjax.memory.calculator import KV_FORMATS, kv_bytes, kv_bytes_per_scalar
+
+TIERS = ("none", "host", "host+disk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +59,21 @@ class Params:
     # working set); the smoke variant pins the real-model tests' pool, whose compiled steps
     # it then shares
     pool_pages: int = 0
+    tiers: str = "none"
+    host_capacity: float = 0.5  # the host tier, as a fraction of the working set's bytes
+    disk_capacity: float = 2.0
+    kv_format: str = "float32"
 
     def __post_init__(self):
         common.check_positive(self, "conversations", "min_turns", "max_turns", "max_tokens",
                               "new_tokens", "page_size", "slots")
         common.check_choice(self, "mode", MODES)
         common.check_choice(self, "schedule", ("fcfs", "lpm"))
+        common.check_choice(self, "tiers", TIERS)
+        common.check_choice(self, "kv_format", tuple(KV_FORMATS))
+        for key in ("host_capacity", "disk_capacity"):
+            if not 0 < getattr(self, key) <= 16:
+                raise ConfigError(key, f"must be in (0, 16], got {getattr(self, key)}")
         if not 0 < self.capacity <= 4:
             raise ConfigError("capacity", f"must be in (0, 4], got {self.capacity}")
         if self.rate < 0:
@@ -76,11 +95,26 @@ def _replay(p: Params, seed: int, engine: Engine):
                   decode=model.tokenizer.decode, return_logits=True)
 
 
-def _engine(p: Params, num_pages: int, **kw) -> Engine:
+def _engine(p: Params, num_pages: int, tiers: dict | None = None, **kw) -> Engine:
     model = common.real_model(p.model)
     ec = common.engine_config(p.page_size, num_pages, p.slots, schedule=p.schedule,
                               min_context=common.REAL_MODEL_CONTEXT, **kw)
+    ec = dataclasses.replace(ec, cache=dataclasses.replace(ec.cache, dtype=p.kv_format,
+                                                           **(tiers or {})))
     return Engine(model.params, model.config, ec, eos_tokens=model.stop_tokens)
+
+
+def _tier_bytes(p: Params, working: int, folder: str) -> dict:
+    """The CacheConfig fields of the point's tiers, sized in working sets of pages."""
+    if p.tiers == "none":
+        return {}
+    c = common.real_model(p.model).config
+    page = kv_bytes(c.num_layers, c.num_kv_heads, c.head_dim, p.page_size, 1,
+                    kv_bytes_per_scalar(p.kv_format, c.head_dim))  # scales included
+    out = {"host_bytes": round(p.host_capacity * working * page)}
+    if p.tiers == "host+disk":
+        out.update(disk_dir=folder, disk_bytes=round(p.disk_capacity * working * page))
+    return out
 
 
 def _longest(p: Params) -> int:
@@ -104,18 +138,23 @@ def _reference(p: Params, seed: int):
 
 def run(config) -> dict:
     p = config.params
-    off_params = dataclasses.replace(p, capacity=1.0, schedule="fcfs")
+    off_params = dataclasses.replace(p, capacity=1.0, schedule="fcfs", tiers="none")
     reference, working = _reference(off_params, config.seed)
     running = p.slots * pages_for(_longest(p), p.page_size)
     num_pages = p.pool_pages or running + round(p.capacity * working)
-    engine = _engine(p, num_pages)
-    turns = _replay(p, config.seed, engine)
+    folder = tempfile.mkdtemp(prefix="kvjax-sharegpt-tiers-")
+    try:
+        engine = _engine(p, num_pages, _tier_bytes(p, working, folder))
+        turns = _replay(p, config.seed, engine)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     key = lambda t: (t.conversation, t.turn)  # noqa: E731
     same = [(a.prompt_ids, a.tokens, a.logits_digest) == (b.prompt_ids, b.tokens,
                                                            b.logits_digest)
             for a, b in zip(sorted(turns, key=key), sorted(reference, key=key), strict=True)]
     m = engine.metrics()
     causes = m["misses_by_cause"]
+    by_tier = (m.get("tiers") or {}).get("reused_tokens", {"device": m["reused_tokens"]})
     later = [t for t in turns if t.turn > 1]
     return {
         "conversations": len({t.conversation for t in turns}), "turns": len(turns),
@@ -130,6 +169,8 @@ def run(config) -> dict:
         "misses_other": sum(v for k, v in causes.items()
                             if k not in ("cold", "capacity", "divergence")),
         "evictions": m["evictions"], "preemptions": m["preemptions"],
+        "reused_host": by_tier.get("host", 0), "reused_disk": by_tier.get("disk", 0),
+        "restore_s": (m.get("tiers") or {}).get("restore_s", 0.0),
         "ttft_s": _median(t.stats.get("ttft_s", 0.0) for t in turns),
         "ttft_off_s": _median(t.stats.get("ttft_s", 0.0) for t in reference),
         "e2e_s": _median(t.finished_s - t.arrival_s for t in turns),
@@ -152,6 +193,17 @@ def _of_ideal(r: dict) -> float:
     return r["reused_tokens"] / max(r["ideal_tokens"], 1)
 
 
+def _series(r: dict) -> str:
+    """A row's settings other than its cache capacity."""
+    extra = [x for x in (r.get("tiers", "none"), r.get("kv_format", "float32"))
+             if x not in ("none", "float32")]
+    return "/".join([f"page {r['page_size']}", r["schedule"], *extra])
+
+
+def _label(r: dict) -> str:
+    return f"{r['capacity']:.0%}/{_series(r)}"
+
+
 COLUMNS = [
     ("page", lambda r: str(r["page_size"])),
     common.CAPACITY_COLUMN,
@@ -159,6 +211,8 @@ COLUMNS = [
     ("reused / ideal tokens", lambda r: f"{r['reused_tokens']:,} / {r['ideal_tokens']:,} "
      f"({_of_ideal(r):.1%})"),
     ("of prompt tokens", lambda r: f"{r['reused_tokens'] / max(r['prompt_tokens'], 1):.1%}"),
+    ("tiers, pages", lambda r: f"{r['tiers']}, {r['kv_format']}"),
+    ("from host / disk", lambda r: f"{r['reused_host']:,} / {r['reused_disk']:,}"),
     ("misses cold / capacity / divergence",
      lambda r: f"{r['misses_cold']} / {r['misses_capacity']} / {r['misses_divergence']}"),
     ("evictions", lambda r: f"{r['evictions']:,}"),
@@ -174,10 +228,9 @@ def headline(rows: list[dict]) -> str:
     best = max(rows, key=_of_ideal)
     lines = [f"ShareGPT replay on {r0['model']}: {r0['conversations']} conversations, "
              f"{r0['turns']} turns, {r0['mode']} mode"]
-    lines.append(f"- reused / ideal prompt tokens: best {_of_ideal(best):.1%} (page "
-                 f"{best['page_size']}, cache {best['capacity']:.0%}, {best['schedule']}); "
-                 + ", ".join(f"{r['capacity']:.0%}/{r['page_size']}/{r['schedule']}: "
-                             f"{_of_ideal(r):.1%}" for r in rows))
+    lines.append(f"- reused / ideal prompt tokens: best {_of_ideal(best):.1%} "
+                 f"({_label(best)}); "
+                 + ", ".join(f"{_label(r)}: {_of_ideal(r):.1%}" for r in rows))
     lines.append(f"- every turn equal to the cache-off run, bitwise: "
                  f"{'yes' if all(r['same_as_cache_off'] for r in rows) else 'NO'}")
     return "\n".join(lines)
@@ -185,16 +238,14 @@ def headline(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out) -> list:
     plt, fig, (ax1, ax2) = common.figure(10.0, 3.8, ncols=2)
-    for i, (page, schedule) in enumerate(sorted({(r["page_size"], r["schedule"])
-                                                 for r in rows})):
-        rs = sorted((r for r in rows if (r["page_size"], r["schedule"]) == (page, schedule)),
-                    key=lambda r: r["capacity"])
+    for i, series in enumerate(sorted({_series(r) for r in rows})):
+        rs = sorted((r for r in rows if _series(r) == series), key=lambda r: r["capacity"])
         ax1.plot([100 * r["capacity"] for r in rs], [100 * _of_ideal(r) for r in rs], "o-",
-                 color=f"C{i}", label=f"page {page}, {schedule}")
+                 color=f"C{i}", label=series)
     ax1.set_xlabel("prefix cache (% of the working set)")
     ax1.set_ylabel("reused tokens (% of ideal)")
     ax1.legend(fontsize=7)
-    labels = [f"{r['capacity']:.0%}/{r['page_size']}/{r['schedule']}" for r in rows]
+    labels = [_label(r) for r in rows]
     x = list(range(len(rows)))
     ax2.bar([i - 0.2 for i in x], [1e3 * r["ttft_s"] for r in rows], 0.4, label="cache on")
     ax2.bar([i + 0.2 for i in x], [1e3 * r["ttft_off_s"] for r in rows], 0.4,
