@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
 
 # Random-weight models: exactness and reuse do not depend on training, and a fixed seed
 # makes every run identical. "tiny" is the smoke scale.
@@ -82,6 +83,23 @@ def engine_config(page_size: int, num_pages: int, slots: int, chunk: int = 64,
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, prefill_chunk=chunk,
                         attn_block=chunk)
     return EngineConfig(cache=cache, max_slots=slots, mesh=mesh, **engine_kw)
+
+
+TIERS = ("none", "host", "host+disk")  # the tier settings experiments sweep
+
+
+def tier_fields(p, model: ModelConfig, working: int, folder: str | None) -> dict:
+    """The `CacheConfig` fields of the tiers `p` names (p.tiers, p.host_capacity and
+    p.disk_capacity in working sets of `working` pages of p.page_size tokens in
+    p.kv_format, scales included; the disk tier in `folder`)."""
+    if p.tiers == "none" or folder is None:
+        return {}
+    page = kv_bytes(model.num_layers, model.num_kv_heads, model.head_dim, p.page_size, 1,
+                    kv_bytes_per_scalar(p.kv_format, model.head_dim))
+    out = {"host_bytes": round(p.host_capacity * working * page)}
+    if p.tiers == "host+disk":
+        out.update(disk_dir=folder, disk_bytes=round(p.disk_capacity * working * page))
+    return out
 
 
 # Summary-table columns several experiments share: (header, cell of a row).

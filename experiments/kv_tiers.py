@@ -27,9 +27,9 @@ import numpy as np
 from experiments import common, eviction
 from kvjax.config import ConfigError
 from kvjax.engine.engine import Engine
-from kvjax.memory.calculator import KV_FORMATS, kv_bytes, kv_bytes_per_scalar
+from kvjax.memory.calculator import KV_FORMATS
 
-TIERS = ("none", "host", "host+disk")
+TIERS = common.TIERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +74,9 @@ def _engine(p: Params, seed: int, num_pages: int, folder: str | None, **kw) -> E
 
 
 def _tier_bytes(p: Params, folder: str | None) -> dict:
-    if p.tiers == "none" or folder is None:
-        return {}
     _, model = common.model(p.model, 0)
     _, working, _ = eviction.pool_pages(_eviction_params(p))
-    page = kv_bytes(model.num_layers, model.num_kv_heads, model.head_dim, p.page_size, 1,
-                    kv_bytes_per_scalar(p.kv_format, model.head_dim))  # scales included
-    out = {"host_bytes": round(p.host_capacity * working * page)}
-    if p.tiers == "host+disk":
-        out.update(disk_dir=folder, disk_bytes=round(p.disk_capacity * working * page))
-    return out
+    return common.tier_fields(p, model, working, folder)
 
 
 def _requests(p: Params, seed: int):

@@ -36,9 +36,7 @@ from kvjax.data import sharegpt
 from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.lab.replay import MODES, poisson_arrivals, replay
-from kvjax.memory.calculator import KV_FORMATS, kv_bytes, kv_bytes_per_scalar
-
-TIERS = ("none", "host", "host+disk")
+from kvjax.memory.calculator import KV_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +67,7 @@ class Params:
                               "new_tokens", "page_size", "slots")
         common.check_choice(self, "mode", MODES)
         common.check_choice(self, "schedule", ("fcfs", "lpm"))
-        common.check_choice(self, "tiers", TIERS)
+        common.check_choice(self, "tiers", common.TIERS)
         common.check_choice(self, "kv_format", tuple(KV_FORMATS))
         for key in ("host_capacity", "disk_capacity"):
             if not 0 < getattr(self, key) <= 16:
@@ -104,19 +102,6 @@ def _engine(p: Params, num_pages: int, tiers: dict | None = None, **kw) -> Engin
     return Engine(model.params, model.config, ec, eos_tokens=model.stop_tokens)
 
 
-def _tier_bytes(p: Params, working: int, folder: str) -> dict:
-    """The CacheConfig fields of the point's tiers, sized in working sets of pages."""
-    if p.tiers == "none":
-        return {}
-    c = common.real_model(p.model).config
-    page = kv_bytes(c.num_layers, c.num_kv_heads, c.head_dim, p.page_size, 1,
-                    kv_bytes_per_scalar(p.kv_format, c.head_dim))  # scales included
-    out = {"host_bytes": round(p.host_capacity * working * page)}
-    if p.tiers == "host+disk":
-        out.update(disk_dir=folder, disk_bytes=round(p.disk_capacity * working * page))
-    return out
-
-
 def _longest(p: Params) -> int:
     """A bound on a request's tokens: the conversation's text, and per turn the template's
     markers and an answer (the chat template's own system prompt included)."""
@@ -144,7 +129,8 @@ def run(config) -> dict:
     num_pages = p.pool_pages or running + round(p.capacity * working)
     folder = tempfile.mkdtemp(prefix="kvjax-sharegpt-tiers-")
     try:
-        engine = _engine(p, num_pages, _tier_bytes(p, working, folder))
+        engine = _engine(p, num_pages, common.tier_fields(
+            p, common.real_model(p.model).config, working, folder))
         turns = _replay(p, config.seed, engine)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -102,7 +102,7 @@ def test_report_labels_its_assumptions():
     text = memory.report(LLAMA_8B, batch=16, context=4096, page_size=16, kv_bytes_per_scalar=2,
                          param_bytes=2, prefill_tokens=2048, peak_flops=989e12,
                          bandwidth=3.35e12)
-    assert "int8 pages count their scales in bytes/scalar (1 + 4 / head_dim)" in text
+    assert "int8 and float8 pages count their scales in bytes/scalar (1 + 4 / head_dim)" in text
     assert "excludes page-table overhead, allocator rounding" in text
     assert "2.00 MiB" in text  # per generated token at batch 16
     assert "131,072 B" in text
