@@ -165,6 +165,8 @@ def test_the_format_is_part_of_the_cache_identity(p):
 
 def test_the_calculator_counts_the_bytes_the_pool_allocates():
     assert list(KV_FORMATS) == list(DTYPES)  # the calculator knows every format
+    for dtype in DTYPES:  # and CacheConfig takes each (its own list of choices)
+        assert with_cache(dtype=dtype).dtype == dtype
     for dtype in KV_FORMATS:
         cc = with_cache(dtype=dtype)
         per_token = kv_bytes(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 1, 1,
