@@ -8,7 +8,10 @@ with the model's own answers (up to `new_tokens`, or the recorded ones teacher-f
 arrivals of `rate` per second. Each point runs once with the prefix cache off (the
 reference: its outputs, TTFT and end-to-end time; one run per page size, shared by the
 points) and once with the cache on, holding `capacity` times the working set (every
-conversation's final history, in pages) beside the running requests' pages.
+conversation's final history, in pages) beside the running requests' pages: with
+`running = "longest"` those are `slots` x the longest request's pages (no request ever
+waits for pages), with `"peak"` the most pages the cache-off run held at once (what the
+running requests needed: the cache then has `capacity` x the working set and no more).
 
 With `tiers` the pages the device pool evicts go to host memory (`host_capacity` x the
 working set's bytes) and on to a disk folder (`disk_capacity` x), and come back when a later
@@ -38,6 +41,8 @@ from kvjax.engine.engine import Engine
 from kvjax.lab.replay import MODES, poisson_arrivals, replay
 from kvjax.memory.calculator import KV_FORMATS
 
+RUNNING = ("longest", "peak")
+
 
 @dataclasses.dataclass(frozen=True)
 class Params:
@@ -57,6 +62,7 @@ class Params:
     # working set); the smoke variant pins the real-model tests' pool, whose compiled steps
     # it then shares
     pool_pages: int = 0
+    running: str = "longest"  # the running requests' pages: "longest" or "peak" (above)
     tiers: str = "none"
     host_capacity: float = 0.5  # the host tier, as a fraction of the working set's bytes
     disk_capacity: float = 2.0
@@ -68,6 +74,7 @@ class Params:
         common.check_choice(self, "mode", MODES)
         common.check_choice(self, "schedule", ("fcfs", "lpm"))
         common.check_choice(self, "tiers", common.TIERS)
+        common.check_choice(self, "running", RUNNING)
         common.check_choice(self, "kv_format", tuple(KV_FORMATS))
         for key in ("host_capacity", "disk_capacity"):
             if not 0 < getattr(self, key) <= 16:
@@ -83,14 +90,14 @@ class Params:
                               f"{', '.join(sorted(models.MODELS))})")
 
 
-def _replay(p: Params, seed: int, engine: Engine):
+def _replay(p: Params, seed: int, engine: Engine, on_step=None):
     model = common.real_model(p.model)
     conversations = sharegpt(p.conversations, min_turns=p.min_turns, max_turns=p.max_turns,
                              max_tokens=p.max_tokens, tokenizer=model.tokenizer, seed=seed)
     arrivals = poisson_arrivals(len(conversations), p.rate or None, seed)
     return replay(engine, conversations, model.template.render, mode=p.mode,
                   max_new_tokens=p.new_tokens, arrivals=arrivals,
-                  decode=model.tokenizer.decode, return_logits=True)
+                  decode=model.tokenizer.decode, return_logits=True, on_step=on_step)
 
 
 def _engine(p: Params, num_pages: int, tiers: dict | None = None, **kw) -> Engine:
@@ -110,22 +117,30 @@ def _longest(p: Params) -> int:
 
 @functools.cache
 def _reference(p: Params, seed: int):
-    """The cache-off run (what the cached points must reproduce) and the working set."""
+    """The cache-off run (what the cached points must reproduce), the working set, and the
+    most pages the running requests held at once."""
     pages = p.pool_pages or p.slots * pages_for(_longest(p), p.page_size)
-    turns = _replay(p, seed, _engine(p, pages, prefix_cache=False))
+    engine = _engine(p, pages, prefix_cache=False)
+    peak = [0]
+
+    def sample() -> None:  # with the cache off every page in use is a running request's
+        peak[0] = max(peak[0], pages - engine.kv.stats()["free_pages"])
+
+    turns = _replay(p, seed, engine, on_step=sample)
     last = {}
     for t in turns:
         last[t.conversation] = t  # a conversation's turns come in order
     working = sum(pages_for(len(t.prompt_ids) + len(t.tokens) - 1, p.page_size)
                   for t in last.values())
-    return turns, working
+    return turns, working, peak[0]
 
 
 def run(config) -> dict:
     p = config.params
-    off_params = dataclasses.replace(p, capacity=1.0, schedule="fcfs", tiers="none")
-    reference, working = _reference(off_params, config.seed)
-    running = p.slots * pages_for(_longest(p), p.page_size)
+    off_params = dataclasses.replace(p, capacity=1.0, schedule="fcfs", tiers="none",
+                                     running="longest")
+    reference, working, peak = _reference(off_params, config.seed)
+    running = peak if p.running == "peak" else p.slots * pages_for(_longest(p), p.page_size)
     num_pages = p.pool_pages or running + round(p.capacity * working)
     folder = tempfile.mkdtemp(prefix="kvjax-sharegpt-tiers-")
     try:
@@ -144,7 +159,7 @@ def run(config) -> dict:
     later = [t for t in turns if t.turn > 1]
     return {
         "conversations": len({t.conversation for t in turns}), "turns": len(turns),
-        "num_pages": num_pages, "working_set_pages": working,
+        "num_pages": num_pages, "working_set_pages": working, "running_pages": running,
         "prompt_tokens": sum(len(t.prompt_ids) for t in turns),
         "reused_tokens": sum(t.stats.get("reused_tokens", 0) for t in turns),
         "ideal_tokens": sum(t.ideal_reused for t in turns),

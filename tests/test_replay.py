@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import CACHE, CONFIG, engine, params, with_cache
 
 from kvjax.data import Conversation
+from kvjax.decode.batching import pages_for
 from kvjax.lab.replay import WrittenPages, poisson_arrivals, replay
 
 V = CONFIG.vocab_size
@@ -91,6 +92,22 @@ def test_a_replay_gives_the_cache_off_outputs_bitwise(p, chat):
         assert (a.prompt_ids, a.tokens, a.logits_digest) == (b.prompt_ids, b.tokens,
                                                               b.logits_digest)
         assert a.logits_digest and b.stats["reused_tokens"] == 0
+
+
+def test_on_step_runs_after_every_engine_step(p):
+    """`on_step` runs after each engine step, the pool mid-replay: with the cache off the
+    pages in use then are the running turns' (the ShareGPT experiment's "peak" allowance
+    samples them). The three first turns run together."""
+    eng = engine(p, prefix_cache=False)
+    steps, used = [], []
+    step = eng.step
+    eng.step = lambda: steps.append(1) or step()
+    turns = replay(eng, CONVERSATIONS, render, decode=decode, max_new_tokens=6,
+                   on_step=lambda: used.append(CACHE.num_pages - eng.kv.stats()["free_pages"]))
+    assert len(used) == len(steps) >= 3
+    first = [t for t in turns if t.turn == 1]
+    assert max(used) >= sum(pages_for(len(t.prompt_ids), CACHE.page_size) for t in first)
+    assert used[-1] == 0  # every turn finished: nothing held
 
 
 def test_a_trace_replay_teacher_forces_the_recorded_answers(p):

@@ -99,13 +99,14 @@ class WrittenPages:
 def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
            mode: str = "chat", max_new_tokens: int = 32, arrivals: Sequence[float] | None = None,
            decode: Callable[[list[int]], str] | None = None, return_logits: bool = False,
-           max_turns: int | None = None) -> list[ReplayTurn]:
+           max_turns: int | None = None,
+           on_step: Callable[[], None] | None = None) -> list[ReplayTurn]:
     """Replays `conversations` (`kvjax.data.Conversation`s) on `engine`; returns every turn
     in the order sent. `render`: chat messages -> prompt ids (the model's chat template);
     `decode`: ids -> text, for the answers a "chat" replay puts in the history;
     `return_logits`: keep a digest of each answer's logits (to compare two replays
     bitwise without holding [tokens, vocab] arrays); `max_turns`: user turns per
-    conversation at most."""
+    conversation at most; `on_step`: called after each engine step (to sample the pool)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if mode == "chat" and decode is None:
@@ -174,4 +175,6 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
         for event in engine.step():
             if event.finished and event.request_id in live:
                 finish(event.request_id, clock())
+        if on_step is not None:
+            on_step()
     return turns
