@@ -70,8 +70,8 @@ def _memory(args: argparse.Namespace) -> int:
                             num_heads=args.heads or args.kv_heads, head_dim=args.head_dim,
                             d_model=args.d_model, d_ff=args.d_ff, vocab_size=args.vocab,
                             max_seq_len=args.max_seq_len, tie_embeddings=args.tied)
-    if args.kv_format is not None:  # int8, float8: 1 + 4 / head_dim (a float32 scale per vector)
-        args.kv_bytes = kv_bytes_per_scalar(args.kv_format, model.head_dim)
+    if args.kv_format is not None:  # scales included (calculator.kv_bytes_per_scalar)
+        args.kv_bytes = kv_bytes_per_scalar(args.kv_format, model.head_dim, args.page_size)
     plan = None  # made first, so that a bad mesh is refused before anything is printed
     if args.mesh is not None or args.device_memory_gib is not None:
         plan = memory_plan.plan_report(

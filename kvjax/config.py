@@ -178,7 +178,7 @@ class CacheConfig:
 
     page_size: int = 16
     num_pages: int = 256
-    # "float32" | "bfloat16" | "int8" | "float8_e4m3fn" (a scale per vector: kvjax.cache.paged)
+    # float32 | bfloat16 | int8 | float8_e4m3fn (kvjax.cache.paged) | int4_kivi (cache.kivi)
     dtype: str = "float32"
     prefill_chunk: int = 64
     attn_block: int = 64
@@ -192,7 +192,7 @@ class CacheConfig:
                          ("attn_block", 1), ("host_bytes", 0), ("disk_bytes", 0)):
             _require(getattr(self, key) >= low, key, f"must be >= {low}, got {getattr(self, key)}")
         _require((self.disk_dir is None) == (not self.disk_bytes), "disk_bytes", "needs disk_dir")
-        _choice(self.dtype, "dtype", ("float32", "bfloat16", "int8", "float8_e4m3fn"))
+        _choice(self.dtype, "dtype", ("float32", "bfloat16", "int8", "float8_e4m3fn", "int4_kivi"))
         _require(self.prefill_chunk % self.page_size == 0, "prefill_chunk",
                  f"{self.prefill_chunk} is not a multiple of page_size ({self.page_size})")
         _require(self.attn_block % self.page_size == 0 or self.attn_block < self.page_size,

@@ -11,7 +11,9 @@ num_pages, page_size]). Float8 pages (`"float8_e4m3fn"`) are the same with e4m3 
 the largest magnitude at 448 (e4m3's largest): the same bytes, another grid (int8 steps are
 even across a vector, e4m3 steps relative to each number). A token is quantized when it is
 written, from its own K/V alone, so its stored bits still depend on its own history only;
-attention reads number * scale.
+attention reads number * scale. Int4 pages grouped by the page (`"int4_kivi"`: keys per
+channel over a full page, values per token, the page being filled kept float32 in the
+row's open page) are `kvjax.cache.kivi`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import numpy as np
 from kvjax.config import CacheConfig, ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
-          "float8_e4m3fn": jnp.float8_e4m3fn}
+          "float8_e4m3fn": jnp.float8_e4m3fn, "int4_kivi": jnp.uint8}
+# the formats the engine serves (int4_kivi pages run in steps.extend only, so far)
+SERVED = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 QUANTIZED = ("int8", "float8_e4m3fn")  # formats stored with a scale per (token, KV head)
 _LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
@@ -40,6 +44,9 @@ class PagedKVCache:
     block_pages: int = flax.struct.field(pytree_node=False, default=1)
     k_scale: jax.Array | None = None  # quantized: float32 [layers, kv_heads, num_pages, page_size]
     v_scale: jax.Array | None = None
+    # int4_kivi (kvjax.cache.kivi): float32 [layers, kv_heads, open_rows, page_size, head_dim]
+    open_k: jax.Array | None = None
+    open_v: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
@@ -81,17 +88,37 @@ class BatchInfo:
     lengths: jax.Array  # int32[batch]  tokens already cached
     num_new: jax.Array  # int32[batch]  real new tokens in this step
     position_offset: jax.Array | None = None  # int32[batch]  position of cache slot 0
+    # int4_kivi pages: each row's open page (kvjax.cache.kivi); >= open_rows: a padded row
+    open_rows: jax.Array | None = None  # int32[batch]
 
 
-def init_cache(model: ModelConfig, cache: CacheConfig) -> PagedKVCache:
-    """A zero-filled cache for `model` with `cache.num_pages` pages."""
+def init_cache(model: ModelConfig, cache: CacheConfig, open_rows: int = 0) -> PagedKVCache:
+    """A zero-filled cache for `model` with `cache.num_pages` pages (int4_kivi pages: and
+    `open_rows` open pages, one per row a step may run)."""
     shape = (model.num_layers, model.num_kv_heads, cache.num_pages, cache.page_size,
              model.head_dim)
+    if cache.dtype == "int4_kivi":
+        return _init_kivi(shape, cache.block_pages, open_rows)
     dtype = DTYPES[cache.dtype]
     scale = (lambda: jnp.zeros(shape[:-1], jnp.float32)) if cache.dtype in QUANTIZED else (
         lambda: None)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                         block_pages=cache.block_pages, k_scale=scale(), v_scale=scale())
+
+
+def _init_kivi(shape: tuple, block_pages: int, open_rows: int) -> PagedKVCache:
+    layers, kv, pages, page_size, h = shape
+    if h % 2 or open_rows < 1:
+        raise ValueError(f"int4_kivi pages need an even head_dim (got {h}) and open_rows >= 1 "
+                         f"(got {open_rows})")
+    packed = (layers, kv, pages, page_size, h // 2)
+    open_ = (layers, kv, open_rows, page_size, h)
+    return PagedKVCache(k=jnp.zeros(packed, jnp.uint8), v=jnp.zeros(packed, jnp.uint8),
+                        block_pages=block_pages,
+                        k_scale=jnp.zeros((layers, kv, pages, h), jnp.float32),
+                        v_scale=jnp.zeros(shape[:-1], jnp.float32),
+                        open_k=jnp.zeros(open_, jnp.float32),
+                        open_v=jnp.zeros(open_, jnp.float32))
 
 
 def quantize(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
@@ -117,7 +144,8 @@ def dequantize(q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
 
 def cache_bytes(cache) -> int:
     """Physical bytes of a cache's K and V arrays (paged or dense; `jax.eval_shape` too)."""
-    arrays = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+    arrays = (cache.k, cache.v, cache.k_scale, cache.v_scale, getattr(cache, "open_k", None),
+              getattr(cache, "open_v", None))
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays
                if a is not None)
 

@@ -61,6 +61,10 @@ class PagePool:
         if sharding is not None and (cache.host_bytes or cache.disk_dir is not None):
             raise NotImplementedError("host and disk tiers on a device mesh: their page "
                                       "reads and writes have no sharding rule yet")
+        if cache.dtype == "int4_kivi":
+            raise NotImplementedError("int4_kivi pages are not served by the engine yet: "
+                                      "kvjax.cache.kivi runs in steps.extend, each row "
+                                      "naming its open page (BatchInfo.open_rows)")
         self.model_config = model
         self.cache_config = cache
         self.sharding = sharding

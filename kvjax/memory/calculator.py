@@ -15,21 +15,28 @@ from kvjax.config import ModelConfig
 
 ASSUMPTIONS = (
     "KV bytes = 2 (K,V) x batch x layers x length x kv_heads x head_dim x bytes/scalar; "
-    "int8 and float8 pages count their scales in bytes/scalar (1 + 4 / head_dim); "
+    "int8 and float8 pages count their scales in bytes/scalar (1 + 4 / head_dim), "
+    "int4_kivi pages theirs (0.5 + 2 / page_size + 2 / head_dim; not its open pages); "
     "excludes page-table overhead, allocator rounding (see the "
     "page-rounded figure), temporary workspaces and recurrent state."
 )
 
 
 # Bytes per stored number, and per scale of a (token, KV head) vector, of each page format
-# (`CacheConfig.dtype`; int8 and float8 pages: kvjax.cache.paged).
-KV_FORMATS = {"float32": (4, 0), "bfloat16": (2, 0), "int8": (1, 4), "float8_e4m3fn": (1, 4)}
+# (`CacheConfig.dtype`; int8 and float8 pages: kvjax.cache.paged). int4_kivi pages
+# (kvjax.cache.kivi) scale keys per channel over a page: None, see kv_bytes_per_scalar.
+KV_FORMATS = {"float32": (4, 0), "bfloat16": (2, 0), "int8": (1, 4), "float8_e4m3fn": (1, 4),
+              "int4_kivi": (0.5, None)}
 
 
-def kv_bytes_per_scalar(cache_dtype: str, head_dim: int) -> float:
+def kv_bytes_per_scalar(cache_dtype: str, head_dim: int, page_size: int = 16) -> float:
     """Bytes per cached K or V number of `cache_dtype` pages, scales included: spread over
-    the `head_dim` numbers each scales (int8, float8: 1 + 4 / head_dim)."""
+    the `head_dim` numbers each scales (int8, float8: 1 + 4 / head_dim); int4_kivi: keys
+    0.5 + 4 / page_size (a scale per channel per page), values 0.5 + 4 / head_dim. (Its
+    open pages, one float32 page per running row, are a fixed cost, not per token.)"""
     number, scale = KV_FORMATS[cache_dtype]
+    if scale is None:
+        return number + 2 / page_size + 2 / head_dim  # the mean of keys' and values'
     return number + scale / head_dim
 
 

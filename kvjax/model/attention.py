@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import kivi
 from kvjax.cache.dense import DenseKVCache
 from kvjax.cache.paged import BatchInfo, PagedKVCache, dequantize
 from kvjax.model.tiled import tree_sum
@@ -66,7 +67,8 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
 def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, batch: BatchInfo,
                               window: int | None, row_tile: int | None = None,
                               scale: float | None = None,
-                              softcap: float | None = None) -> jax.Array:
+                              softcap: float | None = None,
+                              fresh: kivi.Fresh | None = None) -> jax.Array:
     """Causal attention of new queries over the paged cache (which already holds them).
 
     A KV head's query rows (T queries x G heads of its group) are the rows of its two
@@ -80,6 +82,9 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     keeps the rows invariant at every count, `kvjax.model.tiled.choose_blocks`). None: one
     product of all T * G rows (fastest; a lone row is not padded). The softmax normaliser
     is a fixed-order sum (`tree_sum`). `scale` and `softcap` as in `full_attention`.
+    `fresh` (int4_kivi pages, `kvjax.cache.kivi`): each query sees its own page's keys and
+    values as these float numbers, and earlier pages dequantized; its scores and products
+    with its own page's keys are the same products, so a query's bits stay its own.
 
     Args:
       q: [B, T, N, H], queries at positions `batch.lengths + t`.
@@ -103,7 +108,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     end = batch.lengths + batch.num_new  # [B] keys at or past `end` are unwritten
     blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
 
-    def gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array) -> jax.Array:
+    def gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array,
+               keys: bool = False) -> jax.Array:
         """[b, K, nt, S, H] keys or values of `pages` [b, block_pages] in this layer (int8
         pages: times their `scales`).
 
@@ -114,33 +120,62 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         """
         rows_ = pages.shape[0]
         picked = pool[layer, :, pages]  # [b, block_pages, K, page_size, H]
-        if scales is not None:  # [b, block_pages, K, page_size]
+        if fresh is not None:  # int4: a scale per channel (keys) or per token (values)
+            unpack = kivi.dequantize_keys if keys else kivi.dequantize_values
+            picked = unpack(picked, scales[layer, :, pages], q.dtype)
+        elif scales is not None:  # [b, block_pages, K, page_size]
             picked = dequantize(picked, scales[layer, :, pages], q.dtype)
         picked = picked.transpose(0, 2, 1, 3, 4).reshape(rows_, kv, 1, block_len, h)
         return jnp.broadcast_to(picked.astype(q.dtype), (rows_, kv, nt, block_len, h))
 
-    def update(carry, index, pages, qg_, q_pos_, end_):
+    def own_page(fresh_, k_pos, q_pos_):
+        """The block's keys and values as `fresh_` holds them [b, K, nt, S, H], and where a
+        query's own page they are [b, 1, nt, R, S]."""
+        at = k_pos[None, :] - fresh_.base[:, None]  # [b, S] into the window
+        at = jnp.clip(at, 0, fresh_.k.shape[1] - 1)[:, :, None, None]
+
+        def pick(w):
+            x = jnp.take_along_axis(w, at, axis=1).transpose(0, 2, 1, 3)  # [b, K, S, H]
+            return jnp.broadcast_to(x[:, :, None].astype(q.dtype), (x.shape[0], kv, nt,
+                                                                    block_len, h))
+
+        ps = cache.page_size
+        own = (k_pos[None, None, None, :] // ps == q_pos_[..., None] // ps)[:, None]
+        return pick(fresh_.k), pick(fresh_.v), own
+
+    def update(carry, index, pages, qg_, q_pos_, end_, fresh_=None):
         """One block of keys `index` for the rows of `pages` [b, block_pages] (all rows, or
         one): their queries qg_ [b, K, nt, R, H] at q_pos_ [b, nt, R], written up to end_."""
         m, l, acc = carry  # [b, K, nt, R] and acc [b, K, nt, R, H]
-        k, v = gather(cache.k, cache.k_scale, pages), gather(cache.v, cache.v_scale, pages)
+        k = gather(cache.k, cache.k_scale, pages, keys=True)
+        v = gather(cache.v, cache.v_scale, pages)
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
         written = k_pos[None, :] < end_[:, None]  # [b, S]
         v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in
         mask = _mask(q_pos_, k_pos[None, None, :], True, window)  # [b, nt, R, S]
         mask = (mask & written[:, None, None, :])[:, None]  # [b, 1, nt, R, S]
         s = _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg_, k), softcap)
+        if fresh_ is not None:
+            k_own, v_own, own = own_page(fresh_, k_pos, q_pos_)
+            v_own = jnp.where(written[:, None, None, :, None], v_own, 0)
+            s = jnp.where(own, _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg_, k_own), softcap),
+                          s)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         l = l * correction + tree_sum(p)
-        acc = acc * correction[..., None] + jnp.einsum("BKnRS,BKnSH->BKnRH", p, v)
+        if fresh_ is None:
+            pv = jnp.einsum("BKnRS,BKnSH->BKnRH", p, v)
+        else:  # the own page's share from its float values, the rest from the pages'
+            pv = (jnp.einsum("BKnRS,BKnSH->BKnRH", jnp.where(own, 0, p), v)
+                  + jnp.einsum("BKnRS,BKnSH->BKnRH", jnp.where(own, p, 0), v_own))
+        acc = acc * correction[..., None] + pv
         return m_new, l, acc
 
     def step(index, carry):  # block `index` of every row
         pages = jax.lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [B, block_pages]
-        return update(carry, index, pages, qg, q_pos, end)
+        return update(carry, index, pages, qg, q_pos, end, fresh)
 
     shape = (b, kv, nt, tile)
     init = (jnp.full(shape, _M_INIT, q.dtype), jnp.zeros(shape, q.dtype),
@@ -172,7 +207,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         index = first[r] + task - (last[r] - extra[r])
         one = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)  # noqa: E731
         part = update(tuple(map(one, carry)), index, blocks[index, r][None], one(qg),
-                      one(q_pos), one(end))
+                      one(q_pos), one(end), None if fresh is None else jax.tree.map(one, fresh))
         return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, r, 0)
                      for c, x in zip(carry, part, strict=True))
 

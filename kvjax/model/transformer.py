@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import kivi
 from kvjax.cache.dense import DenseKVCache, dense_write_kv
 from kvjax.cache.paged import BatchInfo, PagedKVCache, write_kv
 from kvjax.config import ModelConfig
@@ -37,6 +38,15 @@ if TYPE_CHECKING:  # annotations only: the sharding layer sits above the model
 
 Cache = PagedKVCache | DenseKVCache | None
 Groups = tuple[tuple[int, int], ...]  # a packed step's groups: (sequences, tokens each)
+
+def _write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, batch: BatchInfo
+           ) -> tuple[PagedKVCache, kivi.Fresh | None]:
+    """The new tokens' K/V into the cache; int4_kivi pages also return what the queries see
+    of their own pages (`kvjax.cache.kivi`)."""
+    if cache.open_k is not None:
+        return kivi.write(cache, layer, k, v, batch)
+    return write_kv(cache, layer, k, v, batch), None
+
 
 class Attention(nn.Module):
     config: ModelConfig
@@ -78,8 +88,8 @@ class Attention(nn.Module):
             elif groups is not None:
                 out, cache = self.packed(q, k, v, cache, batch, groups)
             elif isinstance(cache, PagedKVCache):
-                cache = write_kv(cache, self.layer, k, v, batch)
-                out = self.paged(q, cache, batch)
+                cache, fresh = _write(cache, self.layer, k, v, batch)
+                out = self.paged(q, cache, batch, fresh)
             else:
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, window, **score)
@@ -106,21 +116,25 @@ class Attention(nn.Module):
 
         # every write before any read: with a read between two writes XLA copies the
         # whole cache, which made a packed step several times slower
+        fresh = []
         for i, info in enumerate(batches):
-            cache = write_kv(cache, self.layer, part(k, i), part(v, i), info)
-        outs = [self.paged(part(q, i), cache, info).reshape(-1, 1, *q.shape[2:])
-                for i, info in enumerate(batches)]
+            cache, f = _write(cache, self.layer, part(k, i), part(v, i), info)
+            fresh.append(f)
+        outs = [self.paged(part(q, i), cache, info, f).reshape(-1, 1, *q.shape[2:])
+                for i, (info, f) in enumerate(zip(batches, fresh, strict=True))]
         return jnp.concatenate(outs), cache
 
-    def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo) -> jax.Array:
+    def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo,
+              fresh: kivi.Fresh | None = None) -> jax.Array:
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
         if one is chosen (under shard_map on a mesh), everything else by the reference;
-        invariant numerics always by the reference, per query."""
+        invariant numerics and int4_kivi pages (`fresh`) always by the reference."""
         kernel, window, plan = self.kernel, self.config.window(self.layer), self.plan
-        if kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or plan.invariant:
+        if (kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or plan.invariant
+                or fresh is not None):
             return paged_attention_reference(q, cache, self.layer, batch, window,
                                              plan.block("attention") if plan.invariant
-                                             else None, **self.score_math)
+                                             else None, fresh=fresh, **self.score_math)
         if self.sharding is None:
             return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
                                           kernel.interpret, window=window, **self.score_math)
