@@ -95,7 +95,7 @@ def tier_fields(p, model: ModelConfig, working: int, folder: str | None) -> dict
     if p.tiers == "none" or folder is None:
         return {}
     page = kv_bytes(model.num_layers, model.num_kv_heads, model.head_dim, p.page_size, 1,
-                    kv_bytes_per_scalar(p.kv_format, model.head_dim))
+                    kv_bytes_per_scalar(p.kv_format, model.head_dim, p.page_size))
     out = {"host_bytes": round(p.host_capacity * working * page)}
     if p.tiers == "host+disk":
         out.update(disk_dir=folder, disk_bytes=round(p.disk_capacity * working * page))

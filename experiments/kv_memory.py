@@ -18,12 +18,12 @@ import numpy as np
 
 from experiments import common
 from kvjax import memory
-from kvjax.cache.paged import SERVED, cache_bytes, init_cache
+from kvjax.cache.paged import cache_bytes, init_cache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import generate
 from kvjax.lab.timing import Holder, contiguous_pages, filled_with_noise, multistep_seconds
-from kvjax.memory.calculator import kv_bytes_per_scalar
+from kvjax.memory.calculator import KV_FORMATS, kv_bytes_per_scalar
 from kvjax.model.transformer import init_params
 
 LAYOUTS = ("mha", "gqa", "mqa")
@@ -47,7 +47,9 @@ class Params:
 
     def __post_init__(self):
         common.check_choice(self, "attention", LAYOUTS)
-        common.check_choice(self, "cache_dtype", SERVED)
+        # int4_kivi's open pages need a row per sequence: `kvjax bench kv_format` measures it
+        common.check_choice(self, "cache_dtype", tuple(f for f in KV_FORMATS
+                                                      if f != "int4_kivi"))
         common.check_positive(self, "num_layers", "d_model", "num_heads", "gqa_kv_heads",
                               "d_ff", "batch", "context", "decode_steps", "reps", "page_size")
         self.model_config()  # the model's own checks (head counts, divisibility)

@@ -25,9 +25,9 @@ import tempfile
 import numpy as np
 
 from experiments import common, eviction
-from kvjax.cache.paged import SERVED
 from kvjax.config import ConfigError
 from kvjax.engine.engine import Engine
+from kvjax.memory.calculator import KV_FORMATS
 
 TIERS = common.TIERS
 
@@ -52,7 +52,7 @@ class Params:
 
     def __post_init__(self):
         common.check_choice(self, "tiers", TIERS)
-        common.check_choice(self, "kv_format", SERVED)
+        common.check_choice(self, "kv_format", tuple(KV_FORMATS))
         for key in ("host_capacity", "disk_capacity"):
             if not 0 < getattr(self, key) <= 16:
                 raise ConfigError(key, f"must be in (0, 16], got {getattr(self, key)}")

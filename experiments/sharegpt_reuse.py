@@ -34,12 +34,12 @@ import tempfile
 
 from experiments import common
 from kvjax import models
-from kvjax.cache.paged import SERVED
 from kvjax.config import ConfigError
 from kvjax.data import sharegpt
 from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.lab.replay import MODES, poisson_arrivals, replay
+from kvjax.memory.calculator import KV_FORMATS
 
 RUNNING = ("longest", "peak")
 
@@ -75,7 +75,7 @@ class Params:
         common.check_choice(self, "schedule", ("fcfs", "lpm"))
         common.check_choice(self, "tiers", common.TIERS)
         common.check_choice(self, "running", RUNNING)
-        common.check_choice(self, "kv_format", SERVED)
+        common.check_choice(self, "kv_format", tuple(KV_FORMATS))
         for key in ("host_capacity", "disk_capacity"):
             if not 0 < getattr(self, key) <= 16:
                 raise ConfigError(key, f"must be in (0, 16], got {getattr(self, key)}")

@@ -2,21 +2,25 @@
 keys per channel over a full page, values per token, the page being filled float32 until
 full. What a query sees is exactly its own page in float and earlier pages dequantized;
 a token's bits do not depend on how its sequence was cut into calls or on the other rows
-of its batch; the stored pages are the quantized float pages. (The engine does not serve
-the format yet: these run `steps.extend` with each row's open page named.)"""
+of its batch; the stored pages are the quantized float pages; the engine keeps its exact
+promises under the format (tier round trips: tests/test_tiers.py)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import CACHE, CONFIG, engine, params, with_cache
+from engine_helpers import CACHE, CONFIG, assert_same, engine, params, with_cache
+from helpers import random_tokens
 
+from kvjax import Engine, EngineConfig, InvalidRequestError, Request
 from kvjax.cache import kivi
-from kvjax.cache.paged import BatchInfo, cache_bytes, init_cache
+from kvjax.cache.paged import DTYPES, BatchInfo, cache_bytes, init_cache
 from kvjax.decode import steps
+from kvjax.decode.generate import generate
 from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
 from kvjax.model.attention import paged_attention_reference
+from kvjax.model.kernels import kernel_limits
 from kvjax.model.plan import INVARIANT
 
 KIVI = with_cache(dtype="int4_kivi")
@@ -188,20 +192,77 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_of_its_batch(p):
     np.testing.assert_array_equal(np.concatenate(got[1]), _extend(p, [9], other[:9])[0])
 
 
-def test_the_calculator_counts_its_bytes_and_the_engine_says_it_does_not_serve_it_yet(p):
+def _requests():
+    system = random_tokens(3, [22], CONFIG.vocab_size)[0]
+    tails = random_tokens(4, [3, 6, 5], CONFIG.vocab_size)
+    return [Request(tokens=system + t, max_new_tokens=8, return_logits=True) for t in tails]
+
+
+def test_the_engine_keeps_every_exact_promise_under_the_format(p):
+    """Requests reusing a shared prompt's int4 pages get a cache-off engine's bits (same
+    format) and those each gets alone; with 10 pages, evictions and preemptions (a
+    preempted request's open page rebuilt by its recompute) and freed pages poisoned, the
+    same bits again."""
+    on = engine(p, cache=KIVI)
+    first = on.generate(_requests()[:1])
+    rest = on.generate(_requests()[1:])
+    assert all(r.stats["reused_tokens"] >= 20 for r in rest)
+    off = engine(p, cache=KIVI, prefix_cache=False).generate(_requests())
+    assert_same(first + rest, off)
+    alone = engine(p, cache=KIVI, max_slots=1, prefix_cache=False)
+    assert_same([alone.generate([r])[0] for r in _requests()], off)
+    tight = engine(p, cache=with_cache(KIVI, num_pages=10), poison_freed=True, max_slots=2)
+    assert_same(tight.generate(_requests()), off)
+    m = tight.metrics()
+    assert m["evictions"] > 0 and m["preemptions"] > 0
+    f32 = engine(p, prefix_cache=False).generate(_requests())
+    # the prompt's last token sees int4 pages: close to float32 pages' logits, not equal
+    # (measured 1.8, logits up to 10)
+    first_step = max(float(np.abs(a.logits[0] - b.logits[0]).max()) for a, b in zip(
+        off, f32, strict=True))
+    assert 0 < first_step < 18, first_step
+
+
+def test_the_format_is_part_of_the_cache_identity(p):
+    r = _requests()[0]
+    assert engine(p, cache=KIVI).namespace(r).differing_fields(
+        engine(p, cache=with_cache(dtype="int8")).namespace(r)) == ["kv_dtype"]
+
+
+def test_the_calculator_counts_the_bytes_the_pool_allocates(p):
     """int4 numbers, a float32 scale per key channel per page and per value token, and one
-    float32 page per open row: what the pool allocates. 4 x H / (H / 2 + ...) tokens per
-    byte of float32 pages. The engine refuses the format with a reason, and goes on."""
+    float32 open page per slot: what the engine's pool allocates."""
     per_token = kv_bytes(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 1, 1,
                          kv_bytes_per_scalar("int4_kivi", CONFIG.head_dim, PS))
     open_page = 2 * CONFIG.num_layers * CONFIG.num_kv_heads * PS * CONFIG.head_dim * 4
-    assert cache_bytes(init_cache(CONFIG, KIVI, open_rows=3)) == (
-        KIVI.num_pages * PS * per_token + 3 * open_page)
+    eng = engine(p, cache=KIVI)
+    assert cache_bytes(eng.kv.target.cache) == (
+        KIVI.num_pages * PS * per_token + eng.engine_config.max_slots * open_page)
     # SmolLM2's head_dim 64 in pages of 16: keys 0.75, values 0.5625 bytes per number
     assert kv_bytes_per_scalar("float32", 64) / kv_bytes_per_scalar("int4_kivi", 64, 16) == (
         pytest.approx(4 / 0.65625))
-    with pytest.raises(NotImplementedError, match="int4_kivi pages are not served"):
-        engine(p, cache=KIVI)
+
+
+def test_what_the_format_cannot_serve_yet_is_refused_with_a_reason(p):
+    """Speculative decoding and partial-page copies (they would need float numbers an open
+    page no longer holds), n > 1 (one open page for the samples), generate(), a mesh; the
+    Pallas kernels fall back. The engine goes on serving."""
+    with pytest.raises(NotImplementedError, match="speculative decoding or partial_page_copy"):
+        engine(p, cache=KIVI, partial_page_copy=True)
+    with pytest.raises(NotImplementedError, match="speculative decoding"):
+        Engine(p, CONFIG, EngineConfig(cache=KIVI), draft=(p, CONFIG))
+    eng = engine(p, cache=KIVI)
+    with pytest.raises(InvalidRequestError, match="n=2 with int4_kivi"):
+        eng.submit(Request(tokens=[1, 2, 3], max_new_tokens=2, n=2))
+    with pytest.raises(NotImplementedError, match="generate"):
+        generate(p, CONFIG, [[1, 2, 3]], 2, cache=KIVI)
+    with pytest.raises(NotImplementedError, match="int4_kivi pages on a mesh"):
+        engine(p, cache=KIVI, mesh="data=1,model=1")
     with pytest.raises(ValueError, match="open_rows >= 1"):
         init_cache(CONFIG, KIVI)
-    assert engine(p).generate([]) == []
+    for backend in ("pallas_gpu", "pallas_tpu"):
+        assert kernel_limits(backend, head_dim=128, page_size=16,
+                             cache_dtype=DTYPES["int4_kivi"]) == [
+            f"{backend} reads float pages; int4_kivi pages (and each row's float open page) "
+            f"are read by the reference"]
+    assert_same(eng.generate(_requests()[:1]), engine(p, cache=KIVI).generate(_requests()[:1]))

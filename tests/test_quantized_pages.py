@@ -22,7 +22,6 @@ from helpers import random_tokens
 from kvjax import Request
 from kvjax.cache.paged import (
     DTYPES,
-    SERVED,
     BatchInfo,
     cache_bytes,
     dequantize,
@@ -168,7 +167,7 @@ def test_the_calculator_counts_the_bytes_the_pool_allocates():
     assert list(KV_FORMATS) == list(DTYPES)  # the calculator knows every format
     for dtype in DTYPES:  # and CacheConfig takes each (its own list of choices)
         assert with_cache(dtype=dtype).dtype == dtype
-    for dtype in SERVED:  # int4_kivi's open pages: tests/test_kivi_pages.py
+    for dtype in FORMATS + ["float32", "bfloat16"]:  # int4_kivi: tests/test_kivi_pages.py
         cc = with_cache(dtype=dtype)
         per_token = kv_bytes(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 1, 1,
                              kv_bytes_per_scalar(dtype, CONFIG.head_dim))

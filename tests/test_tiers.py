@@ -52,7 +52,7 @@ def _restored(results, tier):
 
 @pytest.mark.parametrize(("tiers", "dtype"), [
     ("host", "float32"), ("disk", "float32"), ("host+disk", "float32"), ("host", "int8"),
-    ("disk", "bfloat16")])
+    ("disk", "bfloat16"), ("disk", "int4_kivi")])
 def test_evicted_pages_come_back_bitwise(p, reference, tiers, dtype, tmp_path):
     """Pages evicted to host memory, to disk, or through host to disk (a host tier of 8
     pages) are restored into fresh pages: A's outputs equal the cache-off engine's bitwise

@@ -36,7 +36,7 @@ from kvjax.lab.progress import Progress
 from kvjax.lab.report import emit, markdown_table, refuse, write_results
 from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
 
-FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn")
+FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn", "int4_kivi")
 
 
 @dataclasses.dataclass
@@ -79,7 +79,7 @@ def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts:
                      prefill_chunk=chunk, attn_block=chunk)
     total, count, top1 = 0.0, 0, []
     for seq, start in zip(sequences, starts, strict=True):
-        cache = init_cache(case.config, cc)
+        cache = init_cache(case.config, cc, open_rows=1)
         table = page_table([list(range(cc.num_pages))], 1, cc.block_pages)
         logits = []
         for at in range(0, len(seq), chunk):
@@ -87,7 +87,8 @@ def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts:
             tokens = np.zeros((1, chunk), np.int32)
             tokens[0, :len(part)] = part
             batch = BatchInfo(page_table=table, lengths=np.array([at], np.int32),
-                                    num_new=np.array([len(part)], np.int32))
+                              num_new=np.array([len(part)], np.int32),
+                              open_rows=None if cache.open_k is None else np.zeros(1, np.int32))
             lg, cache = steps.extend(case.params, case.config, cache, tokens, batch)
             logits.append(np.asarray(lg[0, :len(part)], np.float64))
         lg = np.concatenate(logits)[start - 1: len(seq) - 1]  # predicting seq[start:]
@@ -134,7 +135,7 @@ def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
                 a.tokens == b.tokens and np.array_equal(a.logits, b.logits)
                 for a, b in zip(on, off, strict=True)),
             "bytes_per_token": kv_bytes(c.num_layers, c.num_kv_heads, c.head_dim, 1, 1,
-                                        kv_bytes_per_scalar(fmt, c.head_dim)),
+                                        kv_bytes_per_scalar(fmt, c.head_dim, 16)),
             "decode_s_per_token": seconds})
         if progress is not None:
             progress.update()

@@ -29,8 +29,6 @@ from kvjax.config import CacheConfig, ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
           "float8_e4m3fn": jnp.float8_e4m3fn, "int4_kivi": jnp.uint8}
-# the formats the engine serves (int4_kivi pages run in steps.extend only, so far)
-SERVED = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 QUANTIZED = ("int8", "float8_e4m3fn")  # formats stored with a scale per (token, KV head)
 _LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 

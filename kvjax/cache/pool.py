@@ -47,12 +47,13 @@ class PagePool:
     """A device page pool with its allocator, prefix trie and namespace (module docstring).
 
     `sharding` (a `kvjax.sharding.ShardingPlan`) places the cache on a mesh; `poison_freed`
-    fills free pages with NaN on device (a debug mode: a read of a freed page shows).
+    fills free pages with NaN on device (a debug mode: a read of a freed page shows);
+    `open_rows`: int4_kivi pages' open pages, one per slot (`kvjax.cache.kivi`).
     """
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *, eviction: str = "lru",
                  evicted_record: int = 65536, hash_fn=None, poison_freed: bool = False,
-                 sharding=None):
+                 sharding=None, open_rows: int = 0):
         if not model.causal:
             raise NonCausalCacheError()
         if eviction not in EVICTION_POLICIES:
@@ -61,14 +62,10 @@ class PagePool:
         if sharding is not None and (cache.host_bytes or cache.disk_dir is not None):
             raise NotImplementedError("host and disk tiers on a device mesh: their page "
                                       "reads and writes have no sharding rule yet")
-        if cache.dtype == "int4_kivi":
-            raise NotImplementedError("int4_kivi pages are not served by the engine yet: "
-                                      "kvjax.cache.kivi runs in steps.extend, each row "
-                                      "naming its open page (BatchInfo.open_rows)")
         self.model_config = model
         self.cache_config = cache
         self.sharding = sharding
-        self.cache: PagedKVCache = (init_cache(model, cache) if sharding is None
+        self.cache: PagedKVCache = (init_cache(model, cache, open_rows) if sharding is None
                                     else sharding.init_cache(cache))
         self.allocator = PageAllocator(cache.num_pages, track_freed=poison_freed)
         self.trie = PrefixTrie(cache.page_size, self.allocator, eviction,
@@ -93,7 +90,8 @@ class PagePool:
         cache = ec.cache if tiers else dataclasses.replace(ec.cache, host_bytes=0,
                                                             disk_dir=None, disk_bytes=0)
         return cls(model, cache, eviction=ec.eviction, evicted_record=ec.evicted_record,
-                   hash_fn=hash_fn, poison_freed=ec.poison_freed, sharding=sharding)
+                   hash_fn=hash_fn, poison_freed=ec.poison_freed, sharding=sharding,
+                   open_rows=ec.max_slots)
 
     def namespace(self, position_base: int, adapter: str = "none") -> CacheNamespace:
         """The namespace (without salt) of a history computed by this pool's model."""

@@ -73,6 +73,9 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
         page_size = CacheConfig().page_size
         need = sum(pages_for(len(p) + max_new_tokens, page_size) for p in prompts)
         cache = CacheConfig(page_size=page_size, num_pages=need)
+    if (cache.cache_config if isinstance(cache, KVPool) else cache).dtype == "int4_kivi":
+        raise NotImplementedError("generate() does not name int4_kivi pages' open pages: "
+                                  "serve them with the Engine")
     pool = cache if isinstance(cache, KVPool) else KVPool(config, cache)
     if pool.model_config != config:
         raise InvalidRequestError("the KVPool was built for another model config")

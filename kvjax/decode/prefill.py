@@ -30,6 +30,7 @@ class PrefillRow:
     start: int = 0
     position_base: int = 0
     adapter_index: int = 0
+    open_row: int = 0  # int4_kivi pages: its slot's open page (kvjax.cache.kivi)
 
 
 def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
@@ -67,13 +68,23 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
             tokens[i, : len(piece)] = piece
             lengths[i], num_new[i] = s, len(piece)
         batch = BatchInfo(page_table=table, lengths=lengths, num_new=num_new,
-                          position_offset=offsets)
+                          position_offset=offsets, open_rows=open_rows(cache, rows, b))
         logits, cache = steps.extend(params, config, cache, tokens, batch, lora, ids,
                                      last_only=True, sharding=sharding, plan=plan)
         for i, r in enumerate(rows):
             if num_new[i] and lengths[i] + num_new[i] == len(r.tokens):
                 out[i] = logits[i, 0]
     return out, cache
+
+
+def open_rows(cache: PagedKVCache, rows: list, b: int) -> np.ndarray | None:
+    """int4_kivi pages: each of `b` rows' open page (`rows[i].open_row`; padded rows past
+    the last, so that nothing of theirs is written); None for other formats."""
+    if cache.open_k is None:
+        return None
+    out = np.full(b, cache.open_k.shape[2], np.int32)
+    out[: len(rows)] = [r.open_row for r in rows]
+    return out
 
 
 def prefill(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,

@@ -35,6 +35,7 @@ class DecodeState:
     stop_ids: jax.Array  # int32[B, K] any of a row's ids ends it (-1: none); [B]: K = 1
     position_offset: jax.Array | None = None  # int32[B] model position of cache slot 0
     adapter_ids: jax.Array | None = None  # int32[B] LoRA adapter per row (0: none)
+    open_rows: jax.Array | None = None  # int32[B] int4_kivi pages: a row's open page
 
     @property
     def stops(self) -> jax.Array:
@@ -49,9 +50,10 @@ class DecodeState:
 
 def decode_state(page_table, lengths, last, budget, keys,
                  samplings: Sequence[SamplingConfig | None] = (), stop_ids=None,
-                 position_offset=None, adapter_ids=None) -> DecodeState:
+                 position_offset=None, adapter_ids=None, open_rows=None) -> DecodeState:
     """A DecodeState from host arrays. `samplings`: one SamplingConfig (or None: greedy) per
-    row, rows past its end greedy; `stop_ids`: int32[B] or [B, K] (None: no stop id)."""
+    row, rows past its end greedy; `stop_ids`: int32[B] or [B, K] (None: no stop id);
+    `open_rows`: int4_kivi pages' open page of each row (`kvjax.cache.kivi`)."""
     rows = len(lengths)
     stops = (np.full((rows, 1), -1, np.int32) if stop_ids is None
              else np.asarray(stop_ids, np.int32).reshape(rows, -1))
@@ -63,4 +65,5 @@ def decode_state(page_table, lengths, last, budget, keys,
         stop_ids=stops,
         position_offset=None if position_offset is None else np.asarray(position_offset,
                                                                           np.int32),
-        adapter_ids=None if adapter_ids is None else np.asarray(adapter_ids, np.int32))
+        adapter_ids=None if adapter_ids is None else np.asarray(adapter_ids, np.int32),
+        open_rows=None if open_rows is None else np.asarray(open_rows, np.int32))

@@ -88,6 +88,7 @@ class Fill:
     count: jax.Array  # int32[Bp]: tokens this call prefills (at most S * F)
     position_offset: jax.Array  # int32[Bp]
     adapter_ids: jax.Array | None = None  # int32[Bp], with LoRA
+    open_rows: jax.Array | None = None  # int32[Bp], int4_kivi pages (kvjax.cache.kivi)
 
 
 def _fill_step(fill: Fill, step: jax.Array, batch: BatchInfo, last: jax.Array,
@@ -101,7 +102,8 @@ def _fill_step(fill: Fill, step: jax.Array, batch: BatchInfo, last: jax.Array,
     left = fill.count - step * f  # [Bp] tokens still to prefill
     num_new = jnp.clip(left, 0, f)
     fbatch = BatchInfo(page_table=fill.page_table, lengths=fill.start + step * f,
-                       num_new=num_new, position_offset=fill.position_offset)
+                       num_new=num_new, position_offset=fill.position_offset,
+                       open_rows=fill.open_rows)
     tokens = jnp.concatenate([last, fill.tokens[:, step].reshape(-1)])[:, None]
     positions = jnp.concatenate([model_positions(batch, 1)[:, 0],
                                  model_positions(fbatch, f).reshape(-1)])[:, None]
@@ -176,7 +178,7 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
         active = ~c.done
         batch = BatchInfo(page_table=state.page_table, lengths=c.lengths,
                           num_new=active.astype(jnp.int32),
-                          position_offset=state.position_offset)
+                          position_offset=state.position_offset, open_rows=state.open_rows)
         # the variables inside the loop: a stored kernel's transposed view must sit beside
         # its product for XLA to fold it (hoisted, it would be copied into a plain layout)
         variables = model_variables(params, lora, plan)

@@ -115,6 +115,10 @@ class Engine:
             raise ValueError(f"{len(set(self.eos_tokens))} eos_tokens: at most "
                              f"{MAX_STOP_TOKENS}")
         self.cache_config = ec.cache
+        if ec.cache.dtype == "int4_kivi" and (spec is not None or ec.partial_page_copy):
+            raise NotImplementedError(
+                "int4_kivi pages with speculative decoding or partial_page_copy: a rollback or "
+                "a copied part of a page needs float numbers its row's open page does not hold")
         self._adapter_index = {name: i for i, name in enumerate(self.adapters, start=1)}
         self._adapter_ids = {name: adapter_identity(name, a) for name, a in self.adapters.items()}
         mesh = sharding.resolve_mesh(ec.mesh)

@@ -239,6 +239,9 @@ def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
                                   f"{request.max_new_tokens}")
     if request.n < 1 or request.n > max_slots:
         raise InvalidRequestError(f"n={request.n} must be in [1, max_slots={max_slots}]")
+    if request.n > 1 and cache.dtype == "int4_kivi":
+        raise InvalidRequestError(f"n={request.n} with int4_kivi pages: the samples would "
+                                  f"share the prompt's open page (not forked yet)")
     if request.adapter is not None and request.adapter not in adapters:
         known = ", ".join(sorted(adapters)) or "none loaded"
         raise InvalidRequestError(f"unknown adapter {request.adapter!r} (known: {known})")

@@ -176,7 +176,8 @@ class Rounds:
             draft = None if adm.draft is None else PrefillRow(
                 tokens, draft_pages, adm.draft.reused_tokens, base)
             self.prefilling.append(Prefill(
-                req, adm, PrefillRow(tokens, pages, adm.start, base, req.adapter_index),
+                req, adm, PrefillRow(tokens, pages, adm.start, base, req.adapter_index,
+                                     req.seqs[0].slot),
                 draft))
 
     def _drop_prefill(self, req: LiveRequest) -> None:

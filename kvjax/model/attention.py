@@ -158,6 +158,11 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         if fresh_ is not None:
             k_own, v_own, own = own_page(fresh_, k_pos, q_pos_)
             v_own = jnp.where(written[:, None, None, :, None], v_own, 0)
+            # a page not full yet is its pool page's old contents (NaN when poisoned): only
+            # its own queries see it, from `fresh_`, and 0 x NaN would still be NaN
+            ps = cache.page_size
+            full = (k_pos[None, :] // ps + 1) * ps <= end_[:, None]  # [b, S]
+            v = jnp.where(full[:, None, None, :, None], v, 0)
             s = jnp.where(own, _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg_, k_own), softcap),
                           s)
         s = jnp.where(mask, s, -jnp.inf)

@@ -93,6 +93,9 @@ def kernel_limits(backend: str, *, head_dim: int, page_size: int | None = None,
     if cache_dtype is not None and jnp.dtype(cache_dtype).name in QUANTIZED:
         reasons.append(f"{backend} reads float pages; {jnp.dtype(cache_dtype).name} pages (a "
                        f"scale per token and KV head) are dequantized by the reference")
+    if cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.uint8:  # int4_kivi's
+        reasons.append(f"{backend} reads float pages; int4_kivi pages (and each row's float "
+                       f"open page) are read by the reference")
     if backend == "pallas_gpu":
         if head_dim < 16 or head_dim & (head_dim - 1):
             reasons.append(f"pallas_gpu needs head_dim a power of two >= 16, got {head_dim}")

@@ -46,7 +46,7 @@ class ShardingPlan:
     def init_cache(self, cache_config):
         """A zero paged cache made directly in its shards (never whole on one device)."""
         from kvjax.cache.paged import QUANTIZED, init_cache
-        if cache_config.dtype in QUANTIZED:
+        if cache_config.dtype in (*QUANTIZED, "int4_kivi"):
             raise NotImplementedError(f"{cache_config.dtype} pages on a mesh: their scales have "
                                       f"no sharding rule yet (use float32 or bfloat16)")
         sharding = NamedSharding(self.mesh, self.cache_spec)
