@@ -112,10 +112,11 @@ def p():
     return params()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "int4_kivi"])
 def test_cache_on_equals_off_and_each_request_gets_its_alone_bits(p, fmt):
-    """Under quantized pages: requests that reuse a shared prompt's pages (and pages written
-    by decoding) get the bits of a cache-off engine, and of each request run alone."""
+    """Under quantized pages (int4_kivi's too, tests/test_kivi_pages.py): requests that reuse
+    a shared prompt's pages (and pages written by decoding) get the bits of a cache-off
+    engine, and of each request run alone."""
     fmt_cache = with_cache(dtype=fmt)
     on = engine(p, cache=fmt_cache)
     first = on.generate(_requests()[:1])
