@@ -18,6 +18,7 @@ from kvjax.cache import kivi
 from kvjax.cache.paged import DTYPES, BatchInfo, cache_bytes, init_cache
 from kvjax.decode import steps
 from kvjax.decode.generate import generate
+from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
 from kvjax.model.attention import paged_attention_reference
 from kvjax.model.kernels import kernel_limits
@@ -224,6 +225,7 @@ def test_the_calculator_counts_the_bytes_the_pool_allocates(p):
     eng = engine(p, cache=KIVI)
     assert cache_bytes(eng.kv.target.cache) == (
         KIVI.num_pages * PS * per_token + eng.engine_config.max_slots * open_page)
+    assert eng.kv.target.page_bytes == PS * per_token  # a page's bytes: the open pages apart
     # SmolLM2's head_dim 64 in pages of 16: keys 0.75, values 0.5625 bytes per number
     assert kv_bytes_per_scalar("float32", 64) / kv_bytes_per_scalar("int4_kivi", 64, 16) == (
         pytest.approx(4 / 0.65625))
@@ -246,6 +248,9 @@ def test_what_the_format_cannot_serve_yet_is_refused_with_a_reason(p):
         engine(p, cache=KIVI, mesh="data=1,model=1")
     with pytest.raises(ValueError, match="open_rows >= 1"):
         init_cache(CONFIG, KIVI)
+    with pytest.raises(ValueError, match="names its open page"):  # never open page 0 by default
+        prefill_rows(p, CONFIG, init_cache(CONFIG, KIVI, open_rows=2), KIVI,
+                     [PrefillRow([1, 2, 3], [4])])
     for backend in ("pallas_gpu", "pallas_tpu"):
         assert kernel_limits(backend, head_dim=128, page_size=16,
                              cache_dtype=DTYPES["int4_kivi"]) == [

@@ -205,6 +205,14 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
 PAGE_FIELDS = ("k", "v", "k_scale", "v_scale")
 
 
+def bytes_per_page(cache: PagedKVCache) -> int:
+    """Bytes of one page: its share of the `PAGE_FIELDS` arrays (int4_kivi's open pages are
+    per slot, not per page)."""
+    arrays = [getattr(cache, name) for name in PAGE_FIELDS]
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+               for a in arrays if a is not None) // cache.num_pages
+
+
 @jax.jit
 def read_pages(cache: PagedKVCache, pages: jax.Array) -> dict[str, jax.Array]:
     """The stored K/V of pages (int32[n]; an id >= num_pages reads zeros): each field of

@@ -26,7 +26,7 @@ from kvjax.cache.identity import CacheNamespace, attention_signature
 from kvjax.cache.node import Node, child_key
 from kvjax.cache.paged import (
     PagedKVCache,
-    cache_bytes,
+    bytes_per_page,
     copy_pages,
     init_cache,
     padded_ids,
@@ -115,7 +115,7 @@ class PagePool:
 
     @property
     def page_bytes(self) -> int:
-        return cache_bytes(self.cache) // self.cache_config.num_pages
+        return bytes_per_page(self.cache)
 
     def run(self, step: Callable[[PagedKVCache], tuple[Any, PagedKVCache]]) -> Any:
         """Runs a device step on the cache: `step(cache)` returns (result, new cache); the

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.paged import cache_bytes
+from kvjax.cache.paged import bytes_per_page, cache_bytes
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
@@ -141,7 +141,7 @@ def _run(params, config, plan, pool, prompts, rows, max_new_tokens, sampling, re
             all_logits.append(np.concatenate([first_logits[i:i + 1], logits[i, :produced]]))
     generated = sum(len(t) for t in tokens)
     used_pages = sum(len(r) for r in rows)
-    page_bytes = cache_bytes(pool.cache) // pool.cache_config.num_pages
+    one_page = bytes_per_page(pool.cache)
     stats = {
         "prefill_s": t1 - t0,
         "decode_s": t2 - t1,
@@ -150,7 +150,7 @@ def _run(params, config, plan, pool, prompts, rows, max_new_tokens, sampling, re
         "decode_tokens_per_s": (generated - n) / max(t2 - t1, 1e-9),
         "pages_used": used_pages,
         "pages_total": pool.cache_config.num_pages,
-        "kv_bytes_used": used_pages * page_bytes,
+        "kv_bytes_used": used_pages * one_page,
         "kv_bytes_total": cache_bytes(pool.cache),
     }
     return GenerateResult(tokens=tokens, logits=all_logits, stats=stats)

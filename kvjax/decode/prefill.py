@@ -30,7 +30,7 @@ class PrefillRow:
     start: int = 0
     position_base: int = 0
     adapter_index: int = 0
-    open_row: int = 0  # int4_kivi pages: its slot's open page (kvjax.cache.kivi)
+    open_row: int | None = None  # int4_kivi pages: its slot's open page (kvjax.cache.kivi)
 
 
 def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
@@ -82,6 +82,8 @@ def open_rows(cache: PagedKVCache, rows: list, b: int) -> np.ndarray | None:
     the last, so that nothing of theirs is written); None for other formats."""
     if cache.open_k is None:
         return None
+    if any(r.open_row is None for r in rows):
+        raise ValueError("int4_kivi pages: every prefilled row names its open page (open_row)")
     out = np.full(b, cache.open_k.shape[2], np.int32)
     out[: len(rows)] = [r.open_row for r in rows]
     return out
