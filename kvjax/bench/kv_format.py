@@ -37,6 +37,7 @@ from kvjax.lab.report import emit, markdown_table, refuse, write_results
 from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
 
 FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn", "int4_kivi")
+PAGE = 16  # tokens per page, every engine and cache here
 
 
 @dataclasses.dataclass
@@ -50,8 +51,8 @@ class Case:
 
 
 def engine_config(fmt: str, slots: int, context: int) -> EngineConfig:
-    return EngineConfig(cache=CacheConfig(page_size=16, num_pages=max(256, slots * context
-                                                                      // 16 * 2),
+    return EngineConfig(cache=CacheConfig(page_size=PAGE, num_pages=max(256, slots * context
+                                                                        // PAGE * 2),
                                           dtype=fmt), max_slots=slots, min_context=context)
 
 
@@ -75,7 +76,7 @@ def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts:
     argmax at each of those positions), every position's logits read through a cache of
     format `fmt` (fast numerics, chunks of `chunk` tokens, one sequence at a time)."""
     longest = max(map(len, sequences))
-    cc = CacheConfig(page_size=16, num_pages=pages_for(longest, 16), dtype=fmt,
+    cc = CacheConfig(page_size=PAGE, num_pages=pages_for(longest, PAGE), dtype=fmt,
                      prefill_chunk=chunk, attn_block=chunk)
     total, count, top1 = 0.0, 0, []
     for seq, start in zip(sequences, starts, strict=True):
@@ -135,7 +136,7 @@ def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
                 a.tokens == b.tokens and np.array_equal(a.logits, b.logits)
                 for a, b in zip(on, off, strict=True)),
             "bytes_per_token": kv_bytes(c.num_layers, c.num_kv_heads, c.head_dim, 1, 1,
-                                        kv_bytes_per_scalar(fmt, c.head_dim, 16)),
+                                        kv_bytes_per_scalar(fmt, c.head_dim, PAGE)),
             "decode_s_per_token": seconds})
         if progress is not None:
             progress.update()

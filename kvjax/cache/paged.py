@@ -142,8 +142,11 @@ def dequantize(q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
 
 def cache_bytes(cache) -> int:
     """Physical bytes of a cache's K and V arrays (paged or dense; `jax.eval_shape` too)."""
-    arrays = (cache.k, cache.v, cache.k_scale, cache.v_scale, getattr(cache, "open_k", None),
-              getattr(cache, "open_v", None))
+    return _nbytes(cache.k, cache.v, cache.k_scale, cache.v_scale,
+                   getattr(cache, "open_k", None), getattr(cache, "open_v", None))
+
+
+def _nbytes(*arrays) -> int:
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays
                if a is not None)
 
@@ -208,9 +211,7 @@ PAGE_FIELDS = ("k", "v", "k_scale", "v_scale")
 def bytes_per_page(cache: PagedKVCache) -> int:
     """Bytes of one page: its share of the `PAGE_FIELDS` arrays (int4_kivi's open pages are
     per slot, not per page)."""
-    arrays = [getattr(cache, name) for name in PAGE_FIELDS]
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-               for a in arrays if a is not None) // cache.num_pages
+    return _nbytes(*(getattr(cache, name) for name in PAGE_FIELDS)) // cache.num_pages
 
 
 @jax.jit

@@ -68,7 +68,7 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
             tokens[i, : len(piece)] = piece
             lengths[i], num_new[i] = s, len(piece)
         batch = BatchInfo(page_table=table, lengths=lengths, num_new=num_new,
-                          position_offset=offsets, open_rows=open_rows(cache, rows, b))
+                          position_offset=offsets, open_rows=prefill_open_rows(cache, rows, b))
         logits, cache = steps.extend(params, config, cache, tokens, batch, lora, ids,
                                      last_only=True, sharding=sharding, plan=plan)
         for i, r in enumerate(rows):
@@ -77,16 +77,24 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
     return out, cache
 
 
-def open_rows(cache: PagedKVCache, rows: list, b: int) -> np.ndarray | None:
-    """int4_kivi pages: each of `b` rows' open page (`rows[i].open_row`; padded rows past
-    the last, so that nothing of theirs is written); None for other formats."""
+def open_rows(cache: PagedKVCache, of_row: dict[int, int], b: int) -> np.ndarray | None:
+    """int4_kivi pages: the open page of each of `b` rows (`of_row`: row -> open page; the
+    other rows past the last, so that nothing of theirs is written); None for other
+    formats."""
     if cache.open_k is None:
         return None
-    if any(r.open_row is None for r in rows):
-        raise ValueError("int4_kivi pages: every prefilled row names its open page (open_row)")
     out = np.full(b, cache.open_k.shape[2], np.int32)
-    out[: len(rows)] = [r.open_row for r in rows]
+    for row, page in of_row.items():
+        out[row] = page
     return out
+
+
+def prefill_open_rows(cache: PagedKVCache, rows: list[PrefillRow], b: int
+                      ) -> np.ndarray | None:
+    """`open_rows` of prefill rows, each of which must name its open page."""
+    if cache.open_k is not None and any(r.open_row is None for r in rows):
+        raise ValueError("int4_kivi pages: every prefilled row names its open page (open_row)")
+    return open_rows(cache, {i: r.open_row for i, r in enumerate(rows)}, b)
 
 
 def prefill(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,

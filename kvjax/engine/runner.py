@@ -19,7 +19,7 @@ from kvjax.cache.trie import history_digests
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
-from kvjax.decode.prefill import PrefillRow, open_rows, prefill_rows
+from kvjax.decode.prefill import PrefillRow, open_rows, prefill_open_rows, prefill_rows
 from kvjax.decode.sampling import sample_jit, sampling_rows
 from kvjax.decode.state import decode_state
 from kvjax.engine.numerics_policy import NumericsPolicy
@@ -225,10 +225,8 @@ class StepRunner:
         adapters = np.zeros(slots, np.int32)
         stops = np.full((slots, MAX_STOP_TOKENS), -1, np.int32)
         samplings = [None] * slots
-        opened = np.full(slots, ec.max_slots, np.int32)  # int4_kivi: a row's open page
         for seq in live:
             i, r = row_of[id(seq)], seq.req.request
-            opened[i] = seq.slot
             lengths[i], last[i], budget[i], keys[i] = seq.length, seq.last, budgets[seq.slot], \
                 seq.key
             offsets[i], adapters[i] = r.position_base, seq.req.adapter_index
@@ -244,7 +242,8 @@ class StepRunner:
         want_logits = any(s.req.request.return_logits for s in live)
         state = decode_state(table, lengths, last, budget, keys, samplings, stops, offsets,
                              adapters if m.lora is not None else None,
-                             opened if kv.target.cache.open_k is not None else None)
+                             open_rows(kv.target.cache,
+                                       {row_of[id(s)]: s.slot for s in live}, slots))
         packed, fill_tokens = self.packed_fill(list(fill), longest)
         before = self.timers["decode_s"]
         with self.timers("decode_s"):
@@ -315,7 +314,7 @@ class StepRunner:
         fill = steps.Fill(tokens=tokens.reshape(n, steps_, width), page_table=table,
                           start=start, count=count, position_offset=offsets,
                           adapter_ids=adapters if self.model.lora is not None else None,
-                          open_rows=open_rows(pool.cache, rows, n))
+                          open_rows=prefill_open_rows(pool.cache, rows, n))
         return fill, int(count.sum())
 
     def _apply(self, seq: Seq, out: np.ndarray, logits: np.ndarray | None, length: int) -> None:

@@ -96,8 +96,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     rows = t * g
     tile = rows if row_tile is None else max(2, min(row_tile or rows, rows))
     nt = -(-rows // tile)  # tiles of `tile` query rows, the last one padded
-    block_pages = cache.block_pages
-    block_len = block_pages * cache.page_size
+    block_pages, ps = cache.block_pages, cache.page_size
+    block_len = block_pages * ps
     num_blocks = batch.page_table.shape[1] // block_pages
     qg = jnp.transpose(_grouped(q, kv, scale), (0, 2, 1, 3, 4)).reshape(b, kv, rows, h)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, nt * tile - rows), (0, 0)))
@@ -139,7 +139,6 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
             return jnp.broadcast_to(x[:, :, None].astype(q.dtype), (x.shape[0], kv, nt,
                                                                     block_len, h))
 
-        ps = cache.page_size
         own = (k_pos[None, None, None, :] // ps == q_pos_[..., None] // ps)[:, None]
         return pick(fresh_.k), pick(fresh_.v), own
 
@@ -160,7 +159,6 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
             v_own = jnp.where(written[:, None, None, :, None], v_own, 0)
             # a page not full yet is its pool page's old contents (NaN when poisoned): only
             # its own queries see it, from `fresh_`, and 0 x NaN would still be NaN
-            ps = cache.page_size
             full = (k_pos[None, :] // ps + 1) * ps <= end_[:, None]  # [b, S]
             v = jnp.where(full[:, None, None, :, None], v, 0)
             s = jnp.where(own, _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg_, k_own), softcap),

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # annotations only: the sharding layer sits above the model
 Cache = PagedKVCache | DenseKVCache | None
 Groups = tuple[tuple[int, int], ...]  # a packed step's groups: (sequences, tokens each)
 
+
 def _write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, batch: BatchInfo
            ) -> tuple[PagedKVCache, kivi.Fresh | None]:
     """The new tokens' K/V into the cache; int4_kivi pages also return what the queries see
