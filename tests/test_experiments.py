@@ -428,3 +428,50 @@ def test_kvjax_run_works_from_any_directory_inside_the_clone(tmp_path, monkeypat
                  "--out", typed]) == 0
     assert Path.cwd() == ROOT
     assert _read(out) and "prefix_page_size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("used, dropped", [(40_000, True), (20_000, False)])
+def test_a_sweep_drops_compiled_code_between_points_near_the_memory_map_limit(
+        tmp_path, monkeypatch, used, dropped):
+    """XLA:CPU holds memory maps per compiled executable: past half the kernel's limit the
+    runner drops them after a point (a SmolLM2 sweep crossed the limit and the compiler
+    failed); below it every point's programs stay for the next."""
+    package = f"lab_{used}"  # a module of its own for each case
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "compiles.py").write_text('''"""Compiles one program per point."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+PROGRAMS = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    x: int = 1
+
+
+def run(config):
+    f = jax.jit(lambda a: a * config.params.x)
+    PROGRAMS.append(f)
+    return {"y": float(f(jnp.ones(2))[0])}
+
+
+COLUMNS = [("x", lambda r: str(r["x"]))]
+
+
+def plot(rows, out):
+    return []
+''')
+    config = tmp_path / "compiles.toml"
+    config.write_text(f'experiment = "{package}.compiles"\n[sweep]\nx = [2, 3]\n')
+    monkeypatch.chdir(tmp_path)
+    real = runner.memory_maps()
+    assert real is not None and 0 < real[0] < real[1]  # Linux: /proc tells both
+    monkeypatch.setattr(runner, "memory_maps", lambda: (used, 65_530))
+    out = runner.run(runner.resolve(config), echo=_quiet)
+    assert [r["y"] for r in _read(out)] == [2.0, 3.0]
+    programs = sys.modules[f"{package}.compiles"].PROGRAMS
+    assert [f._cache_size() for f in programs] == ([0, 0] if dropped else [1, 1])

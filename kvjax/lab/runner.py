@@ -27,6 +27,7 @@ it stopped.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -199,6 +200,36 @@ def _grid(params_cls: type, fields: set[str], sweep: dict) -> dict[str, list]:
     return grid
 
 
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's `vm.max_map_count`), or None where
+    /proc tells neither (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            used = sum(1 for _ in maps)
+        return used, int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def drop_compiled_code_near_map_limit(share: float = 0.5) -> bool:
+    """Drops every compiled executable (`jax.clear_caches`) once the process holds `share`
+    of the memory maps the kernel allows it; True if it did.
+
+    XLA:CPU keeps a few memory maps per executable while it is cached, and a sweep compiles
+    each point's engines anew (other model, format or shapes): a 9-point SmolLM2 sweep
+    crossed the limit and the compiler failed with "Cannot allocate memory". Dropping only
+    near the limit keeps the programs that later points share.
+    """
+    maps = memory_maps()
+    if maps is None or maps[0] < share * maps[1]:
+        return False
+    import jax  # here, not at the top: a mesh run picks its CPU devices before JAX starts
+
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
 def run(exp: Experiment, out: str | Path | None = None, fresh: bool = False,
         echo=print) -> Path:
     """Runs every point not already in the folder's journal; writes the results folder.
@@ -227,6 +258,7 @@ def run(exp: Experiment, out: str | Path | None = None, fresh: bool = False,
             results.append_point(out, point_id(point), point, dataclasses.asdict(params), rows,
                                  time.perf_counter() - t0, env["git"]["commit"])
             bar.update(1, done=" ".join(f"{k}={v}" for k, v in point.items()))
+            drop_compiled_code_near_map_limit()
     rows = results.rows_in_order(out, [point_id(p) for p, _ in exp.points])
     written = results.finish(out, exp, rows)
     for path in written:
