@@ -202,14 +202,19 @@ def test_each_tier_stays_within_its_bytes(p, tmp_path, pages):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_the_tiers_benchmark_restores_what_it_prefilled(p):
+def test_the_tiers_benchmark_restores_what_it_prefilled(p, tmp_path, monkeypatch):
     """`kvjax bench tiers` at toy size: each scene restores the prompt's full pages but the
-    last (the bench raises if an answer changed), and the dropped-file-cache scene runs."""
+    last (the bench raises if an answer changed), the dropped-file-cache scene runs, and
+    no disk folder is left behind (each SmolLM2 run had left 273 MB in /tmp)."""
+    import tempfile
+
     from engine_helpers import CONFIG
 
     from kvjax.bench import tiers
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     rows = tiers.measure(p, CONFIG, prompt_len=64, reps=1)
+    assert list(tmp_path.iterdir()) == []
     assert [r["scene"] for r in rows] == list(tiers.SCENES)
     for r in rows:
         assert r["restored_tokens"] == 48  # (64 - 1) // 16 pages of 16

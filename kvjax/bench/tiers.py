@@ -55,27 +55,27 @@ def measure(params, config, prompt_len: int, reps: int, progress=None) -> list[d
     rng = np.random.default_rng(0)
     rows = []
     for scene in SCENES:
-        folder = tempfile.mkdtemp(prefix="kvjax-bench-tiers-")
-        engine = _engine(params, config, scene, prompt_len, folder)
-        pool = engine.kv.target
-        cold_s, restore_s, tail_s, ttft, restored = [], [], [], [], 0
-        for rep in range(reps + 1):
-            prompt = [int(t) for t in rng.integers(0, config.vocab_size, prompt_len)]
-            request = Request(prompt, 1, return_logits=True, ignore_eos=True)
-            cold = engine.generate([request])[0]
-            pool.evict(pool.stats()["resident_pages"])
-            if scene.startswith("disk (dropped"):
-                _drop_file_cache(folder)
-            before = pool.tiers.restore_s
-            warm = engine.generate([request])[0]
-            if warm.tokens != cold.tokens or not np.array_equal(warm.logits, cold.logits):
-                raise AssertionError(f"{scene}: the restored prefix changed the answer")
-            if rep:
-                cold_s.append(cold.stats["prefill_s"])
-                restore_s.append(pool.tiers.restore_s - before)
-                tail_s.append(warm.stats["prefill_s"])
-                ttft.append(warm.stats["ttft_s"] / cold.stats["ttft_s"])
-                restored = sum(warm.stats["restored_tokens"].values())
+        with tempfile.TemporaryDirectory(prefix="kvjax-bench-tiers-") as folder:
+            engine = _engine(params, config, scene, prompt_len, folder)
+            pool = engine.kv.target
+            cold_s, restore_s, tail_s, ttft, restored = [], [], [], [], 0
+            for rep in range(reps + 1):
+                prompt = [int(t) for t in rng.integers(0, config.vocab_size, prompt_len)]
+                request = Request(prompt, 1, return_logits=True, ignore_eos=True)
+                cold = engine.generate([request])[0]
+                pool.evict(pool.stats()["resident_pages"])
+                if scene.startswith("disk (dropped"):
+                    _drop_file_cache(folder)
+                before = pool.tiers.restore_s
+                warm = engine.generate([request])[0]
+                if warm.tokens != cold.tokens or not np.array_equal(warm.logits, cold.logits):
+                    raise AssertionError(f"{scene}: the restored prefix changed the answer")
+                if rep:
+                    cold_s.append(cold.stats["prefill_s"])
+                    restore_s.append(pool.tiers.restore_s - before)
+                    tail_s.append(warm.stats["prefill_s"])
+                    ttft.append(warm.stats["ttft_s"] / cold.stats["ttft_s"])
+                    restored = sum(warm.stats["restored_tokens"].values())
         page_bytes = pool.page_bytes
         cold, restore = statistics.median(cold_s), statistics.median(restore_s)
         rows.append({"scene": scene, "prompt_tokens": prompt_len, "restored_tokens": restored,
