@@ -430,7 +430,7 @@ def test_kvjax_run_works_from_any_directory_inside_the_clone(tmp_path, monkeypat
     assert _read(out) and "prefix_page_size" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("used, dropped", [(40_000, True), (20_000, False)])
+@pytest.mark.parametrize(("used", "dropped"), [(40_000, True), (20_000, False)])
 def test_a_sweep_drops_compiled_code_between_points_near_the_memory_map_limit(
         tmp_path, monkeypatch, used, dropped):
     """XLA:CPU holds memory maps per compiled executable: past half the kernel's limit the

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import kivi
 from kvjax.config import CacheConfig, ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
@@ -113,8 +114,8 @@ def _init_kivi(shape: tuple, block_pages: int, open_rows: int) -> PagedKVCache:
     open_ = (layers, kv, open_rows, page_size, h)
     return PagedKVCache(k=jnp.zeros(packed, jnp.uint8), v=jnp.zeros(packed, jnp.uint8),
                         block_pages=block_pages,
-                        k_scale=jnp.zeros((layers, kv, pages, h), jnp.float32),
-                        v_scale=jnp.zeros(shape[:-1], jnp.float32),
+                        k_scale=jnp.zeros((layers, kv, pages, h, 2), kivi.PARAMS),
+                        v_scale=jnp.zeros((*shape[:-1], 2), kivi.PARAMS),
                         open_k=jnp.zeros(open_, jnp.float32),
                         open_v=jnp.zeros(open_, jnp.float32))
 

@@ -24,7 +24,7 @@ ASSUMPTIONS = (
 
 # Bytes per stored number, and per scale of a (token, KV head) vector, of each page format
 # (`CacheConfig.dtype`; int8 and float8 pages: kvjax.cache.paged). int4_kivi pages
-# (kvjax.cache.kivi) scale keys per channel over a page: None, see kv_bytes_per_scalar.
+# (kvjax.cache.kivi) group keys per channel over a page: None, see kv_bytes_per_scalar.
 KV_FORMATS = {"float32": (4, 0), "bfloat16": (2, 0), "int8": (1, 4), "float8_e4m3fn": (1, 4),
               "int4_kivi": (0.5, None)}
 
@@ -32,7 +32,8 @@ KV_FORMATS = {"float32": (4, 0), "bfloat16": (2, 0), "int8": (1, 4), "float8_e4m
 def kv_bytes_per_scalar(cache_dtype: str, head_dim: int, page_size: int = 16) -> float:
     """Bytes per cached K or V number of `cache_dtype` pages, scales included: spread over
     the `head_dim` numbers each scales (int8, float8: 1 + 4 / head_dim); int4_kivi: keys
-    0.5 + 4 / page_size (a scale per channel per page), values 0.5 + 4 / head_dim. (Its
+    0.5 + 4 / page_size (a float16 step and minimum per channel per page), values
+    0.5 + 4 / head_dim (the same per token). (Its
     open pages, one float32 page per running row, are a fixed cost, not per token.)"""
     number, scale = KV_FORMATS[cache_dtype]
     if scale is None:
