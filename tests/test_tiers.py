@@ -159,6 +159,34 @@ def test_damaged_or_foreign_files_are_never_reused(p, reference, tmp_path, damag
         (tmp_path / "disk").glob("*.kvpage")))
 
 
+def test_a_file_of_another_page_layout_of_the_same_format_is_never_reused(p, tmp_path):
+    """int4_kivi pages once kept one float32 scale per group where they now keep a float16
+    step and minimum: a file of that layout has this engine's namespace, history and an
+    intact checksum, but other arrays. It is skipped as foreign (not written into the pool,
+    where its arrays do not fit) and recomputed: outputs equal the cache-off run."""
+    from kvjax.cache.tier_block import TierBlock, checksum, read_block, write_block
+
+    kivi = with_cache(CACHE, dtype="int4_kivi")
+    disk = with_cache(kivi, disk_dir=str(tmp_path), disk_bytes=1 << 30)
+    first = engine(p, disk)
+    first.generate(_requests(A))
+    first.generate(_requests(B))
+    files = sorted(tmp_path.glob("*.kvpage"))
+    assert files
+    for f in files:
+        block = read_block(str(f))
+        arrays = {name: a[..., 0].astype(np.float32) if name.endswith("_scale") else a
+                  for name, a in block.arrays.items()}  # the old layout: one scale per group
+        write_block(str(f), TierBlock(block.root, block.key, block.tokens, block.salts, arrays,
+                                      checksum(arrays)))
+    eng = engine(p, disk)
+    with pytest.warns(UserWarning, match="another page layout under its key"):
+        again = eng.generate(_requests(A))
+    assert_same(again, engine(p, kivi, prefix_cache=False).generate(_requests(A)))
+    assert _restored(again, "disk") == 0
+    assert eng.metrics()["tiers"]["disk"]["skipped_foreign"] > 0
+
+
 def test_another_model_finds_nothing_on_the_disk(p, tmp_path):
     """Another model's engine on the same folder matches none of its files (they are named
     by the namespace) and skips none."""

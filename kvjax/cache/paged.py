@@ -215,11 +215,19 @@ def bytes_per_page(cache: PagedKVCache) -> int:
     return _nbytes(*(getattr(cache, name) for name in PAGE_FIELDS)) // cache.num_pages
 
 
+def page_layout(cache: PagedKVCache) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of one page's part of each `PAGE_FIELDS` array the cache has
+    (the pages axis left out): what a page kept below the device must hold to come back."""
+    return {name: (str(a.dtype), a.shape[:2] + a.shape[3:])
+            for name in PAGE_FIELDS if (a := getattr(cache, name)) is not None}
+
+
 @jax.jit
 def read_pages(cache: PagedKVCache, pages: jax.Array) -> dict[str, jax.Array]:
     """The stored K/V of pages (int32[n]; an id >= num_pages reads zeros): each field of
     `PAGE_FIELDS` the cache has, pages first: k, v [n, layers, kv_heads, page_size,
-    head_dim]; quantized pages' k_scale, v_scale [n, layers, kv_heads, page_size]."""
+    head_dim]; quantized pages' k_scale, v_scale [n, layers, kv_heads, page_size] (int4_kivi
+    pages': `kvjax.cache.kivi`'s shapes)."""
     out = {}
     for name in PAGE_FIELDS:
         a = getattr(cache, name)

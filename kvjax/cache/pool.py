@@ -30,6 +30,7 @@ from kvjax.cache.paged import (
     copy_pages,
     init_cache,
     padded_ids,
+    page_layout,
     poison_pages,
     read_pages,
     write_pages,
@@ -74,7 +75,7 @@ class PagePool:
         self.fingerprint: str | None = None  # the weights' (set by whoever loads them)
         # Host and disk tiers for evicted pages (kvjax.cache.tiers): the trie hands over
         # what each eviction dropped while the pages still hold it (`_spill`).
-        self.tiers = Tiers.for_cache(cache)
+        self.tiers = Tiers.for_cache(cache, page_layout(self.cache))
         self._buffers: dict[int, dict[str, np.ndarray]] = {}  # restores' staging buffers
         if self.tiers is not None:
             self.trie.on_evict = self._spill

@@ -75,6 +75,11 @@ class TierBlock:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
+    @property
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """name -> (dtype, shape) of each array (`kvjax.cache.paged.page_layout`'s form)."""
+        return {name: (str(a.dtype), tuple(a.shape)) for name, a in self.arrays.items()}
+
     def intact(self) -> bool:
         return checksum(self.arrays) == self.digest
 

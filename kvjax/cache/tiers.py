@@ -193,7 +193,9 @@ class DiskTier:
 class Tiers:
     """The host tier and the disk tier (either may be absent), as one store."""
 
-    def __init__(self, host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0):
+    def __init__(self, host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0,
+                 layout: dict | None = None):
+        self.layout = layout  # the pool's page layout (`paged.page_layout`); None: unchecked
         self.levels: list[HostTier | DiskTier] = []
         if host_bytes:
             self.levels.append(HostTier(host_bytes))
@@ -202,11 +204,12 @@ class Tiers:
         self.restore_s = 0.0
 
     @classmethod
-    def for_cache(cls, cache) -> Tiers | None:
-        """The tiers a `CacheConfig` asks for, or None when it asks for none."""
+    def for_cache(cls, cache, layout: dict | None = None) -> Tiers | None:
+        """The tiers a `CacheConfig` asks for (pages of `layout`), or None when it asks for
+        none."""
         if not cache.host_bytes and cache.disk_dir is None:
             return None
-        return cls(cache.host_bytes, cache.disk_dir, cache.disk_bytes)
+        return cls(cache.host_bytes, cache.disk_dir, cache.disk_bytes, layout)
 
     def has(self, key: Key) -> bool:
         """Whether a tier holds `key` (marking it used): an evicted page need not be read."""
@@ -230,10 +233,15 @@ class Tiers:
             block = level.get(key)
             if block is None:
                 continue
-            if not block.same_history(key[0], tokens, salts):  # never on a key alone
+            # never on a key alone; and a file another kvjax wrote for another layout of the
+            # same format (its namespace names the format, not its arrays) is foreign too
+            other = "history" if not block.same_history(key[0], tokens, salts) else (
+                "page layout" if self.layout is not None and block.layout != self.layout
+                else None)
+            if other is not None:
                 level.stats["skipped_foreign"] += 1
                 warnings.warn(f"kvjax {level.name} tier: skipped a foreign page (another "
-                              "history under its key; recomputed instead)", stacklevel=2)
+                              f"{other} under its key; recomputed instead)", stacklevel=2)
                 level.discard(key)
                 return None
             level.stats["restored_pages"] += 1
