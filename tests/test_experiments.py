@@ -430,13 +430,15 @@ def test_kvjax_run_works_from_any_directory_inside_the_clone(tmp_path, monkeypat
     assert _read(out) and "prefix_page_size" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("used", "dropped"), [(40_000, True), (20_000, False)])
-def test_a_sweep_drops_compiled_code_between_points_near_the_memory_map_limit(
-        tmp_path, monkeypatch, used, dropped):
-    """XLA:CPU holds memory maps per compiled executable: past half the kernel's limit the
-    runner drops them after a point (a SmolLM2 sweep crossed the limit and the compiler
-    failed); below it every point's programs stay for the next."""
-    package = f"lab_{used}"  # a module of its own for each case
+@pytest.mark.parametrize(("after", "dropped"), [(35_000, True), (33_000, False), (12_000, False)])
+def test_a_sweep_drops_compiled_code_when_its_next_point_might_pass_the_map_limit(
+        tmp_path, monkeypatch, after, dropped):
+    """XLA:CPU holds memory maps per compiled program: after each point the runner drops
+    them if the maps held plus the most one point has added could pass 90% of the kernel's
+    limit (a 9-point SmolLM2 sweep crossed it and the compiler failed); otherwise every
+    point's programs stay for the next. Each point here starts at 10,000 maps: ending at
+    35,000 (25,000 added) could pass 58,977, at 33,000 not."""
+    package = f"lab_{after}"  # a module of its own for each case
     (tmp_path / package).mkdir()
     (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / package / "compiles.py").write_text('''"""Compiles one program per point."""
@@ -470,7 +472,8 @@ def plot(rows, out):
     monkeypatch.chdir(tmp_path)
     real = runner.memory_maps()
     assert real is not None and 0 < real[0] < real[1]  # Linux: /proc tells both
-    monkeypatch.setattr(runner, "memory_maps", lambda: (used, 65_530))
+    counts = iter([10_000, after] * 2)  # before and after each point
+    monkeypatch.setattr(runner, "memory_maps", lambda: (next(counts), 65_530))
     out = runner.run(runner.resolve(config), echo=_quiet)
     assert [r["y"] for r in _read(out)] == [2.0, 3.0]
     programs = sys.modules[f"{package}.compiles"].PROGRAMS
