@@ -64,6 +64,11 @@ def test_keys_grouped_per_channel_over_the_page_values_per_token():
     assert (np.abs(back_v - v) <= v_step[..., None] * (0.5 + 1e-3)).all()
     spread = k[..., 4].max(-1) - k[..., 4].min(-1)  # [3]
     np.testing.assert_allclose(k_step[:, 4], spread / 15, rtol=0.02)  # measured 0.0055
+    wide = np.zeros((1, PS, 8), np.float32)
+    wide[0, :2, 0] = [-1e6, 1e6]  # past float16: the step saturates instead of reading NaN
+    kq, ks, vq, vs = kivi.quantize_page(jnp.asarray(wide), jnp.asarray(wide))
+    assert np.isfinite(np.asarray(kivi.dequantize_keys(kq, ks, jnp.float32))).all()
+    assert np.isfinite(np.asarray(kivi.dequantize_values(vq, vs, jnp.float32))).all()
 
 
 def _reference(q, k, v, q_pos, scale):
@@ -227,8 +232,8 @@ def test_the_format_is_part_of_the_cache_identity(p):
 
 
 def test_the_calculator_counts_the_bytes_the_pool_allocates(p):
-    """int4 numbers, a float32 scale per key channel per page and per value token, and one
-    float32 open page per slot: what the engine's pool allocates."""
+    """int4 numbers, a float16 step and minimum per key channel per page and per value
+    token, and one float32 open page per slot: what the engine's pool allocates."""
     per_token = kv_bytes(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 1, 1,
                          kv_bytes_per_scalar("int4_kivi", CONFIG.head_dim, PS))
     open_page = 2 * CONFIG.num_layers * CONFIG.num_kv_heads * PS * CONFIG.head_dim * 4

@@ -24,8 +24,8 @@ mostly to one side of 0, so min..max is a narrower range than -max|x|..max|x|: o
 K/V the relative error is half the symmetric one's for keys (0.029 vs 0.061) and 0.80 of it
 for values. Step and minimum are float16, the bytes one float32 scale took: the minimum
 rounded down and the step up, and the numbers computed from those stored ones, so every
-number is within half a stored step of its value (float16's range, |x| <= 65,504, is the
-format's).
+number is within half a stored step of its value (float16's range is the format's: a
+minimum below -65,504 or a step above 65,504 saturates there).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def _quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     x = x.astype(jnp.float32)
     low = _round_toward(jnp.clip(jnp.min(x, axis=axis), -_FLOAT16_MAX, _FLOAT16_MAX), -jnp.inf)
     low32 = low.astype(jnp.float32)
-    step = _round_toward((jnp.max(x, axis=axis) - low32) / LEVELS, jnp.inf)
+    step = _round_toward(jnp.minimum((jnp.max(x, axis=axis) - low32) / LEVELS, _FLOAT16_MAX),
+                         jnp.inf)
     step32 = step.astype(jnp.float32)
     safe = jnp.expand_dims(jnp.where(step32 > 0, step32, 1.0), axis)
     q = jnp.round((x - jnp.expand_dims(low32, axis)) / safe)

@@ -41,7 +41,9 @@ class PagedKVCache:
     k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
     v: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
     block_pages: int = flax.struct.field(pytree_node=False, default=1)
-    k_scale: jax.Array | None = None  # quantized: float32 [layers, kv_heads, num_pages, page_size]
+    # int8, float8: float32 [layers, kv_heads, num_pages, page_size]; int4_kivi: float16
+    # [..., num_pages, head_dim, 2] and [..., num_pages, page_size, 2] (kvjax.cache.kivi)
+    k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     # int4_kivi (kvjax.cache.kivi): float32 [layers, kv_heads, open_rows, page_size, head_dim]
     open_k: jax.Array | None = None
