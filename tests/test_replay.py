@@ -110,6 +110,34 @@ def test_on_step_runs_after_every_engine_step(p):
     assert used[-1] == 0  # every turn finished: nothing held
 
 
+def test_a_restart_goes_on_with_a_new_engine_from_the_disk_tier(p, chat, tmp_path):
+    """`restart=(4, new_engine)`: once 4 turns have finished no turn is sent until the running
+    ones finish (the three second turns run together: 6 finish on the first engine); the
+    rest go to a new engine on the same disk folder (its device cache and host tier empty),
+    which restores the conversations' pages from the files the first one wrote. Every turn
+    is the unbroken replay's, bitwise."""
+    disk = with_cache(CACHE, num_pages=24, disk_dir=str(tmp_path), disk_bytes=1 << 30)
+    engines = [engine(p, disk)]
+
+    def new_engine():
+        engines.append(engine(p, disk))
+        return engines[-1]
+
+    turns = replay(engines[0], CONVERSATIONS, render, decode=decode, max_new_tokens=6,
+                   return_logits=True, restart=(4, new_engine))
+    assert len(engines) == 2
+    before = [t for t in turns if not t.after_restart]
+    assert len(before) == 6 and all(t.status == "finished" for t in turns)
+    assert max(t.finished_s for t in before) <= min(t.arrival_s for t in turns
+                                                     if t.after_restart)
+    key = lambda t: (t.conversation, t.turn)  # noqa: E731
+    for a, b in zip(sorted(turns, key=key), sorted(chat, key=key), strict=True):
+        assert (a.prompt_ids, a.tokens, a.logits_digest) == (b.prompt_ids, b.tokens,
+                                                              b.logits_digest)
+    restored = [t.stats["restored_tokens"].get("disk", 0) for t in turns if t.after_restart]
+    assert sum(restored) > 0 and engines[1].metrics()["tiers"]["disk"]["restored_pages"] > 0
+
+
 def test_a_trace_replay_teacher_forces_the_recorded_answers(p):
     turns = replay(engine(p), CONVERSATIONS[:2], render, mode="trace", max_new_tokens=1)
     for t in turns:

@@ -12,6 +12,9 @@ A conversation's first turn arrives at its arrival time (all at once, or `poisso
 at a rate); each next turn is sent as soon as the previous answer is finished (a closed
 loop per conversation). Idle time before the next arrival is skipped, not waited. A turn
 the engine refuses (a prompt past the model's length, say) or fails ends its conversation.
+A replay may restart half way: once a number of turns have finished it sends no more until
+the running ones finish, then goes on with a new engine (a new process's, on the same disk
+tier, say): the conversations continue where they were.
 
 For every turn the replay records what the engine reused beside the ideal: the tokens of the
 longest run of full pages, at the start of the prompt, that some earlier request of the
@@ -49,6 +52,7 @@ class ReplayTurn:
     stats: dict = dataclasses.field(default_factory=dict)
     status: str = "running"
     error: str | None = None
+    after_restart: bool = False  # sent to the engine a restart brought in
 
     def row(self) -> dict:
         s = self.stats
@@ -100,13 +104,16 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
            mode: str = "chat", max_new_tokens: int = 32, arrivals: Sequence[float] | None = None,
            decode: Callable[[list[int]], str] | None = None, return_logits: bool = False,
            max_turns: int | None = None,
-           on_step: Callable[[], None] | None = None) -> list[ReplayTurn]:
+           on_step: Callable[[], None] | None = None,
+           restart: tuple[int, Callable[[], object]] | None = None) -> list[ReplayTurn]:
     """Replays `conversations` (`kvjax.data.Conversation`s) on `engine`; returns every turn
     in the order sent. `render`: chat messages -> prompt ids (the model's chat template);
     `decode`: ids -> text, for the answers a "chat" replay puts in the history;
     `return_logits`: keep a digest of each answer's logits (to compare two replays
     bitwise without holding [tokens, vocab] arrays); `max_turns`: user turns per
-    conversation at most; `on_step`: called after each engine step (to sample the pool)."""
+    conversation at most; `on_step`: called after each engine step (to sample the pool);
+    `restart` (n, new_engine): after n turns have finished and the running ones with them,
+    the replay goes on with `new_engine()` (the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if mode == "chat" and decode is None:
@@ -124,6 +131,8 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
     ready: list[float | None] = [at if u else None for at, u in zip(arrivals, users, strict=True)]
     live: dict[int, ReplayTurn] = {}
     turns: list[ReplayTurn] = []
+    finished = [0]
+    restarted = restart is None
     start = time.perf_counter()
 
     def clock() -> float:
@@ -134,7 +143,8 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
         history[i].append({"role": "user", "content": users[i][k]})
         ids = render(history[i])
         ideal = min(written.reusable(ids), (len(ids) - 1) // ps * ps)  # one token computed
-        turn = ReplayTurn(i, k + 1, ids, ideal, now)
+        turn = ReplayTurn(i, k + 1, ids, ideal, now, after_restart=restart is not None and
+                          restarted)
         turns.append(turn)
         ready[i] = None
         try:
@@ -147,6 +157,7 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
 
     def finish(request_id: int, now: float) -> None:
         turn, result = live.pop(request_id), engine.result(request_id)
+        finished[0] += 1
         turn.finished_s, turn.tokens, turn.stats = now, list(result.tokens), result.stats
         turn.status, turn.error = result.status, result.error
         if return_logits and result.logits is not None:
@@ -166,9 +177,13 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
 
     while live or any(r is not None for r in ready):
         now = clock()
-        for i, at in enumerate(ready):
-            if at is not None and at <= now:
-                send(i, now)
+        hold = not restarted and finished[0] >= restart[0]  # the running turns finish first
+        if hold and not live:
+            engine, restarted, hold = restart[1](), True, False
+        if not hold:
+            for i, at in enumerate(ready):
+                if at is not None and at <= now:
+                    send(i, now)
         if not live:  # idle until the next arrival: skip the gap
             start -= min(r for r in ready if r is not None) - now
             continue
