@@ -204,7 +204,7 @@ class Tiers:
         self.restore_s = 0.0
 
     @classmethod
-    def for_cache(cls, cache, layout: dict | None = None) -> Tiers | None:
+    def for_cache(cls, cache, layout: dict) -> Tiers | None:
         """The tiers a `CacheConfig` asks for (pages of `layout`), or None when it asks for
         none."""
         if not cache.host_bytes and cache.disk_dir is None:
@@ -235,9 +235,11 @@ class Tiers:
                 continue
             # never on a key alone; and a file another kvjax wrote for another layout of the
             # same format (its namespace names the format, not its arrays) is foreign too
-            other = "history" if not block.same_history(key[0], tokens, salts) else (
-                "page layout" if self.layout is not None and block.layout != self.layout
-                else None)
+            other = None
+            if not block.same_history(key[0], tokens, salts):
+                other = "history"
+            elif self.layout is not None and block.layout != self.layout:
+                other = "page layout"
             if other is not None:
                 level.stats["skipped_foreign"] += 1
                 warnings.warn(f"kvjax {level.name} tier: skipped a foreign page (another "

@@ -131,8 +131,8 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
     ready: list[float | None] = [at if u else None for at, u in zip(arrivals, users, strict=True)]
     live: dict[int, ReplayTurn] = {}
     turns: list[ReplayTurn] = []
-    finished = [0]
-    restarted = restart is None
+    finished = 0  # turns finished
+    restarted = False  # a restart brought in the engine now in use
     start = time.perf_counter()
 
     def clock() -> float:
@@ -143,8 +143,7 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
         history[i].append({"role": "user", "content": users[i][k]})
         ids = render(history[i])
         ideal = min(written.reusable(ids), (len(ids) - 1) // ps * ps)  # one token computed
-        turn = ReplayTurn(i, k + 1, ids, ideal, now, after_restart=restart is not None and
-                          restarted)
+        turn = ReplayTurn(i, k + 1, ids, ideal, now, after_restart=restarted)
         turns.append(turn)
         ready[i] = None
         try:
@@ -156,8 +155,9 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
         live[rid] = turn
 
     def finish(request_id: int, now: float) -> None:
+        nonlocal finished
         turn, result = live.pop(request_id), engine.result(request_id)
-        finished[0] += 1
+        finished += 1
         turn.finished_s, turn.tokens, turn.stats = now, list(result.tokens), result.stats
         turn.status, turn.error = result.status, result.error
         if return_logits and result.logits is not None:
@@ -177,7 +177,8 @@ def replay(engine, conversations, render: Callable[[list[dict]], list[int]], *,
 
     while live or any(r is not None for r in ready):
         now = clock()
-        hold = not restarted and finished[0] >= restart[0]  # the running turns finish first
+        # the running turns finish before a restart
+        hold = restart is not None and not restarted and finished >= restart[0]
         if hold and not live:
             engine, restarted, hold = restart[1](), True, False
         if not hold:
