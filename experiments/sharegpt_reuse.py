@@ -16,7 +16,10 @@ running requests needed: the cache then has `capacity` x the working set and no 
 With `tiers` the pages the device pool evicts go to host memory (`host_capacity` x the
 working set's bytes) and on to a disk folder (`disk_capacity` x), and come back when a later
 turn needs them (`kvjax.cache.tiers`); `kv_format` is the pages' format (the cache-off
-reference runs in the same format).
+reference runs in the same format). With `restart`, once half the turns have finished (and
+the running ones with them) the engine writes its cache to the disk tier
+(`PagePool.persist`, as a process does before it ends) and a new engine, its device pool
+and host tier empty, serves the rest on the same folder (`replay`'s restart).
 
 Reported: reused / ideal prompt tokens (ideal: the full pages some earlier request wrote
 that a prompt starts with, short of its last token: what an unbounded exact cache serves),
@@ -26,6 +29,7 @@ and off, and whether every turn's tokens and logits equal the cache-off run's, b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import shutil
@@ -67,6 +71,7 @@ class Params:
     host_capacity: float = 0.5  # the host tier, as a fraction of the working set's bytes
     disk_capacity: float = 2.0
     kv_format: str = "float32"
+    restart: bool = False
 
     def __post_init__(self):
         common.check_positive(self, "conversations", "min_turns", "max_turns", "max_tokens",
@@ -90,14 +95,15 @@ class Params:
                               f"{', '.join(sorted(models.MODELS))})")
 
 
-def _replay(p: Params, seed: int, engine: Engine, on_step=None):
+def _replay(p: Params, seed: int, engine: Engine, on_step=None, restart=None):
     model = common.real_model(p.model)
     conversations = sharegpt(p.conversations, min_turns=p.min_turns, max_turns=p.max_turns,
                              max_tokens=p.max_tokens, tokenizer=model.tokenizer, seed=seed)
     arrivals = poisson_arrivals(len(conversations), p.rate or None, seed)
     return replay(engine, conversations, model.template.render, mode=p.mode,
                   max_new_tokens=p.new_tokens, arrivals=arrivals,
-                  decode=model.tokenizer.decode, return_logits=True, on_step=on_step)
+                  decode=model.tokenizer.decode, return_logits=True, on_step=on_step,
+                  restart=restart)
 
 
 def _engine(p: Params, num_pages: int, tiers: dict | None = None, **kw) -> Engine:
@@ -143,20 +149,34 @@ def run(config) -> dict:
     running = peak if p.running == "peak" else p.slots * pages_for(_longest(p), p.page_size)
     num_pages = p.pool_pages or running + round(p.capacity * working)
     folder = tempfile.mkdtemp(prefix="kvjax-sharegpt-tiers-")
+    tiers = common.tier_fields(p, common.real_model(p.model).config, working, folder)
+    live: list[Engine] = []  # the engine in use (a restart replaces it)
+    done: list[dict] = []  # the metrics of engines a restart ended
+    persisted = 0  # pages the first engine wrote to disk at the restart
+
+    def restart() -> Engine:
+        nonlocal persisted
+        old = live.pop()
+        done.append(old.metrics())
+        if old.pool.tiers is not None and old.pool.tiers.disk is not None:
+            persisted = old.pool.persist()
+        live.append(_engine(p, num_pages, tiers))
+        return live[0]
+
     try:
-        engine = _engine(p, num_pages, common.tier_fields(
-            p, common.real_model(p.model).config, working, folder))
-        turns = _replay(p, config.seed, engine)
+        live.append(_engine(p, num_pages, tiers))
+        turns = _replay(p, config.seed, live[0],
+                        restart=(len(reference) // 2, restart) if p.restart else None)
+        m = _summed(done + [live[0].metrics()])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     key = lambda t: (t.conversation, t.turn)  # noqa: E731
     same = [(a.prompt_ids, a.tokens, a.logits_digest) == (b.prompt_ids, b.tokens,
                                                            b.logits_digest)
             for a, b in zip(sorted(turns, key=key), sorted(reference, key=key), strict=True)]
-    m = engine.metrics()
-    causes = m["misses_by_cause"]
-    by_tier = (m.get("tiers") or {}).get("reused_tokens", {"device": m["reused_tokens"]})
+    causes, by_tier = m["misses_by_cause"], m["by_tier"]
     later = [t for t in turns if t.turn > 1]
+    after = [t for t in turns if t.after_restart]
     return {
         "conversations": len({t.conversation for t in turns}), "turns": len(turns),
         "num_pages": num_pages, "working_set_pages": working, "running_pages": running,
@@ -171,7 +191,10 @@ def run(config) -> dict:
                             if k not in ("cold", "capacity", "divergence")),
         "evictions": m["evictions"], "preemptions": m["preemptions"],
         "reused_host": by_tier.get("host", 0), "reused_disk": by_tier.get("disk", 0),
-        "restore_s": (m.get("tiers") or {}).get("restore_s", 0.0),
+        "restore_s": m["restore_s"],
+        "after_restart_reused": sum(t.stats.get("reused_tokens", 0) for t in after),
+        "after_restart_ideal": sum(t.ideal_reused for t in after),
+        "persisted_pages": persisted,
         "ttft_s": _median(t.stats.get("ttft_s", 0.0) for t in turns),
         "ttft_off_s": _median(t.stats.get("ttft_s", 0.0) for t in reference),
         "e2e_s": _median(t.finished_s - t.arrival_s for t in turns),
@@ -185,6 +208,21 @@ def run(config) -> dict:
     }
 
 
+def _summed(metrics: list[dict]) -> dict:
+    """The engines' metrics a row reads, summed over the engines (a restart brings in a
+    second one)."""
+    out = {"misses_by_cause": collections.Counter(), "by_tier": collections.Counter(),
+           "evictions": 0, "preemptions": 0, "restore_s": 0.0}
+    for m in metrics:
+        tiers = m.get("tiers") or {}
+        out["misses_by_cause"].update(m["misses_by_cause"])
+        out["by_tier"].update(tiers.get("reused_tokens", {"device": m["reused_tokens"]}))
+        out["evictions"] += m["evictions"]
+        out["preemptions"] += m["preemptions"]
+        out["restore_s"] += tiers.get("restore_s", 0.0)
+    return out
+
+
 def _median(values) -> float:
     values = list(values)
     return statistics.median(values) if values else 0.0
@@ -196,7 +234,8 @@ def _of_ideal(r: dict) -> float:
 
 def _series(r: dict) -> str:
     """A row's settings other than its cache capacity."""
-    extra = [x for x in (r.get("tiers", "none"), r.get("kv_format", "float32"))
+    extra = [x for x in (r.get("tiers", "none"), r.get("kv_format", "float32"),
+                         "restart" if r.get("restart") else "none")
              if x not in ("none", "float32")]
     return "/".join([f"page {r['page_size']}", r["schedule"], *extra])
 
@@ -217,6 +256,9 @@ COLUMNS = [
     ("misses cold / capacity / divergence",
      lambda r: f"{r['misses_cold']} / {r['misses_capacity']} / {r['misses_divergence']}"),
     ("evictions", lambda r: f"{r['evictions']:,}"),
+    ("after a restart: reused / ideal", lambda r: f"{r['after_restart_reused']:,} / "
+     f"{r['after_restart_ideal']:,} ({r['persisted_pages']:,} pages persisted)"
+     if r.get("restart") else "-"),
     ("TTFT on / off (median)", lambda r: f"{r['ttft_s'] * 1e3:.0f} / "
      f"{r['ttft_off_s'] * 1e3:.0f} ms"),
     ("end-to-end on / off (median)", lambda r: f"{r['e2e_s']:.2f} / {r['e2e_off_s']:.2f} s"),

@@ -118,6 +118,40 @@ def test_a_second_process_reuses_the_first_ones_disk(p, reference, tmp_path):
     assert eng.metrics()["tiers"]["reused_tokens"]["disk"] == _restored(first, "disk")
 
 
+def test_a_persisted_cache_outlives_the_process(p, reference, tmp_path):
+    """`persist()` writes what host memory and the device hold to the disk tier (nothing
+    had reached it: the host tier took every eviction): a new engine on the folder restores
+    all of A's pages from disk, outputs bitwise the cache-off engine's; a second call
+    writes nothing; a pool without a disk tier refuses by name; a small disk keeps its
+    bound and the most recently used pages (B's, not A's)."""
+    from kvjax.config import ConfigError
+
+    folder = {"disk_dir": str(tmp_path), "disk_bytes": 1 << 30}
+    first = engine(p, with_cache(CACHE, host_bytes=1 << 30, **folder))
+    first.generate(_requests(A))
+    first.generate(_requests(B))
+    m = first.metrics()
+    assert m["tiers"]["disk"]["pages"] == 0 < m["tiers"]["host"]["pages"]
+    assert first.pool.persist() == m["tiers"]["host"]["pages"] + m["resident_pages"]
+    assert first.pool.persist() == 0
+    again = engine(p, with_cache(CACHE, **folder)).generate(_requests(A))
+    assert_same(again, reference)
+    assert _restored(again, "disk") == sum(r.stats["reused_tokens"] for r in again) > 0
+    with pytest.raises(ConfigError, match="disk tier"):
+        engine(p, with_cache(CACHE, host_bytes=1 << 30)).pool.persist()
+    small = tmp_path / "small"
+    bound = 10 * (PAGE_BYTES + 900)  # a file: the page and a header (< 900 B)
+    eng = engine(p, with_cache(CACHE, host_bytes=1 << 30, disk_dir=str(small),
+                               disk_bytes=bound))
+    eng.generate(_requests(A))
+    eng.generate(_requests(B))
+    eng.pool.persist()
+    assert eng.metrics()["tiers"]["disk"]["bytes"] <= bound
+    later = engine(p, with_cache(CACHE, disk_dir=str(small), disk_bytes=bound))
+    assert _restored(later.generate(_requests(A)), "disk") == 0
+    assert _restored(later.generate(_requests(B[-1:])), "disk") > 0
+
+
 def _fill_disk(p, folder) -> list[Path]:
     eng = engine(p, with_cache(CACHE, disk_dir=str(folder), disk_bytes=1 << 30))
     eng.generate(_requests(A))

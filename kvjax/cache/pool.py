@@ -164,28 +164,49 @@ class PagePool:
 
     # -- lower tiers ---------------------------------------------------------------------------
     def _spill(self, nodes: list[Node]) -> None:
-        """The trie evicted `nodes`: their pages (one device read) go to the tiers, except
-        blocks a tier holds already (as after a restore)."""
-        leaving = []
-        for node in nodes:
-            key = (node.namespace.with_salt(None), node.key)
-            if self.tiers.has(key):
-                continue
+        """The trie evicted `nodes`: their pages go to the tiers, except blocks a tier holds
+        already (as after a restore)."""
+        self.tiers.spill(self._blocks([n for n in nodes if not self.tiers.has(_key(n))]))
+
+    def _blocks(self, nodes: list[Node]) -> list[TierBlock]:
+        """The blocks of `nodes`' pages, with their histories (one device read)."""
+        if not nodes:
+            return []
+        ids = padded_ids([node.page for node in nodes], self.cache_config.num_pages)
+        read = {name: np.asarray(a) for name, a in read_pages(self.cache, ids).items()}
+        blocks = []
+        for i, node in enumerate(nodes):
             tokens, salts, n = [], [], node
             while n.parent is not None:
                 tokens[:0] = n.tokens
                 salts.insert(0, n.salt)
                 n = n.parent
-            leaving.append((key, tuple(tokens), tuple(salts), node.page))
-        if not leaving:
-            return
-        ids = padded_ids([page for *_, page in leaving], self.cache_config.num_pages)
-        read = {name: np.asarray(a) for name, a in read_pages(self.cache, ids).items()}
-        blocks = []
-        for i, (key, tokens, salts, _) in enumerate(leaving):
             arrays = {name: a[i].copy() for name, a in read.items()}
-            blocks.append(TierBlock(key[0], key[1], tokens, salts, arrays, checksum(arrays)))
-        self.tiers.spill(blocks)
+            blocks.append(TierBlock(*_key(node), tuple(tokens), tuple(salts), arrays,
+                                    checksum(arrays)))
+        return blocks
+
+    def persist(self, chunk: int = 64) -> int:
+        """Writes every page the trie and the host tier hold to the disk tier, so that the
+        next process on the same folder finds this one's cache (what a process calls
+        before it ends; host memory and the device go with it). Host blocks go first, then
+        the trie's pages least recently used first, deepest first among equals (read from
+        the device `chunk` at a time), so that past the disk's bound the most recently used
+        stay. Pages the disk holds already are not written again. Returns the pages
+        written."""
+        disk = None if self.tiers is None else self.tiers.disk
+        if disk is None:
+            raise ConfigError("cache.disk_dir", "persisting the cache needs a disk tier")
+        before = disk.stats["stored_pages"]
+        self.tiers.persist_host()
+        # a path's blocks share their last use: the deepest first, so a bound drops a
+        # block before its parent (a block without its parent is never reached)
+        nodes = sorted(self.trie.nodes(), key=lambda n: (n.last_used, -_depth(n)))
+        for i in range(0, len(nodes), chunk):
+            for block in self._blocks([n for n in nodes[i:i + chunk]
+                                       if not disk.has(_key(n))]):
+                disk.put(block)
+        return disk.stats["stored_pages"] - before
 
     def _staging(self, n: int, page: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Host buffers for `n` pages shaped like `page`, kept for the next restore of that
@@ -295,6 +316,18 @@ class PagePool:
             if freed:
                 self.cache = poison_pages(self.cache,
                                           padded_ids(freed, self.cache_config.num_pages))
+
+
+def _key(node: Node) -> tuple[CacheNamespace, bytes]:
+    """A cached block's key in the tiers: (root namespace, path key)."""
+    return node.namespace.with_salt(None), node.key
+
+
+def _depth(node: Node) -> int:
+    depth = 0
+    while node.parent is not None:
+        node, depth = node.parent, depth + 1
+    return depth
 
 
 KVPool = PagePool  # the name `generate()` users know

@@ -211,6 +211,17 @@ class Tiers:
             return None
         return cls(cache.host_bytes, cache.disk_dir, cache.disk_bytes, layout)
 
+    @property
+    def disk(self) -> DiskTier | None:
+        return next((level for level in self.levels if isinstance(level, DiskTier)), None)
+
+    def persist_host(self) -> None:
+        """Writes the blocks host memory holds (least recently used first) to the disk
+        tier, which keeps them past the process (`PagePool.persist`)."""
+        if self.disk is not None and self.levels[0] is not self.disk:
+            for block in list(self.levels[0].blocks.values()):
+                self.disk.put(block)
+
     def has(self, key: Key) -> bool:
         """Whether a tier holds `key` (marking it used): an evicted page need not be read."""
         return any(level.has(key) for level in self.levels)

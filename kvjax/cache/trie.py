@@ -373,6 +373,10 @@ class PrefixTrie:
             stack.extend(node.child_list())
         return out
 
+    def nodes(self) -> list[Node]:
+        """Every cached block's node."""
+        return list(self._node_of.values())
+
     def entries(self) -> list[tuple[CacheNamespace, list[int], int]]:
         """(namespace root, full token history, page) for every cached block."""
         out = []
