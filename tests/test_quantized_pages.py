@@ -101,6 +101,30 @@ def test_attention_over_quantized_pages_is_attention_over_their_numbers(fmt):
         assert 0 < np.abs(got - exact).max() < {"int8": 0.25, "float8_e4m3fn": 1.2}[fmt]
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "float8_e4m3fn"])
+def test_a_page_write_converts_no_more_than_the_new_tokens(fmt):
+    """XLA:CPU writes into a bfloat16 or float8 array by converting the whole array to a
+    wider float and back; pages of those formats hold their bits on CPU, so a compiled
+    write converts nothing the pool's size, and reads give back the written numbers.
+    (Seen failing with the pages stored as numbers: two converts of the whole pool.)"""
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((2, 3, CONFIG.num_kv_heads, CONFIG.head_dim)),
+                    jnp.float32)
+    batch = BatchInfo(page_table=jnp.asarray([[3, 1], [5, 2]], jnp.int32),
+                      lengths=jnp.zeros(2, jnp.int32), num_new=jnp.asarray([3, 2], jnp.int32))
+    cache = init_cache(CONFIG, with_cache(dtype=fmt))
+    text = jax.jit(write_kv, static_argnums=1).lower(cache, 0, k, k, batch).compile().as_text()
+    pool = ",".join(map(str, cache.k.shape))
+    assert not [line for line in text.splitlines() if "convert(" in line and pool in line]
+    cache = write_kv(cache, 0, k, k * 0.5, batch)
+    written = cache.read(cache.k)[0, :, 3, :3].transpose(1, 0, 2)  # [3, K, H] of row 0
+    if fmt == "bfloat16":
+        np.testing.assert_array_equal(written, k[0].astype(jnp.bfloat16))
+    else:
+        kq, _ = quantize(k[0], jnp.float8_e4m3fn)
+        np.testing.assert_array_equal(written.view(jnp.uint8), kq.view(jnp.uint8))
+
+
 def _requests():
     system = random_tokens(3, [22], CONFIG.vocab_size)[0]
     tails = random_tokens(4, [3, 6, 5], CONFIG.vocab_size)

@@ -14,6 +14,12 @@ written, from its own K/V alone, so its stored bits still depend on its own hist
 attention reads number * scale. Int4 pages grouped by the page (`"int4_kivi"`: keys per
 channel over a full page, values per token, the page being filled kept float32 in the
 row's open page) are `kvjax.cache.kivi`.
+
+On CPU, bfloat16 and float8 pages hold their numbers' bits (uint16, uint8): XLA:CPU writes
+into an array of either type by converting the whole array to a wider float and back, which
+for a page write is the whole pool at every layer of every step (float8 decode took 69x
+float32's time on SmolLM2). Bits scatter in place; reads turn the gathered blocks back into
+numbers (a bitcast: the same bits, so the same values on every platform).
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
           "float8_e4m3fn": jnp.float8_e4m3fn, "int4_kivi": jnp.uint8}
 QUANTIZED = ("int8", "float8_e4m3fn")  # formats stored with a scale per (token, KV head)
 _LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+_BITS = {"bfloat16": jnp.uint16, "float8_e4m3fn": jnp.uint8}  # stored as bits on CPU
+
+
+def stored_as_bits(dtype: str, platform: str | None = None) -> bool:
+    """Whether pages of format `dtype` hold their numbers' bits on `platform` (default: the
+    default backend's); module docstring."""
+    return dtype in _BITS and (platform or jax.default_backend()) == "cpu"
 
 
 @flax.struct.dataclass
@@ -48,6 +61,24 @@ class PagedKVCache:
     # int4_kivi (kvjax.cache.kivi): float32 [layers, kv_heads, open_rows, page_size, head_dim]
     open_k: jax.Array | None = None
     open_v: jax.Array | None = None
+    # the format whose bits k and v hold (`stored_as_bits`); None: k and v hold numbers
+    numbers: str | None = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the numbers k and v hold."""
+        return jnp.dtype(DTYPES[self.numbers]) if self.numbers else self.k.dtype
+
+    def read(self, stored: jax.Array) -> jax.Array:
+        """Part of k or v as the numbers it holds."""
+        if self.numbers is None:
+            return stored
+        return jax.lax.bitcast_convert_type(stored, self.dtype)
+
+    def store(self, x: jax.Array) -> jax.Array:
+        """Numbers as k and v keep them: rounded to the format (as bits where stored so)."""
+        x = x.astype(self.dtype)
+        return x if self.numbers is None else jax.lax.bitcast_convert_type(x, self.k.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -100,11 +131,13 @@ def init_cache(model: ModelConfig, cache: CacheConfig, open_rows: int = 0) -> Pa
              model.head_dim)
     if cache.dtype == "int4_kivi":
         return _init_kivi(shape, cache.block_pages, open_rows)
-    dtype = DTYPES[cache.dtype]
+    bits = stored_as_bits(cache.dtype)
+    dtype = _BITS[cache.dtype] if bits else DTYPES[cache.dtype]
     scale = (lambda: jnp.zeros(shape[:-1], jnp.float32)) if cache.dtype in QUANTIZED else (
         lambda: None)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                        block_pages=cache.block_pages, k_scale=scale(), v_scale=scale())
+                        block_pages=cache.block_pages, k_scale=scale(), v_scale=scale(),
+                        numbers=cache.dtype if bits else None)
 
 
 def _init_kivi(shape: tuple, block_pages: int, open_rows: int) -> PagedKVCache:
@@ -185,12 +218,12 @@ def write_kv(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
     # Non-adjacent advanced indices put the [batch, new_tokens] axes first, so the update
     # has k's own layout [batch, new_tokens, kv_heads, head_dim].
     if cache.k_scale is not None:
-        (k, k_scale), (v, v_scale) = quantize(k, cache.k.dtype), quantize(v, cache.v.dtype)
+        (k, k_scale), (v, v_scale) = quantize(k, cache.dtype), quantize(v, cache.dtype)
         cache = cache.replace(
             k_scale=cache.k_scale.at[layer, :, page, slot].set(k_scale, mode="drop"),
             v_scale=cache.v_scale.at[layer, :, page, slot].set(v_scale, mode="drop"))
-    new_k = cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop")
+    new_k = cache.k.at[layer, :, page, slot].set(cache.store(k), mode="drop")
+    new_v = cache.v.at[layer, :, page, slot].set(cache.store(v), mode="drop")
     return cache.replace(k=new_k, v=new_v)
 
 
@@ -255,8 +288,9 @@ def poison_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
     if cache.k_scale is not None:
         return cache.replace(k_scale=cache.k_scale.at[:, :, pages].set(jnp.nan, mode="drop"),
                              v_scale=cache.v_scale.at[:, :, pages].set(jnp.nan, mode="drop"))
-    k = cache.k.at[:, :, pages].set(jnp.nan, mode="drop")
-    v = cache.v.at[:, :, pages].set(jnp.nan, mode="drop")
+    nan = cache.store(jnp.float32(jnp.nan))
+    k = cache.k.at[:, :, pages].set(nan, mode="drop")
+    v = cache.v.at[:, :, pages].set(nan, mode="drop")
     return cache.replace(k=k, v=v)
 
 

@@ -63,10 +63,9 @@ def filled_with_noise(cache, seed: int = 0):
     quantized pages: the noise quantized, each (token, KV head) with its own scale."""
     k = noise(jnp.uint32(seed % 2**32), cache.k.shape, jnp.float32)
     if cache.k_scale is None:
-        k = k.astype(cache.k.dtype)
-        return cache.replace(k=k, v=k * 0.5)
-    (kq, ks), (vq, vs) = quantize(k, cache.k.dtype), quantize(k * 0.5, cache.k.dtype)
-    return cache.replace(k=kq, v=vq, k_scale=ks, v_scale=vs)
+        return cache.replace(k=cache.store(k), v=cache.store(k * 0.5))
+    (kq, ks), (vq, vs) = quantize(k, cache.dtype), quantize(k * 0.5, cache.dtype)
+    return cache.replace(k=cache.store(kq), v=cache.store(vq), k_scale=ks, v_scale=vs)
 
 
 @partial(jax.jit, static_argnames=("shape", "dtype"))

@@ -119,7 +119,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         behind design choices").
         """
         rows_ = pages.shape[0]
-        picked = pool[layer, :, pages]  # [b, block_pages, K, page_size, H]
+        picked = cache.read(pool[layer, :, pages])  # [b, block_pages, K, page_size, H]
         if fresh is not None:  # int4: a scale per channel (keys) or per token (values)
             unpack = kivi.dequantize_keys if keys else kivi.dequantize_values
             picked = unpack(picked, scales[layer, :, pages], q.dtype)

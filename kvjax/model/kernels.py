@@ -180,7 +180,7 @@ def paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, batch:
     if t != 1:
         raise ValueError(f"{backend} decodes one token per row; got {t} (prefill: reference)")
     reasons = kernel_limits(backend, head_dim=h, page_size=cache.page_size,
-                            cache_dtype=cache.k.dtype, window=window, softcap=softcap)
+                            cache_dtype=cache.dtype, window=window, softcap=softcap)
     if reasons:
         raise ValueError("; ".join(reasons))
     with jax.named_scope(f"attention_{backend}"):
@@ -194,14 +194,16 @@ def paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, batch:
                                               table.shape[1])
             table = jnp.pad(table, ((0, 0), (0, width - table.shape[1])))
             out = gpu_kernel.paged_attention(
-                qs, cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype), table, end,
+                qs, cache.read(cache.k[layer]).astype(q.dtype),
+                cache.read(cache.v[layer]).astype(q.dtype), table, end,
                 block_h=_GPU_BLOCK_H, pages_per_compute_block=pages, k_splits=splits,
                 interpret=interpret)
         else:
             pages = math.gcd(cache.block_pages, table.shape[1])
             mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
             with mode:
-                out = tpu_kernel.paged_attention(qs, cache.k[layer], cache.v[layer], end, table,
+                out = tpu_kernel.paged_attention(qs, cache.read(cache.k[layer]),
+                                                 cache.read(cache.v[layer]), end, table,
                                                  pages_per_compute_block=pages)
     return out[:, None]
 
@@ -247,7 +249,7 @@ def sharded_paged_decode_attention(q: jax.Array, cache: PagedKVCache, layer: int
                                       scale=scale, softcap=softcap)
 
     cache_specs = PagedKVCache(k=PartitionSpec(*spec), v=PartitionSpec(*spec),
-                               block_pages=cache.block_pages)
+                               block_pages=cache.block_pages, numbers=cache.numbers)
     # check_vma=False: the kernels' output shapes carry no varying-axes annotation, which
     # shard_map's check requires of a pallas_call.
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, cache_specs, batch_spec),
