@@ -152,7 +152,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 # Timed repetitions (medians) per benchmark when --reps is not given.
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
-              "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 1,
+              "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 3,
               "tiers": 5}
 
 

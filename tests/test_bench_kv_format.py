@@ -19,7 +19,7 @@ def test_each_format_is_measured_against_float32_pages():
     prompts = random_tokens(5, [20, 37, 9], CONFIG.vocab_size)
     case = Case(params, CONFIG, prompts, lambda prompt, answer: prompt + answer + [3, 4, 5])
     f32, int8 = measure(case, ("float32", "int8"), new_tokens=8, slots=2,
-                        context=CONFIG.max_seq_len)
+                        context=CONFIG.max_seq_len, reps=1, decode_prompt=24, decode_tokens=4)
     assert (f32["agreement"], f32["forced_agreement"], f32["max_logit_error"],
             f32["nll_diff"]) == (1.0, 1.0, 0.0, 0.0)
     assert 0 < int8["forced_agreement"] <= 1

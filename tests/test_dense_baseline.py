@@ -38,3 +38,26 @@ def test_dense_cache_prefill_and_decode_match_forward():
     for seq, parts in zip(seqs, got, strict=True):
         ref = np.asarray(kvjax.forward(params, config, np.array([seq]))[0])
         assert np.abs(np.concatenate(parts) - ref).max() <= tol(1.1e-5)
+
+
+def test_the_decode_benchmark_point_runs_paged_and_dense_in_each_float_format():
+    """`kvjax bench decode` at toy size, float32 and bfloat16 caches: every figure measured.
+    (Seen failing: the noise filler read a scale the dense cache does not have.) A bfloat16
+    dense cache holds its bits on CPU and reads back the numbers written."""
+    from kvjax.bench.decode import bench_point
+    from kvjax.cache.dense import dense_write_kv
+
+    config = small_model()
+    params = sharp_params(config, seed=2)
+    for dtype in ("float32", "bfloat16"):
+        row = bench_point(params, config, kvjax.CacheConfig(page_size=8, num_pages=16,
+                                                            dtype=dtype),
+                          batch=2, context=16, decode_steps=2, reps=1, bandwidth=1e10)
+        assert all(row[k] > 0 for k in ("paged_step_ms", "dense_step_ms", "floor_ms"))
+    cache = init_dense_cache(config, batch=1, max_len=8, dtype="bfloat16")
+    assert cache.k.dtype == np.uint16 and cache.dtype == np.dtype("bfloat16")
+    k = np.random.default_rng(0).standard_normal((1, 3, config.num_kv_heads, config.head_dim))
+    batch = BatchInfo(np.zeros((1, 0), np.int32), np.zeros(1, np.int32), np.ones(1, np.int32) * 3)
+    cache = dense_write_kv(cache, 0, k.astype(np.float32), k.astype(np.float32), batch)
+    np.testing.assert_array_equal(np.asarray(cache.read(cache.k[0, 0, :3]), np.float32),
+                                  k[0].astype("bfloat16").astype(np.float32))

@@ -17,8 +17,10 @@ defaults otherwise (invariant numerics). Per format:
 - reuse across turns: each question asked again as a second turn (its answer in the
   history) in the same engine, which reuses the first turn's pages, and in a cache-off
   engine of the same format: the second turn's tokens and logits equal, bitwise;
-- bytes per token (scales included) and the decode seconds per answer token (the engine's
-  decode timer, after an untimed pass of the same work).
+- bytes per token (scales included) and the decode seconds per token: each format's engine
+  decodes the same batch (`slots` requests of `decode_prompt` random tokens, `decode_tokens`
+  answer tokens each), an untimed pass each, then `reps` passes with the formats taking
+  turns (machine drift falls on all alike); the median of the engine's decode timer.
 """
 
 from __future__ import annotations
@@ -57,17 +59,36 @@ def engine_config(fmt: str, slots: int, context: int) -> EngineConfig:
 
 
 def answers(case: Case, fmt: str, new_tokens: int, slots: int, context: int):
-    """(results, decode seconds per answer token, the engine): every answer run twice in one
-    engine, the second pass timed (the first compiles its shapes; the second reuses the
-    prompts' pages, and its decode is the same work)."""
+    """(results, the engine): every first turn answered in one engine of the format."""
     engine = Engine(case.params, case.config, engine_config(fmt, slots, context))
     requests = [Request(p, new_tokens, return_logits=True, ignore_eos=True)
                 for p in case.prompts]
-    engine.generate(requests)
-    before = engine.metrics()["decode_s"]
-    results = engine.generate(requests)
-    seconds = (engine.metrics()["decode_s"] - before) / (len(requests) * new_tokens)
-    return results, seconds, engine
+    return engine.generate(requests), engine
+
+
+def decode_seconds(case: Case, formats, slots: int, prompt: int, new_tokens: int,
+                   reps: int) -> dict[str, float]:
+    """Format -> the median decode seconds per token (module docstring), cache off (every
+    pass the same work)."""
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, case.config.vocab_size, prompt)]
+               for _ in range(slots)]
+    context = pages_for(prompt + new_tokens, PAGE) * PAGE
+    engines = {fmt: Engine(case.params, case.config, dataclasses.replace(
+        engine_config(fmt, slots, context), prefix_cache=False)) for fmt in formats}
+
+    def one(engine: Engine) -> float:
+        before = engine.metrics()["decode_s"]
+        engine.generate([Request(p, new_tokens, ignore_eos=True) for p in prompts])
+        return (engine.metrics()["decode_s"] - before) / (slots * (new_tokens - 1))
+
+    for engine in engines.values():
+        one(engine)  # compiles
+    times = {fmt: [] for fmt in formats}
+    for _ in range(reps):
+        for fmt, engine in engines.items():
+            times[fmt].append(one(engine))
+    return {fmt: float(np.median(t)) for fmt, t in times.items()}
 
 
 def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts: list[int],
@@ -102,11 +123,13 @@ def teacher_forced_nll(case: Case, fmt: str, sequences: list[list[int]], starts:
 
 
 def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
-            context: int = 2048, progress: Progress | None = None) -> list[dict]:
+            context: int = 2048, progress: Progress | None = None, reps: int = 3,
+            decode_prompt: int = 512, decode_tokens: int = 64) -> list[dict]:
     """One row per format (float32 first: the reference the others are compared with)."""
     rows, ref, ref_top1 = [], None, None
+    seconds = decode_seconds(case, formats, slots, decode_prompt, decode_tokens, reps)
     for fmt in formats:
-        results, seconds, engine = answers(case, fmt, new_tokens, slots, context)
+        results, engine = answers(case, fmt, new_tokens, slots, context)
         if ref is None:
             ref = results
         same, errors, means = 0, [0.0], []
@@ -137,7 +160,7 @@ def measure(case: Case, formats=FORMATS, new_tokens: int = 128, slots: int = 8,
                 for a, b in zip(on, off, strict=True)),
             "bytes_per_token": kv_bytes(c.num_layers, c.num_kv_heads, c.head_dim, 1, 1,
                                         kv_bytes_per_scalar(fmt, c.head_dim, PAGE)),
-            "decode_s_per_token": seconds})
+            "decode_s_per_token": seconds[fmt]})
         if progress is not None:
             progress.update()
     for r in rows:
@@ -193,7 +216,7 @@ def main(args) -> int:
          f"tokens; pages {', '.join(formats)}")
     case = real_case(model, questions)
     with Progress(len(formats), "formats") as bar:
-        rows = measure(case, formats, new_tokens=new_tokens, progress=bar)
+        rows = measure(case, formats, new_tokens=new_tokens, progress=bar, reps=args.reps)
     write_results(args.out, markdown_table(rows, COLUMNS), rows, model=model,
                   questions=questions, new_tokens=new_tokens)
     return 0

@@ -9,14 +9,24 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.paged import DTYPES, BatchInfo, new_positions
+from kvjax.cache.paged import (
+    BITS,
+    DTYPES,
+    BatchInfo,
+    StoredNumbers,
+    new_positions,
+    stored_as_bits,
+)
 from kvjax.config import ModelConfig
 
 
 @flax.struct.dataclass
-class DenseKVCache:
+class DenseKVCache(StoredNumbers):
     k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
     v: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+    # bfloat16 on CPU: the bits (`kvjax.cache.paged.stored_as_bits`); None: numbers
+    numbers: str | None = flax.struct.field(pytree_node=False, default=None)
+    k_scale = None  # never quantized
 
 
 def init_dense_cache(model: ModelConfig, batch: int, max_len: int,
@@ -24,7 +34,10 @@ def init_dense_cache(model: ModelConfig, batch: int, max_len: int,
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"the dense baseline cache holds float32 or bfloat16, not {dtype!r}")
     shape = (model.num_layers, batch, max_len, model.num_kv_heads, model.head_dim)
-    return DenseKVCache(k=jnp.zeros(shape, DTYPES[dtype]), v=jnp.zeros(shape, DTYPES[dtype]))
+    bits = stored_as_bits(dtype)
+    stored = BITS[dtype] if bits else DTYPES[dtype]
+    return DenseKVCache(k=jnp.zeros(shape, stored), v=jnp.zeros(shape, stored),
+                        numbers=dtype if bits else None)
 
 
 def dense_write_kv(cache: DenseKVCache, layer: int, k: jax.Array, v: jax.Array,
@@ -33,6 +46,6 @@ def dense_write_kv(cache: DenseKVCache, layer: int, k: jax.Array, v: jax.Array,
     positions, valid = new_positions(batch, k.shape[1])
     positions = jnp.where(valid, positions, cache.k.shape[2])  # out of range: dropped
     rows = jnp.arange(k.shape[0])[:, None]
-    new_k = cache.k.at[layer, rows, positions].set(k.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[layer, rows, positions].set(v.astype(cache.v.dtype), mode="drop")
+    new_k = cache.k.at[layer, rows, positions].set(cache.store(k), mode="drop")
+    new_v = cache.v.at[layer, rows, positions].set(cache.store(v), mode="drop")
     return cache.replace(k=new_k, v=new_v)

@@ -38,31 +38,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
           "float8_e4m3fn": jnp.float8_e4m3fn, "int4_kivi": jnp.uint8}
 QUANTIZED = ("int8", "float8_e4m3fn")  # formats stored with a scale per (token, KV head)
 _LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
-_BITS = {"bfloat16": jnp.uint16, "float8_e4m3fn": jnp.uint8}  # stored as bits on CPU
+BITS = {"bfloat16": jnp.uint16, "float8_e4m3fn": jnp.uint8}  # stored as bits on CPU
 
 
 def stored_as_bits(dtype: str, platform: str | None = None) -> bool:
     """Whether pages of format `dtype` hold their numbers' bits on `platform` (default: the
     default backend's); module docstring."""
-    return dtype in _BITS and (platform or jax.default_backend()) == "cpu"
+    return dtype in BITS and (platform or jax.default_backend()) == "cpu"
 
 
-@flax.struct.dataclass
-class PagedKVCache:
-    """Immutable paged K/V storage. Steps return a new one; the old one is donated."""
-
-    k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
-    v: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
-    block_pages: int = flax.struct.field(pytree_node=False, default=1)
-    # int8, float8: float32 [layers, kv_heads, num_pages, page_size]; int4_kivi: float16
-    # [..., num_pages, head_dim, 2] and [..., num_pages, page_size, 2] (kvjax.cache.kivi)
-    k_scale: jax.Array | None = None
-    v_scale: jax.Array | None = None
-    # int4_kivi (kvjax.cache.kivi): float32 [layers, kv_heads, open_rows, page_size, head_dim]
-    open_k: jax.Array | None = None
-    open_v: jax.Array | None = None
-    # the format whose bits k and v hold (`stored_as_bits`); None: k and v hold numbers
-    numbers: str | None = flax.struct.field(pytree_node=False, default=None)
+class StoredNumbers:
+    """What a cache's k and v hold, for caches with a `numbers` field (module docstring)."""
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -79,6 +65,24 @@ class PagedKVCache:
         """Numbers as k and v keep them: rounded to the format (as bits where stored so)."""
         x = x.astype(self.dtype)
         return x if self.numbers is None else jax.lax.bitcast_convert_type(x, self.k.dtype)
+
+
+@flax.struct.dataclass
+class PagedKVCache(StoredNumbers):
+    """Immutable paged K/V storage. Steps return a new one; the old one is donated."""
+
+    k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
+    v: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
+    block_pages: int = flax.struct.field(pytree_node=False, default=1)
+    # int8, float8: float32 [layers, kv_heads, num_pages, page_size]; int4_kivi: float16
+    # [..., num_pages, head_dim, 2] and [..., num_pages, page_size, 2] (kvjax.cache.kivi)
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+    # int4_kivi (kvjax.cache.kivi): float32 [layers, kv_heads, open_rows, page_size, head_dim]
+    open_k: jax.Array | None = None
+    open_v: jax.Array | None = None
+    # the format whose bits k and v hold (`stored_as_bits`); None: k and v hold numbers
+    numbers: str | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def num_layers(self) -> int:
@@ -132,7 +136,7 @@ def init_cache(model: ModelConfig, cache: CacheConfig, open_rows: int = 0) -> Pa
     if cache.dtype == "int4_kivi":
         return _init_kivi(shape, cache.block_pages, open_rows)
     bits = stored_as_bits(cache.dtype)
-    dtype = _BITS[cache.dtype] if bits else DTYPES[cache.dtype]
+    dtype = BITS[cache.dtype] if bits else DTYPES[cache.dtype]
     scale = (lambda: jnp.zeros(shape[:-1], jnp.float32)) if cache.dtype in QUANTIZED else (
         lambda: None)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),

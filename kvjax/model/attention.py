@@ -226,8 +226,8 @@ def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchI
     """Baseline: attention over a contiguous [B, max_len] cache in one softmax."""
     t = q.shape[1]
     qg = _grouped(q, cache.k.shape[3], scale)
-    k = cache.k[layer].astype(q.dtype)  # [B, S, K, H]
-    v = cache.v[layer].astype(q.dtype)
+    k = cache.read(cache.k[layer]).astype(q.dtype)  # [B, S, K, H]
+    v = cache.read(cache.v[layer]).astype(q.dtype)
     q_pos = batch.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
     mask = _mask(q_pos, k_pos, True, window)[:, None, None]
