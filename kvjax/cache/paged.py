@@ -118,6 +118,12 @@ class BatchInfo:
     `t < num_new[b]`; padded tokens are neither written nor attended to. Its model position
     (RoPE angle or learned embedding row) is `position_offset[b] + lengths[b] + t`: the
     offset is the position base of a sequence whose first cached token is not at 0.
+
+    A tree verify (`depth`, `ancestors`): new token t is a node of a token tree at depth
+    `depth[b, t]`, whose ancestor at depth j is new token `ancestors[b, t, j]` (itself at
+    its own depth; parents before children). It is still written at slot `lengths + t`, but
+    its model position is `lengths + depth` and it sees the cache and its ancestors only,
+    laid out as plain decoding would have written them (`kvjax.model.attention`).
     """
 
     page_table: jax.Array  # int32[batch, pages_per_seq]
@@ -126,6 +132,8 @@ class BatchInfo:
     position_offset: jax.Array | None = None  # int32[batch]  position of cache slot 0
     # int4_kivi pages: each row's open page (kvjax.cache.kivi); >= open_rows: a padded row
     open_rows: jax.Array | None = None  # int32[batch]
+    depth: jax.Array | None = None  # int32[batch, new_tokens]  tree verify
+    ancestors: jax.Array | None = None  # int32[batch, new_tokens, new_tokens]  tree verify
 
 
 def init_cache(model: ModelConfig, cache: CacheConfig, open_rows: int = 0) -> PagedKVCache:
@@ -202,6 +210,8 @@ def new_positions(batch: BatchInfo, num_tokens: int) -> tuple[jax.Array, jax.Arr
 def model_positions(batch: BatchInfo, num_tokens: int) -> jax.Array:
     """Model positions of the new tokens [batch, num_tokens] (0 for padded ones)."""
     slots, valid = new_positions(batch, num_tokens)
+    if batch.depth is not None:  # a tree node sits where plain decoding would put it
+        slots = jnp.where(valid, batch.lengths[:, None] + batch.depth, 0)
     if batch.position_offset is None:
         return slots
     return jnp.where(valid, slots + batch.position_offset[:, None], 0)

@@ -86,27 +86,45 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     values as these float numbers, and earlier pages dequantized; its scores and products
     with its own page's keys are the same products, so a query's bits stay its own.
 
+    A tree verify (`batch.ancestors`, see `BatchInfo`): each tile holds one node's rows,
+    tiled as a lone query's are, and sees at slot `lengths + j` its ancestor at depth j
+    (read from where that node was written): the keys, values and blocks plain decoding
+    would give the node at its position, so under invariant numerics its bits are plain
+    decoding's.
+
     Args:
-      q: [B, T, N, H], queries at positions `batch.lengths + t`.
+      q: [B, T, N, H], queries at positions `batch.lengths + t` (tree: `+ depth`).
     Returns: [B, T, N, H]
     """
     b, t, n, h = q.shape
     kv = cache.k.shape[1]
     g = n // kv
-    rows = t * g
+    tree = batch.ancestors is not None
+    if tree and fresh is not None:
+        raise NotImplementedError("tree verify over int4_kivi pages")
+    rows = g if tree else t * g  # the rows tiled together: one node's, or every query's
     tile = rows if row_tile is None else max(2, min(row_tile or rows, rows))
-    nt = -(-rows // tile)  # tiles of `tile` query rows, the last one padded
+    per = -(-rows // tile)  # tiles of `tile` query rows, the last one padded
+    nt = t * per if tree else per
     block_pages, ps = cache.block_pages, cache.page_size
     block_len = block_pages * ps
     num_blocks = batch.page_table.shape[1] // block_pages
-    qg = jnp.transpose(_grouped(q, kv, scale), (0, 2, 1, 3, 4)).reshape(b, kv, rows, h)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, nt * tile - rows), (0, 0)))
-    qg = qg.reshape(b, kv, nt, tile, h)  # [B, K, nt, R, H]
-    q_pos = batch.lengths[:, None] + jnp.arange(nt * tile, dtype=jnp.int32)[None, :] // g
-    q_pos = jnp.where(jnp.arange(nt * tile) < rows, q_pos, -1)  # padded rows see nothing
-    q_pos = q_pos.reshape(b, nt, tile)  # [B, nt, R]
+    qg = _grouped(q, kv, scale)  # [B, T, K, G, H]
+    at = jnp.arange(per * tile, dtype=jnp.int32)
+    if tree:
+        qg = jnp.pad(qg, ((0, 0),) * 3 + ((0, per * tile - g), (0, 0)))
+        qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kv, nt, tile, h)
+        q_pos = (batch.lengths[:, None] + batch.depth)[:, :, None]  # [B, T, 1]
+        q_pos = jnp.where(at < g, q_pos, -1).reshape(b, nt, tile)  # padded rows see nothing
+    else:
+        qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kv, rows, h)
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, nt * tile - rows), (0, 0)))
+        qg = qg.reshape(b, kv, nt, tile, h)  # [B, K, nt, R, H]
+        q_pos = batch.lengths[:, None] + at[None, :] // g
+        q_pos = jnp.where(at < rows, q_pos, -1).reshape(b, nt, tile)  # [B, nt, R]
     end = batch.lengths + batch.num_new  # [B] keys at or past `end` are unwritten
     blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
+    trees = (batch.lengths, batch.ancestors, batch.page_table) if tree else None
 
     def gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array,
                keys: bool = False) -> jax.Array:
@@ -128,6 +146,24 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         picked = picked.transpose(0, 2, 1, 3, 4).reshape(rows_, kv, 1, block_len, h)
         return jnp.broadcast_to(picked.astype(q.dtype), (rows_, kv, nt, block_len, h))
 
+    def tree_gather(pool, scales, k_pos, tree_):
+        """[b, K, nt, S, H] keys or values at `k_pos` [S] as each tile's node sees them:
+        slot lengths + j (j >= 0) holds its ancestor at depth j, read from the slot that
+        ancestor was written at; earlier slots as they are."""
+        lengths_, anc, table = tree_
+        j = k_pos[None, :] - lengths_[:, None]  # [b, S]
+        node = jnp.arange(nt) // per  # [nt] each tile's node
+        depth_j = jnp.broadcast_to(jnp.clip(j, 0, t - 1)[:, None, :], (j.shape[0], nt,
+                                                                        block_len))
+        src = jnp.take_along_axis(anc[:, node], depth_j, axis=2)  # [b, nt, S]
+        slot = jnp.where(j[:, None, :] >= 0, lengths_[:, None, None] + src, k_pos)
+        page = jnp.take_along_axis(table, jnp.clip(slot // ps, 0, table.shape[1] - 1)
+                                   .reshape(slot.shape[0], -1), axis=1).reshape(slot.shape)
+        picked = cache.read(pool[layer, :, page, slot % ps])  # [b, nt, S, K, H]
+        if scales is not None:
+            picked = dequantize(picked, scales[layer, :, page, slot % ps], q.dtype)
+        return picked.transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
     def own_page(fresh_, k_pos, q_pos_):
         """The block's keys and values as `fresh_` holds them [b, K, nt, S, H], and where a
         query's own page they are [b, 1, nt, R, S]."""
@@ -142,13 +178,18 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         own = (k_pos[None, None, None, :] // ps == q_pos_[..., None] // ps)[:, None]
         return pick(fresh_.k), pick(fresh_.v), own
 
-    def update(carry, index, pages, qg_, q_pos_, end_, fresh_=None):
+    def update(carry, index, pages, qg_, q_pos_, end_, fresh_=None, tree_=None):
         """One block of keys `index` for the rows of `pages` [b, block_pages] (all rows, or
-        one): their queries qg_ [b, K, nt, R, H] at q_pos_ [b, nt, R], written up to end_."""
+        one): their queries qg_ [b, K, nt, R, H] at q_pos_ [b, nt, R], written up to end_;
+        a tree verify's `tree_` (lengths, ancestors, page table) of those rows."""
         m, l, acc = carry  # [b, K, nt, R] and acc [b, K, nt, R, H]
-        k = gather(cache.k, cache.k_scale, pages, keys=True)
-        v = gather(cache.v, cache.v_scale, pages)
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
+        if tree_ is None:
+            k = gather(cache.k, cache.k_scale, pages, keys=True)
+            v = gather(cache.v, cache.v_scale, pages)
+        else:
+            k = tree_gather(cache.k, cache.k_scale, k_pos, tree_)
+            v = tree_gather(cache.v, cache.v_scale, k_pos, tree_)
         written = k_pos[None, :] < end_[:, None]  # [b, S]
         v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in
         mask = _mask(q_pos_, k_pos[None, None, :], True, window)  # [b, nt, R, S]
@@ -178,7 +219,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
 
     def step(index, carry):  # block `index` of every row
         pages = jax.lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [B, block_pages]
-        return update(carry, index, pages, qg, q_pos, end, fresh)
+        return update(carry, index, pages, qg, q_pos, end, fresh, trees)
 
     shape = (b, kv, nt, tile)
     init = (jnp.full(shape, _M_INIT, q.dtype), jnp.zeros(shape, q.dtype),
@@ -210,13 +251,17 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         index = first[r] + task - (last[r] - extra[r])
         one = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)  # noqa: E731
         part = update(tuple(map(one, carry)), index, blocks[index, r][None], one(qg),
-                      one(q_pos), one(end), None if fresh is None else jax.tree.map(one, fresh))
+                      one(q_pos), one(end), None if fresh is None else jax.tree.map(one, fresh),
+                      None if trees is None else tuple(map(one, trees)))
         return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, r, 0)
                      for c, x in zip(carry, part, strict=True))
 
     _, l, acc = jax.lax.fori_loop(0, last[-1], ragged, carry)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
-    out = out.reshape(b, kv, nt * tile, h)[:, :, :rows].reshape(b, kv, t, g, h)
+    if tree:  # [b, K, T * per, R, H] -> each node's g rows
+        out = out.reshape(b, kv, t, per * tile, h)[:, :, :, :g]
+    else:
+        out = out.reshape(b, kv, nt * tile, h)[:, :, :rows].reshape(b, kv, t, g, h)
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h)
 
 
