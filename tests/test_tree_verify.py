@@ -4,14 +4,16 @@ numerics, for trees that cross pages and attention blocks, beside a row of anoth
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from engine_helpers import CACHE, CONFIG, params, with_cache
 
-from kvjax.cache.paged import BatchInfo, init_cache
+from kvjax.cache.paged import BatchInfo, init_cache, move_slots
 from kvjax.decode import steps
 from kvjax.model.plan import INVARIANT
-from kvjax.speculative.tree import tree_arrays
+from kvjax.speculative.tree import greedy_path, tree_arrays
 
 PS = CACHE.page_size
 TABLE = np.arange(3, 3 + 2 * 16, dtype=np.int32).reshape(2, 16)  # each row's pages
@@ -80,3 +82,65 @@ def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
                         np.asarray(getattr(plain, name)[:, :, page, slot]))
                 checked += 1
     assert checked == 3 + 3 + 4 + 4  # row 0: leaves 3, 5 and 6; row 1: its chain
+
+
+def test_the_accepted_path_moved_into_place_decodes_on_as_plain_decoding(p):
+    """Greedy acceptance over the tree (the drafts chosen so that the target's argmax
+    accepts a path of depth 2 in row 0 and the whole chain in row 1), its K/V moved to the
+    slots plain decoding writes, then one plain decode step of the token that follows: the
+    moved K/V and that step's logits are bitwise those of plain decoding the path."""
+    width = max(map(len, TREES))
+    nodes = [_tokens(10 + r, width) for r in range(2)]
+    arrays = [tree_arrays(parents, width) for parents in TREES]
+    batch = BatchInfo(page_table=TABLE, lengths=np.asarray(LENGTHS, np.int32),
+                      num_new=np.asarray([len(t) for t in TREES], np.int32),
+                      depth=np.stack([d for d, _ in arrays]),
+                      ancestors=np.stack([a for _, a in arrays]))
+    # the drafts on 0 -> 2 -> 5 (row 0) and the chain (row 1) made the target's choices,
+    # one depth more per call (a node's logits depend on its ancestors' tokens only)
+    for _ in range(3):
+        first, _ = steps.extend(p, CONFIG, _prefilled("float32"), np.stack(nodes), batch,
+                                plan=INVARIANT)
+        choice = np.asarray(first).argmax(-1)
+        for r, path in ((0, [0, 2, 5]), (1, [0, 1, 2, 3])):
+            for parent, child in itertools.pairwise(path):
+                nodes[r][child] = choice[r, parent]
+        nodes[0][1] = (choice[0, 0] + 1) % CONFIG.vocab_size  # 0's other child: rejected
+    logits, cache = steps.extend(p, CONFIG, _prefilled("float32"), np.stack(nodes), batch,
+                                 plan=INVARIANT)
+    choice = np.asarray(logits).argmax(-1)
+    paths = [greedy_path(parents, nodes[r], choice[r]) for r, parents in enumerate(TREES)]
+    assert paths == [[0, 2, 5], [0, 1, 2, 3]]
+    src = np.zeros((2, width), np.int32)
+    for r, path in enumerate(paths):
+        src[r, :len(path)] = path
+    cache = move_slots(cache, TABLE, np.asarray(LENGTHS, np.int32), src,
+                       np.asarray([len(q) for q in paths], np.int32))
+    for r, path in enumerate(paths):
+        plain = _prefilled("float32")
+        for j, node in enumerate(path + [None]):
+            token = choice[r, path[-1]] if node is None else nodes[r][node]
+            one = BatchInfo(page_table=TABLE[r:r + 1],
+                            lengths=np.asarray([LENGTHS[r] + j], np.int32),
+                            num_new=np.ones(1, np.int32))
+            want, plain = steps.extend(p, CONFIG, plain, np.asarray([[token]]), one,
+                                       plan=INVARIANT)
+            moved = _slot(r, LENGTHS[r] + j)
+            if node is not None:
+                for name in ("k", "v"):
+                    np.testing.assert_array_equal(
+                        np.asarray(getattr(cache, name)[:, :, moved[0], moved[1]]),
+                        np.asarray(getattr(plain, name)[:, :, moved[0], moved[1]]))
+        got, cache = steps.extend(p, CONFIG, cache, np.asarray([[token]]), one, plan=INVARIANT)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_tree_arrays_and_their_refusals():
+    depth, ancestors = tree_arrays([-1, 0, 0, 1], width=5)
+    assert depth.tolist() == [0, 1, 1, 2, 0]
+    assert ancestors[3, :3].tolist() == [0, 1, 3] and ancestors[2, :2].tolist() == [0, 2]
+    for bad in ([0, 0], [-1, 1], [-1, 0, 3], []):
+        with pytest.raises(ValueError, match="a tree is|comes before|does not come"):
+            tree_arrays(bad)
+    assert greedy_path([-1, 0, 0, 2], [9, 4, 5, 6], [5, 0, 6, 7]) == [0, 2, 3]
+    assert greedy_path([-1, 0], [9, 4], [5, 0]) == [0]

@@ -254,6 +254,41 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
                          v_scale=copy(cache.v_scale))
 
 
+def move_slots(cache: PagedKVCache, page_table: jax.Array, lengths: jax.Array,
+               src: jax.Array, count: jax.Array) -> PagedKVCache:
+    """After a tree verify: row b's K/V at slot `lengths[b] + src[b, j]` move to slot
+    `lengths[b] + j`, for j < count[b] (the accepted path, laid out as plain decoding writes
+    it; every source is read before any slot is written). Jitted with the cache donated.
+
+    Args:
+      page_table: int32[B, P]; lengths, count: int32[B]; src: int32[B, J]
+    """
+    if cache.open_k is not None:
+        raise NotImplementedError("moving slots of int4_kivi pages")
+    return _move_slots(cache, page_table, lengths, src, count)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _move_slots(cache, page_table, lengths, src, count):
+    j = jnp.arange(src.shape[1], dtype=jnp.int32)[None, :]
+
+    def at(slots):  # [B, J] -> (page, slot in page)
+        pages = jnp.take_along_axis(page_table, slots // cache.page_size, axis=1)
+        return pages, slots % cache.page_size
+
+    from_page, from_slot = at(lengths[:, None] + src)
+    to_page, to_slot = at(lengths[:, None] + j)
+    to_page = jnp.where(j < count[:, None], to_page, cache.num_pages)  # out of range: dropped
+
+    def move(a):  # [layers, K, pages, page_size, ...]; the update [B, J, layers, K, ...]
+        if a is None:
+            return None
+        return a.at[:, :, to_page, to_slot].set(a[:, :, from_page, from_slot], mode="drop")
+
+    return cache.replace(k=move(cache.k), v=move(cache.v), k_scale=move(cache.k_scale),
+                         v_scale=move(cache.v_scale))
+
+
 # The arrays a page is made of, in the order page reads and writes list them.
 PAGE_FIELDS = ("k", "v", "k_scale", "v_scale")
 

@@ -35,3 +35,18 @@ def tree_arrays(parents: Sequence[int], width: int | None = None) -> tuple[np.nd
         depth[i] = depth[p] + 1
         ancestors[i, :depth[i]] = ancestors[p, :depth[i]]
     return depth, ancestors
+
+
+def greedy_path(parents: Sequence[int], tokens: Sequence[int], choice: Sequence[int]
+                ) -> list[int]:
+    """The nodes of the longest root path along which every child's token is the target's
+    choice at its parent (`choice[i]`: the argmax of node i's logits), from the root (node
+    0): the accepted drafts are the path's nodes past the root, and the token that follows
+    them is `choice[path[-1]]`. Siblings with the same token: the first one counts."""
+    path = [0]
+    while True:
+        nxt = next((i for i in range(1, len(parents))
+                    if parents[i] == path[-1] and tokens[i] == choice[path[-1]]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
