@@ -144,3 +144,22 @@ def test_tree_arrays_and_their_refusals():
             tree_arrays(bad)
     assert greedy_path([-1, 0, 0, 2], [9, 4, 5, 6], [5, 0, 6, 7]) == [0, 2, 3]
     assert greedy_path([-1, 0], [9, 4], [5, 0]) == [0]
+
+
+def test_tree_speculation_emits_plain_greedy_decodings_tokens_and_logits(p):
+    """`tree_generate` with the n-gram tree drafter against `generate` under the same
+    invariant plan: the same tokens and logits, bitwise, with drafts accepted on a
+    repetitive prompt and several branches verified per call."""
+    from kvjax.decode.generate import generate
+    from kvjax.speculative.tree import NGramTreeDrafter
+    from kvjax.speculative.tree_host import tree_generate
+
+    base = [int(t) for t in _tokens(7, 6)]
+    prompts = [base * 4 + base[:2], [int(t) for t in _tokens(8, 11)]]
+    want = generate(p, CONFIG, prompts, 24, cache=CACHE, return_logits=True, plan=INVARIANT)
+    got = tree_generate(p, CONFIG, prompts, 24, NGramTreeDrafter(branches=3), max_nodes=8,
+                        cache=CACHE)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logits, want.logits, strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert got.accepted > 0 and got.drafted > got.target_calls

@@ -50,3 +50,48 @@ def greedy_path(parents: Sequence[int], tokens: Sequence[int], choice: Sequence[
         if nxt is None:
             return path
         path.append(nxt)
+
+
+class NGramTreeDrafter:
+    """Prompt lookup as a tree: the tokens that followed earlier occurrences of the
+    history's last n-gram (n from `max_ngram` down to `min_ngram`, the most recent
+    occurrence first), up to `branches` different continuations, merged where they share a
+    prefix: one root path per continuation."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 4):
+        if not 1 <= min_ngram <= max_ngram or branches < 1:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram and branches >= 1, got "
+                             f"{min_ngram}, {max_ngram}, {branches}")
+        self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
+
+    def continuations(self, history: Sequence[int], depth: int) -> list[list[int]]:
+        """Up to `branches` different continuations of at most `depth` tokens."""
+        h = np.asarray(history)
+        out: list[list[int]] = []
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+            for start in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]:
+                follow = h[start + n: start + n + depth].tolist()
+                if follow and follow not in out:
+                    out.append(follow)
+                if len(out) == self.branches:
+                    return out
+        return out
+
+    def propose_tree(self, history: Sequence[int], max_nodes: int, depth: int
+                     ) -> tuple[list[int], list[int]]:
+        """(parents, tokens) of a tree of at most `max_nodes` nodes whose root (node 0) is
+        the history's newest token and whose paths are at most `depth` drafts long."""
+        parents, tokens = [-1], [int(history[-1])]
+        child: dict[tuple[int, int], int] = {}
+        for chain in self.continuations(history, depth):
+            node = 0
+            for token in chain:
+                if (node, token) not in child:
+                    if len(tokens) == max_nodes:
+                        break
+                    child[node, token] = len(tokens)
+                    parents.append(node)
+                    tokens.append(token)
+                node = child[node, token]
+        return parents, tokens
