@@ -95,3 +95,37 @@ class NGramTreeDrafter:
                     tokens.append(token)
                 node = child[node, token]
         return parents, tokens
+
+
+def sampled_path(parents: Sequence[int], tokens: Sequence[int], p: np.ndarray,
+                 q: Sequence[np.ndarray | None] | None, rng: np.random.Generator
+                 ) -> tuple[list[int], int]:
+    """Exact speculative sampling over a tree (SpecInfer's multi-step rule): (the accepted
+    root path, the token that follows it).
+
+    At the path's last node, its children are tested in order against the target's
+    distribution there, `p[node]` (float[N, V]): child c (token x, drawn from `q[c]`, or
+    deterministic when `q` or `q[c]` is None: one-hot) is accepted with probability
+    min(1, r(x) / q_c(x)), r starting as p[node]; a rejection replaces r by
+    norm(max(0, r - q_c)). An accepted child continues the path; when every child is
+    rejected the next token is drawn from r. The emitted tokens are then distributed as
+    the target's own samples, for deterministic children with distinct tokens and for
+    children drawn independently from the same q.
+    """
+    path = [0]
+    vocab = p.shape[1]
+    while True:
+        r = np.asarray(p[path[-1]], np.float64)
+        for c in (i for i in range(1, len(parents)) if parents[i] == path[-1]):
+            x = tokens[c]
+            q_c = None if q is None else q[c]
+            if q_c is None:
+                q_c = np.zeros(vocab)
+                q_c[x] = 1.0
+            if rng.random() * q_c[x] < r[x]:
+                path.append(c)
+                break
+            r = np.maximum(r - q_c, 0.0)
+            r /= r.sum()
+        else:
+            return path, int(rng.choice(vocab, p=r))
