@@ -163,3 +163,24 @@ def test_tree_speculation_emits_plain_greedy_decodings_tokens_and_logits(p):
     for a, b in zip(got.logits, want.logits, strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     assert got.accepted > 0 and got.drafted > got.target_calls
+
+
+def test_sampled_tree_speculation_is_reproducible_and_top_1_is_greedy(p):
+    """Sampled acceptance (its exactness: tests/test_tree_rules.py) through the whole loop:
+    a seed gives the same tokens twice, another seed others; top_k = 1 gives greedy's."""
+    from kvjax import SamplingConfig
+    from kvjax.speculative.tree import NGramTreeDrafter
+    from kvjax.speculative.tree_host import tree_generate
+
+    base = [int(t) for t in _tokens(7, 6)]
+    prompts = [base * 4 + base[:2]]
+
+    def run(**kw):
+        return tree_generate(p, CONFIG, prompts, 16, NGramTreeDrafter(branches=3),
+                             max_nodes=8, cache=CACHE, sampling=SamplingConfig(**kw)).tokens
+
+    assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
+    assert run(temperature=1.0, seed=3) != run(temperature=1.0, seed=4)
+    greedy = tree_generate(p, CONFIG, prompts, 16, NGramTreeDrafter(branches=3),
+                           max_nodes=8, cache=CACHE).tokens
+    assert run(temperature=1.0, top_k=1, seed=5) == greedy

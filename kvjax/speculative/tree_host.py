@@ -1,10 +1,10 @@
-"""Tree speculation from the host, greedy: per round and sequence a drafter proposes a token
-tree, the target runs every node in one extend call of `max_nodes` tokens (tree attention:
-`kvjax.cache.paged.BatchInfo`), the longest root path its argmax agrees with is accepted
-(`kvjax.speculative.tree.greedy_path`), that path's K/V move into the slots plain decoding
-writes (`move_slots`) and the rest is rolled back. Under invariant numerics every kept
-K/V and every token's logits are plain decoding's, bitwise (tests/test_tree_verify.py).
-Sampled acceptance over a tree is not built yet.
+"""Tree speculation from the host: per round and sequence a drafter proposes a token tree,
+the target runs every node in one extend call of `max_nodes` tokens (tree attention:
+`kvjax.cache.paged.BatchInfo`), a root path is accepted (greedy: the longest its argmax
+agrees with, `greedy_path`; sampled: `sampled_path`, exact), that path's K/V move into the
+slots plain decoding writes (`move_slots`) and the rest is rolled back. Under invariant
+numerics every kept K/V and every token's logits are plain decoding's, bitwise
+(tests/test_tree_verify.py).
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import numpy as np
 
 from kvjax.cache.paged import BatchInfo, move_slots
 from kvjax.cache.pool import KVPool
-from kvjax.config import CacheConfig, ModelConfig
+from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
+from kvjax.decode.sampling import probabilities, sampling_rows
 from kvjax.model.plan import INVARIANT, NumericsPlan
-from kvjax.speculative.tree import greedy_path, tree_arrays
+from kvjax.speculative.tree import greedy_path, sampled_path, tree_arrays
 
 
 @dataclasses.dataclass
@@ -40,12 +41,16 @@ class TreeResult:
 
 def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, drafter,
                   max_nodes: int = 8, max_depth: int | None = None,
-                  cache: CacheConfig | None = None,
-                  plan: NumericsPlan = INVARIANT) -> TreeResult:
-    """Greedy generation like `kvjax.generate(..., plan=plan)` (the same tokens; under an
-    invariant plan the same logits, bitwise), verifying a tree of up to `max_nodes` nodes
-    (the root, the newest token, included) from `drafter.propose_tree(history, max_nodes,
-    depth)` per target call, one sequence a call."""
+                  cache: CacheConfig | None = None, plan: NumericsPlan = INVARIANT,
+                  sampling: SamplingConfig | None = None) -> TreeResult:
+    """Generation like `kvjax.generate(..., plan=plan)`, verifying a tree of up to
+    `max_nodes` nodes (the root, the newest token, included) from
+    `drafter.propose_tree(history, max_nodes, depth)` per target call, one sequence a call.
+    Greedy (no `sampling`, or temperature 0): the same tokens as `generate`, and under an
+    invariant plan the same logits, bitwise. Sampled: the target's distribution exactly
+    (a deterministic drafter's children one-hot), each sequence drawing from
+    `numpy.random.default_rng((sampling.seed, i))`."""
+    greedy = sampling is None or sampling.temperature == 0
     prompts = validate_prompts(config, prompts, max_new_tokens)
     plan.check(config)
     depth = max_nodes - 1 if max_depth is None else max_depth
@@ -54,7 +59,10 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     pool = KVPool(config, cache)
     rows = [pool.allocate(pages_for(len(p), cache.page_size)) for p in prompts]
     first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
-    outs = [[int(lg.argmax())] for lg in first]
+    rngs = [None if greedy else np.random.default_rng((sampling.seed, i))
+            for i in range(len(prompts))]
+    outs = [[int(lg.argmax()) if greedy else _draw(lg, sampling, rngs[i])]
+            for i, lg in enumerate(first)]
     logits = [[lg] for lg in first]
     lengths = [len(p) for p in prompts]
     result = TreeResult(outs, [], 0, 0, 0)
@@ -63,11 +71,11 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             left = max_new_tokens - len(outs[i])
             parents, tokens = drafter.propose_tree(prompts[i] + outs[i], max_nodes,
                                                    min(depth, left - 1))
-            lg, path = _verify(params, config, pool, rows[i], lengths[i], parents, tokens,
-                               max_nodes, plan)
+            lg, path, nxt = _verify(params, config, pool, rows[i], lengths[i], parents,
+                                    tokens, max_nodes, plan, sampling, rngs[i])
             lengths[i] += len(path)  # the root and the accepted drafts are cached now
             pool.truncate(rows[i], lengths[i])
-            emitted = [tokens[j] for j in path[1:]] + [int(lg[path[-1]].argmax())]
+            emitted = [tokens[j] for j in path[1:]] + [nxt]
             outs[i] += emitted[:left]
             logits[i] += list(lg[path][:left])
             result.target_calls += 1
@@ -78,10 +86,22 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     return result
 
 
+def _draw(logits: np.ndarray, sampling: SamplingConfig, rng) -> int:
+    p = _probs(logits[None], sampling)[0]
+    return int(rng.choice(len(p), p=p))
+
+
+def _probs(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
+    """float64 distributions [n, V] `sampling` draws from, normalised on the host."""
+    p = np.asarray(probabilities(logits[None], *sampling_rows([sampling]))[0], np.float64)
+    return p / p.sum(-1, keepdims=True)
+
+
 def _verify(params, config, pool: KVPool, row: list[int], length: int, parents, tokens,
-            max_nodes: int, plan: NumericsPlan) -> tuple[np.ndarray, list[int]]:
-    """One tree verify of a sequence: (its nodes' logits [max_nodes, V], the accepted path),
-    the path's K/V moved into place."""
+            max_nodes: int, plan: NumericsPlan, sampling, rng
+            ) -> tuple[np.ndarray, list[int], int]:
+    """One tree verify of a sequence: (its nodes' logits [max_nodes, V], the accepted path,
+    the token after it), the path's K/V moved into place."""
     cc = pool.cache_config
     need = pages_for(length + max_nodes, cc.page_size) - len(row)
     if need > 0:
@@ -95,9 +115,15 @@ def _verify(params, config, pool: KVPool, row: list[int], length: int, parents, 
     fed[0, :len(tokens)] = tokens
     lg = np.asarray(pool.run(lambda c: steps.extend(params, config, c, fed, batch,
                                                     plan=plan)))[0]
-    path = greedy_path(parents, tokens, lg.argmax(-1))
+    if rng is None:
+        choice = lg.argmax(-1)
+        path = greedy_path(parents, tokens, choice)
+        nxt = int(choice[path[-1]])
+    else:
+        path, nxt = sampled_path(parents, tokens, _probs(lg[:len(parents)], sampling), None,
+                                 rng)
     src = np.zeros((1, max_nodes), np.int32)
     src[0, :len(path)] = path
     pool.run(lambda c: (None, move_slots(c, table, batch.lengths, src,
                                          np.asarray([len(path)], np.int32))))
-    return lg, path
+    return lg, path, nxt
