@@ -153,7 +153,7 @@ def _bench(args: argparse.Namespace) -> int:
 # Timed repetitions (medians) per benchmark when --reps is not given.
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
               "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 3,
-              "tiers": 5}
+              "tiers": 5, "tree": 5}
 
 
 def fill_bench_defaults(args: argparse.Namespace) -> None:
@@ -161,7 +161,7 @@ def fill_bench_defaults(args: argparse.Namespace) -> None:
     args.out = args.out or f"results/bench_{args.which}.json"
     args.reps = args.reps or BENCH_REPS[args.which]
     pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
-    for key, default in (("requests", 8 if pressure else 32),
+    for key, default in (("requests", 8 if pressure else 16 if args.which == "tree" else 32),
                          ("prompt_len", 64 if pressure else 1024 if args.which == "tiers" else 512),
                          ("gen_tokens", 448 if pressure else 128)):
         if getattr(args, key) is None:
@@ -253,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "pages), tiers (a prefix restored from the host "
                                          "or disk tier vs prefilled), kv_format (bfloat16, "
                                          "int8 and float8 pages "
-                                         "against float32 on the real model)")
+                                         "against float32 on the real model), tree (n-gram "
+                                         "chains vs trees on MT-Bench, verify cost per node "
+                                         "count)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
                        default="decode")

@@ -163,6 +163,11 @@ def test_tree_speculation_emits_plain_greedy_decodings_tokens_and_logits(p):
     for a, b in zip(got.logits, want.logits, strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     assert got.accepted > 0 and got.drafted > got.target_calls
+    stop = want.tokens[0][9]  # a sequence ends after its stop token, as generate's does
+    cut = generate(p, CONFIG, prompts, 24, cache=CACHE, stop_token=stop, plan=INVARIANT)
+    assert tree_generate(p, CONFIG, prompts, 24, NGramTreeDrafter(branches=3), max_nodes=8,
+                         cache=CACHE, stop_tokens=(stop,)).tokens == cut.tokens
+    assert len(cut.tokens[0]) <= 10
 
 
 def test_sampled_tree_speculation_is_reproducible_and_top_1_is_greedy(p):

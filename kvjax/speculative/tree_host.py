@@ -10,6 +10,7 @@ numerics every kept K/V and every token's logits are plain decoding's, bitwise
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -42,14 +43,16 @@ class TreeResult:
 def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, drafter,
                   max_nodes: int = 8, max_depth: int | None = None,
                   cache: CacheConfig | None = None, plan: NumericsPlan = INVARIANT,
-                  sampling: SamplingConfig | None = None) -> TreeResult:
+                  sampling: SamplingConfig | None = None,
+                  stop_tokens: Sequence[int] = ()) -> TreeResult:
     """Generation like `kvjax.generate(..., plan=plan)`, verifying a tree of up to
     `max_nodes` nodes (the root, the newest token, included) from
     `drafter.propose_tree(history, max_nodes, depth)` per target call, one sequence a call.
     Greedy (no `sampling`, or temperature 0): the same tokens as `generate`, and under an
     invariant plan the same logits, bitwise. Sampled: the target's distribution exactly
     (a deterministic drafter's children one-hot), each sequence drawing from
-    `numpy.random.default_rng((sampling.seed, i))`."""
+    `numpy.random.default_rng((sampling.seed, i))`. A sequence ends after one of
+    `stop_tokens` (kept)."""
     greedy = sampling is None or sampling.temperature == 0
     prompts = validate_prompts(config, prompts, max_new_tokens)
     plan.check(config)
@@ -67,7 +70,7 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     lengths = [len(p) for p in prompts]
     result = TreeResult(outs, [], 0, 0, 0)
     for i in range(len(prompts)):
-        while len(outs[i]) < max_new_tokens:
+        while len(outs[i]) < max_new_tokens and outs[i][-1] not in stop_tokens:
             left = max_new_tokens - len(outs[i])
             parents, tokens = drafter.propose_tree(prompts[i] + outs[i], max_nodes,
                                                    min(depth, left - 1))
@@ -76,13 +79,14 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             lengths[i] += len(path)  # the root and the accepted drafts are cached now
             pool.truncate(rows[i], lengths[i])
             emitted = [tokens[j] for j in path[1:]] + [nxt]
-            outs[i] += emitted[:left]
-            logits[i] += list(lg[path][:left])
+            keep = next((k + 1 for k, t in enumerate(emitted) if t in stop_tokens), left)
+            outs[i] += emitted[:min(keep, left)]
+            logits[i] += list(lg[path][:min(keep, left)])
             result.target_calls += 1
             result.drafted += len(parents) - 1
             result.accepted += len(path) - 1
         pool.release(rows[i])
-    result.logits = [np.stack(lg[:max_new_tokens]) for lg in logits]
+    result.logits = [np.stack(lg) for lg in logits]
     return result
 
 
