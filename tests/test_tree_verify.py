@@ -17,10 +17,11 @@ from kvjax.speculative.tree import greedy_path, tree_arrays
 
 PS = CACHE.page_size
 TABLE = np.arange(3, 3 + 2 * 16, dtype=np.int32).reshape(2, 16)  # each row's pages
-# row 0: a branching tree after 13 cached tokens (its nodes cross a page and a block);
-# row 1: a chain of 4 after 6, padded to the width of 7
+# row 0: a branching tree after 21 cached tokens (its nodes cross a page and a block);
+# row 1: a chain of 4 after 9, padded to the width of 7 (blocks before both trees are read
+# once for every node, later ones per node)
 TREES = [[-1, 0, 0, 1, 1, 2, 4], [-1, 0, 1, 2]]
-LENGTHS = [13, 6]
+LENGTHS = [21, 9]
 
 
 @pytest.fixture(scope="module")

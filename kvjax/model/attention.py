@@ -187,9 +187,13 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         if tree_ is None:
             k = gather(cache.k, cache.k_scale, pages, keys=True)
             v = gather(cache.v, cache.v_scale, pages)
-        else:
-            k = tree_gather(cache.k, cache.k_scale, k_pos, tree_)
-            v = tree_gather(cache.v, cache.v_scale, k_pos, tree_)
+        else:  # blocks wholly before every row's tree hold the same keys for every node
+            k, v = jax.lax.cond(
+                (index + 1) * block_len <= jnp.min(tree_[0]),
+                lambda: (gather(cache.k, cache.k_scale, pages, keys=True),
+                         gather(cache.v, cache.v_scale, pages)),
+                lambda: (tree_gather(cache.k, cache.k_scale, k_pos, tree_),
+                         tree_gather(cache.v, cache.v_scale, k_pos, tree_)))
         written = k_pos[None, :] < end_[:, None]  # [b, S]
         v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in
         mask = _mask(q_pos_, k_pos[None, None, :], True, window)  # [b, nt, R, S]
