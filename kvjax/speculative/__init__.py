@@ -5,12 +5,16 @@ spec=SpecConfig(drafter="model" | "ngram", gamma, adaptive))` runs the on-device
 (`kvjax.speculative.loop`). Research drafters that implement the `Drafter` protocol run
 in the host-driven `speculative_generate(target_params, target_config, prompts,
 max_new_tokens, drafter, gamma)`, whose rollback is bitwise a fresh prefill. Both paths
-count with one `SpecStats` and choose adaptive γ with one `GammaPolicy`.
+count with one `SpecStats` and choose adaptive γ with one `GammaPolicy`. Token trees:
+`tree_generate(params, config, prompts, max_new_tokens, tree_drafter, max_nodes)` verifies a
+tree per target call from the host (greedy bitwise plain decoding under invariant numerics;
+sampled exact).
 
 The parts: rules.py (acceptance rules, speedup model), stats.py, gamma.py, loop.py (the
 device loop), ngram_device.py, drafters.py + host.py (the host Drafter path), plugin.py
 (the engine's draft pool and γ controller), cost.py (measured c and verify slope),
-operating_point.py (the measurement `kvjax bench spec` and the experiments share).
+operating_point.py (the measurement `kvjax bench spec` and the experiments share),
+tree.py (tree arrays, acceptance over a tree, the n-gram tree drafter) + tree_host.py.
 
 The names from drafters, host and rules load on first use (PEP 562 `__getattr__`): they
 import JAX, and `gamma` and `stats` are host code that must import without it.
@@ -30,16 +34,28 @@ _EXPORTS = {
     "kvjax.speculative.drafters": ("Drafter", "ModelDrafter", "NGramDrafter", "make_drafter"),
     "kvjax.speculative.host": ("SpecResult", "speculative_generate"),
     "kvjax.speculative.rules": ("greedy_accept", "predicted_speedup", "sampling_accept"),
+    "kvjax.speculative.tree": ("NGramTreeDrafter", "greedy_path", "sampled_path",
+                               "tree_arrays"),
+    "kvjax.speculative.tree_host": ("TreeResult", "tree_generate"),
 }
 
-__all__ = ["Drafter", "GammaPolicy", "ModelDrafter", "NGramDrafter", "SpecConfig", "SpecResult",
-           "SpecStats", "choose_gamma", "greedy_accept", "make_drafter", "predicted_speedup",
-           "sampling_accept", "speculative_generate"]
+__all__ = ["Drafter", "GammaPolicy", "ModelDrafter", "NGramDrafter", "NGramTreeDrafter",
+           "SpecConfig", "SpecResult", "SpecStats", "TreeResult", "choose_gamma",
+           "greedy_accept", "greedy_path", "make_drafter", "predicted_speedup",
+           "sampled_path", "sampling_accept", "speculative_generate", "tree_arrays",
+           "tree_generate"]
 
 if TYPE_CHECKING:  # what static tools read: the names of _EXPORTS (tests/test_layout.py)
     from kvjax.speculative.drafters import Drafter, ModelDrafter, NGramDrafter, make_drafter
     from kvjax.speculative.host import SpecResult, speculative_generate
     from kvjax.speculative.rules import greedy_accept, predicted_speedup, sampling_accept
+    from kvjax.speculative.tree import (
+        NGramTreeDrafter,
+        greedy_path,
+        sampled_path,
+        tree_arrays,
+    )
+    from kvjax.speculative.tree_host import TreeResult, tree_generate
 
 _getattr, __dir__ = _lazy.exports(__name__, _EXPORTS)
 
