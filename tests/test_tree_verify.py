@@ -190,3 +190,26 @@ def test_sampled_tree_speculation_is_reproducible_and_top_1_is_greedy(p):
     greedy = tree_generate(p, CONFIG, prompts, 16, NGramTreeDrafter(branches=3),
                            max_nodes=8, cache=CACHE).tokens
     assert run(temperature=1.0, top_k=1, seed=5) == greedy
+
+
+def test_a_draft_model_tree_drafter_grown_by_cumulative_probability(p):
+    """The draft model is the target itself, so its top-1 chain is the target's greedy path:
+    4 drafts accepted per call. With top-3 the rule keeps the 3 likeliest paths per level
+    (8 nodes: 3 levels), which may drop the greedy path: fewer accepted per call, still
+    more than one. Either way the target's tokens and logits, bitwise."""
+    from kvjax.decode.generate import generate
+    from kvjax.speculative.tree_host import tree_generate
+    from kvjax.speculative.tree_model import ModelTreeDrafter
+
+    prompts = [[int(t) for t in _tokens(9, 13)]]
+    want = generate(p, CONFIG, prompts, 20, cache=CACHE, return_logits=True, plan=INVARIANT)
+    calls = {}
+    for top_k in (1, 3):
+        drafter = ModelTreeDrafter(p, CONFIG, CACHE, top_k=top_k, width=8)
+        got = tree_generate(p, CONFIG, prompts, 20, drafter, max_nodes=8, max_depth=4,
+                            cache=CACHE)
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(got.logits[0], np.asarray(want.logits[0]))
+        calls[top_k] = got.target_calls
+    assert calls[1] == 4  # 19 tokens after the prefill's, 5 a call
+    assert calls[3] < 19 // 2  # measured 6

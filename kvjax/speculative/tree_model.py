@@ -1,0 +1,101 @@
+"""A draft model that proposes token trees, grown by cumulative draft probability (EAGLE-2's
+rule). Host loop around the draft's jitted steps.
+
+Per sequence the draft's own paged cache holds the history but its newest token (kept
+across rounds: after a verify it keeps the longest prefix still on the history and prefills
+the rest). A round grows the tree level by level: one tree extend of the draft over every
+node so far (`BatchInfo.depth` / `ancestors`, the root being the newest token) gives each
+frontier node's next-token distribution; every frontier node offers its `top_k` tokens,
+scored by the path's cumulative log-probability, and the `top_k` best of all offers become
+the next frontier, until the tree has `max_nodes` nodes or `depth` levels. The tree nodes
+live in the draft cache's slots past the history and are overwritten by the next round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.cache.paged import BatchInfo
+from kvjax.cache.pool import KVPool
+from kvjax.config import CacheConfig, ModelConfig
+from kvjax.decode import steps
+from kvjax.decode.batching import page_table, pages_for
+from kvjax.decode.prefill import prefill
+from kvjax.model.plan import INVARIANT, NumericsPlan
+from kvjax.speculative.tree import tree_arrays
+
+
+class ModelTreeDrafter:
+    """Trees from a small kvjax model of the target's vocabulary (module docstring)."""
+
+    def __init__(self, params, config: ModelConfig, cache_config: CacheConfig,
+                 top_k: int = 2, width: int = 8, plan: NumericsPlan = INVARIANT):
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.params, self.config, self.plan = params, config, plan
+        self.pool = KVPool(config, cache_config)
+        self.top_k, self.width = top_k, width  # width: the extend shape, >= max_nodes
+        self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (cached, pages)
+
+    def release(self, seq_id: int = 0) -> None:
+        _, pages = self._state.pop(seq_id, ([], []))
+        self.pool.release(pages)
+
+    def propose_tree(self, history, max_nodes: int, depth: int, seq_id: int = 0
+                     ) -> tuple[list[int], list[int]]:
+        """(parents, tokens) of a tree of at most `max_nodes` nodes (the root, the history's
+        newest token, included) and `depth` levels below the root."""
+        if max_nodes > self.width:
+            raise ValueError(f"max_nodes {max_nodes} > the drafter's width {self.width}")
+        history = [int(t) for t in history]
+        length, pages = self._catch_up(history, seq_id)
+        parents, tokens, score = [-1], [history[-1]], [0.0]
+        frontier = [0]
+        for _ in range(depth):
+            if len(tokens) >= max_nodes or not frontier:
+                break
+            logp = self._tree_logp(pages, length, parents, tokens)
+            offers = []
+            for node in frontier:
+                for token in np.argsort(-logp[node], kind="stable")[:self.top_k]:
+                    offers.append((score[node] + float(logp[node, token]), node, int(token)))
+            offers.sort(key=lambda o: -o[0])
+            frontier = []
+            for s, node, token in offers[:min(self.top_k, max_nodes - len(tokens))]:
+                frontier.append(len(tokens))
+                parents.append(node)
+                tokens.append(token)
+                score.append(s)
+        return parents, tokens
+
+    def _catch_up(self, history: list[int], seq_id: int) -> tuple[int, list[int]]:
+        """The draft cache of `seq_id` holding history[:-1]; (its length, its pages)."""
+        cc = self.pool.cache_config
+        cached, pages = self._state.get(seq_id, ([], []))
+        keep = 0
+        while keep < min(len(cached), len(history) - 1) and cached[keep] == history[keep]:
+            keep += 1
+        need = pages_for(len(history) + self.width, cc.page_size) - len(pages)
+        if need > 0:
+            pages += self.pool.allocate(need)
+        if keep < len(history) - 1:
+            self.pool.run(lambda c: prefill(self.params, self.config, c, cc, history[:-1],
+                                            pages, start=keep, plan=self.plan))
+        self._state[seq_id] = (history[:-1], pages)
+        return len(history) - 1, pages
+
+    def _tree_logp(self, pages, length: int, parents, tokens) -> np.ndarray:
+        """Log-probabilities [nodes, V] of the draft at each node of the tree so far."""
+        cc = self.pool.cache_config
+        depth, ancestors = tree_arrays(parents, self.width)
+        batch = BatchInfo(page_table=page_table([pages], 1, cc.block_pages),
+                          lengths=np.asarray([length], np.int32),
+                          num_new=np.asarray([len(parents)], np.int32), depth=depth[None],
+                          ancestors=ancestors[None])
+        fed = np.zeros((1, self.width), np.int32)
+        fed[0, :len(tokens)] = tokens
+        logits = np.asarray(self.pool.run(lambda c: steps.extend(
+            self.params, self.config, c, fed, batch, plan=self.plan)), np.float64)[0]
+        logits = logits[:len(tokens)]
+        top = logits.max(-1, keepdims=True)
+        return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
