@@ -78,10 +78,11 @@ class NGramTreeDrafter:
                     return out
         return out
 
-    def propose_tree(self, history: Sequence[int], max_nodes: int, depth: int
-                     ) -> tuple[list[int], list[int]]:
+    def propose_tree(self, history: Sequence[int], max_nodes: int, depth: int,
+                     seq_id: int = 0) -> tuple[list[int], list[int]]:
         """(parents, tokens) of a tree of at most `max_nodes` nodes whose root (node 0) is
-        the history's newest token and whose paths are at most `depth` drafts long."""
+        the history's newest token and whose paths are at most `depth` drafts long (the
+        tree drafters' protocol; `seq_id` names the sequence for drafters with state)."""
         parents, tokens = [-1], [int(history[-1])]
         child: dict[tuple[int, int], int] = {}
         for chain in self.continuations(history, depth):

@@ -73,7 +73,7 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
         while len(outs[i]) < max_new_tokens and outs[i][-1] not in stop_tokens:
             left = max_new_tokens - len(outs[i])
             parents, tokens = drafter.propose_tree(prompts[i] + outs[i], max_nodes,
-                                                   min(depth, left - 1))
+                                                   min(depth, left - 1), seq_id=i)
             lg, path, nxt = _verify(params, config, pool, rows[i], lengths[i], parents,
                                     tokens, max_nodes, plan, sampling, rngs[i])
             lengths[i] += len(path)  # the root and the accepted drafts are cached now
@@ -86,6 +86,8 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             result.drafted += len(parents) - 1
             result.accepted += len(path) - 1
         pool.release(rows[i])
+        if hasattr(drafter, "release"):
+            drafter.release(i)
     result.logits = [np.stack(lg) for lg in logits]
     return result
 
