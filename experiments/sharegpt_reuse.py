@@ -144,7 +144,7 @@ def _reference(p: Params, seed: int):
 def run(config) -> dict:
     p = config.params
     off_params = dataclasses.replace(p, capacity=1.0, schedule="fcfs", tiers="none",
-                                     running="longest")
+                                     running="longest", restart=False)
     reference, working, peak = _reference(off_params, config.seed)
     running = peak if p.running == "peak" else p.slots * pages_for(_longest(p), p.page_size)
     num_pages = p.pool_pages or running + round(p.capacity * working)

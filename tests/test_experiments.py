@@ -478,3 +478,20 @@ def plot(rows, out):
     assert [r["y"] for r in _read(out)] == [2.0, 3.0]
     programs = sys.modules[f"{package}.compiles"].PROGRAMS
     assert [f._cache_size() for f in programs] == ([0, 0] if dropped else [1, 1])
+
+
+def test_sharegpt_reuse_sums_the_metrics_of_every_engine_a_restart_used():
+    """A restart brings in a second engine: the row's misses, reuse by tier, evictions,
+    preemptions and restore seconds are both engines' sums (an engine without tiers counts
+    its reuse as the device's)."""
+    from experiments.sharegpt_reuse import _summed
+
+    first = {"misses_by_cause": {"cold": 3, "capacity": 1}, "reused_tokens": 40,
+             "evictions": 2, "preemptions": 1, "tiers": None}
+    second = {"misses_by_cause": {"cold": 1}, "reused_tokens": 70, "evictions": 5,
+              "preemptions": 0, "tiers": {"reused_tokens": {"device": 30, "disk": 40},
+                                          "restore_s": 0.5}}
+    m = _summed([first, second])
+    assert m["misses_by_cause"] == {"cold": 4, "capacity": 1}
+    assert m["by_tier"] == {"device": 70, "disk": 40}
+    assert (m["evictions"], m["preemptions"], m["restore_s"]) == (7, 1, 0.5)

@@ -9,6 +9,7 @@ the bytes are what the calculator says."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -114,8 +115,9 @@ def test_a_page_write_converts_no_more_than_the_new_tokens(fmt):
                       lengths=jnp.zeros(2, jnp.int32), num_new=jnp.asarray([3, 2], jnp.int32))
     cache = init_cache(CONFIG, with_cache(dtype=fmt))
     text = jax.jit(write_kv, static_argnums=1).lower(cache, 0, k, k, batch).compile().as_text()
-    pool = ",".join(map(str, cache.k.shape))
-    assert not [line for line in text.splitlines() if "convert(" in line and pool in line]
+    converted = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+                 for m in re.finditer(r"= \w+\[([\d,]*)\]\S* convert\(", text)]
+    assert converted and max(converted) <= k.size  # the new tokens' K (or V), no more
     cache = write_kv(cache, 0, k, k * 0.5, batch)
     written = cache.read(cache.k)[0, :, 3, :3].transpose(1, 0, 2)  # [3, K, H] of row 0
     if fmt == "bfloat16":

@@ -48,9 +48,10 @@ def _slot(r, position):
     return TABLE[r, position // PS], position % PS
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16", "float8_e4m3fn"])
 def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
-    """Float32, int8 (scales read with the numbers) and bfloat16 pages (bits on CPU)."""
+    """Float32, int8 (scales read with the numbers), bfloat16 pages (bits on CPU) and
+    float8 pages (bits and scales)."""
     width = max(map(len, TREES))
     nodes = [_tokens(10 + r, width) for r in range(2)]
     arrays = [tree_arrays(parents, width) for parents in TREES]
@@ -77,7 +78,8 @@ def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
                 np.testing.assert_array_equal(logits[r, node], np.asarray(got[0, 0]))
                 tree_page, tree_slot = _slot(r, LENGTHS[r] + node)
                 page, slot = _slot(r, LENGTHS[r] + j)
-                for name in ("k", "v", "k_scale", "v_scale")[:4 if fmt == "int8" else 2]:
+                for name in ("k", "v", "k_scale", "v_scale")[:2 if fmt == "bfloat16" or
+                                                             fmt == "float32" else 4]:
                     np.testing.assert_array_equal(
                         np.asarray(getattr(cache, name)[:, :, tree_page, tree_slot]),
                         np.asarray(getattr(plain, name)[:, :, page, slot]))
@@ -85,11 +87,13 @@ def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
     assert checked == 3 + 3 + 4 + 4  # row 0: leaves 3, 5 and 6; row 1: its chain
 
 
-def test_the_accepted_path_moved_into_place_decodes_on_as_plain_decoding(p):
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_the_accepted_path_moved_into_place_decodes_on_as_plain_decoding(p, fmt):
     """Greedy acceptance over the tree (the drafts chosen so that the target's argmax
-    accepts a path of depth 2 in row 0 and the whole chain in row 1), its K/V moved to the
-    slots plain decoding writes, then one plain decode step of the token that follows: the
-    moved K/V and that step's logits are bitwise those of plain decoding the path."""
+    accepts a path of depth 2 in row 0 and the whole chain in row 1), its K/V (int8: and
+    scales) moved to the slots plain decoding writes, then one plain decode step of the
+    token that follows: the moved K/V and that step's logits are bitwise those of plain
+    decoding the path."""
     width = max(map(len, TREES))
     nodes = [_tokens(10 + r, width) for r in range(2)]
     arrays = [tree_arrays(parents, width) for parents in TREES]
@@ -100,14 +104,14 @@ def test_the_accepted_path_moved_into_place_decodes_on_as_plain_decoding(p):
     # the drafts on 0 -> 2 -> 5 (row 0) and the chain (row 1) made the target's choices,
     # one depth more per call (a node's logits depend on its ancestors' tokens only)
     for _ in range(3):
-        first, _ = steps.extend(p, CONFIG, _prefilled("float32"), np.stack(nodes), batch,
+        first, _ = steps.extend(p, CONFIG, _prefilled(fmt), np.stack(nodes), batch,
                                 plan=INVARIANT)
         choice = np.asarray(first).argmax(-1)
         for r, path in ((0, [0, 2, 5]), (1, [0, 1, 2, 3])):
             for parent, child in itertools.pairwise(path):
                 nodes[r][child] = choice[r, parent]
         nodes[0][1] = (choice[0, 0] + 1) % CONFIG.vocab_size  # 0's other child: rejected
-    logits, cache = steps.extend(p, CONFIG, _prefilled("float32"), np.stack(nodes), batch,
+    logits, cache = steps.extend(p, CONFIG, _prefilled(fmt), np.stack(nodes), batch,
                                  plan=INVARIANT)
     choice = np.asarray(logits).argmax(-1)
     paths = [greedy_path(parents, nodes[r], choice[r]) for r, parents in enumerate(TREES)]
@@ -118,7 +122,7 @@ def test_the_accepted_path_moved_into_place_decodes_on_as_plain_decoding(p):
     cache = move_slots(cache, TABLE, np.asarray(LENGTHS, np.int32), src,
                        np.asarray([len(q) for q in paths], np.int32))
     for r, path in enumerate(paths):
-        plain = _prefilled("float32")
+        plain = _prefilled(fmt)
         for j, node in enumerate(path + [None]):
             token = choice[r, path[-1]] if node is None else nodes[r][node]
             one = BatchInfo(page_table=TABLE[r:r + 1],
@@ -128,7 +132,7 @@ def test_the_accepted_path_moved_into_place_decodes_on_as_plain_decoding(p):
                                        plan=INVARIANT)
             moved = _slot(r, LENGTHS[r] + j)
             if node is not None:
-                for name in ("k", "v"):
+                for name in ("k", "v", "k_scale", "v_scale")[:4 if fmt == "int8" else 2]:
                     np.testing.assert_array_equal(
                         np.asarray(getattr(cache, name)[:, :, moved[0], moved[1]]),
                         np.asarray(getattr(plain, name)[:, :, moved[0], moved[1]]))

@@ -280,7 +280,7 @@ def _move_slots(cache, page_table, lengths, src, count):
     to_page, to_slot = at(lengths[:, None] + j)
     to_page = jnp.where(j < count[:, None], to_page, cache.num_pages)  # out of range: dropped
 
-    def move(a):  # [layers, K, pages, page_size, ...]; the update [B, J, layers, K, ...]
+    def move(a):  # [layers, K, pages, page_size, ...]; the update [layers, K, B, J, ...]
         if a is None:
             return None
         return a.at[:, :, to_page, to_slot].set(a[:, :, from_page, from_slot], mode="drop")

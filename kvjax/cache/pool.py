@@ -203,9 +203,12 @@ class PagePool:
         # block before its parent (a block without its parent is never reached)
         nodes = sorted(self.trie.nodes(), key=lambda n: (n.last_used, -_depth(n)))
         for i in range(0, len(nodes), chunk):
-            for block in self._blocks([n for n in nodes[i:i + chunk]
-                                       if not disk.has(_key(n))]):
-                disk.put(block)
+            part = nodes[i:i + chunk]
+            blocks = {(b.root, b.key): b
+                      for b in self._blocks([n for n in part if not disk.holds(_key(n))])}
+            for node in part:  # in order: a page filed already is marked used in its turn
+                if not disk.has(_key(node)) and _key(node) in blocks:
+                    disk.put(blocks[_key(node)])
         return disk.stats["stored_pages"] - before
 
     def _staging(self, n: int, page: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -119,6 +120,9 @@ class DiskTier:
         for _, name, size in sorted(found):
             self.files[name] = size
         self.bytes = sum(self.files.values())
+        # each write or use stamps its file a nanosecond past the last stamp at least, so
+        # the order a restart reads back is the order of use, even within a clock tick
+        self._stamp = max((t for t, _, _ in found), default=0)
         self._trim()
 
     def _path(self, name: str) -> str:
@@ -126,8 +130,9 @@ class DiskTier:
 
     def _touch(self, name: str) -> None:
         self.files.move_to_end(name)
+        self._stamp = max(time.time_ns(), self._stamp + 1)
         try:
-            os.utime(self._path(name))
+            os.utime(self._path(name), ns=(self._stamp, self._stamp))
         except FileNotFoundError:
             self._forget(name)
 
@@ -141,6 +146,10 @@ class DiskTier:
         while self.bytes > self.capacity and self.files:
             self._forget(next(iter(self.files)), delete=True)
             self.stats["evictions"] += 1
+
+    def holds(self, key: Key) -> bool:
+        """Whether `key` is filed (nothing marked used)."""
+        return file_name(*key) in self.files
 
     def has(self, key: Key) -> bool:
         name = file_name(*key)
@@ -180,6 +189,7 @@ class DiskTier:
             return []
         size = write_block(self._path(name), block)
         self.files[name] = size
+        self._touch(name)
         self.bytes += size
         self.stats["stored_pages"] += 1
         self.stats["stored_bytes"] += size

@@ -273,6 +273,8 @@ def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchI
                     window: int | None, scale: float | None = None,
                     softcap: float | None = None) -> jax.Array:
     """Baseline: attention over a contiguous [B, max_len] cache in one softmax."""
+    if batch.ancestors is not None:
+        raise NotImplementedError("tree verify over the dense baseline cache")
     t = q.shape[1]
     qg = _grouped(q, cache.k.shape[3], scale)
     k = cache.read(cache.k[layer]).astype(q.dtype)  # [B, S, K, H]

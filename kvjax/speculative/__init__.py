@@ -14,7 +14,8 @@ The parts: rules.py (acceptance rules, speedup model), stats.py, gamma.py, loop.
 device loop), ngram_device.py, drafters.py + host.py (the host Drafter path), plugin.py
 (the engine's draft pool and γ controller), cost.py (measured c and verify slope),
 operating_point.py (the measurement `kvjax bench spec` and the experiments share),
-tree.py (tree arrays, acceptance over a tree, the n-gram tree drafter) + tree_host.py.
+tree.py (tree arrays, acceptance over a tree, the n-gram tree drafter), tree_model.py (a
+draft model's trees), tree_host.py (tree_generate).
 
 The names from drafters, host and rules load on first use (PEP 562 `__getattr__`): they
 import JAX, and `gamma` and `stats` are host code that must import without it.
@@ -37,9 +38,11 @@ _EXPORTS = {
     "kvjax.speculative.tree": ("NGramTreeDrafter", "greedy_path", "sampled_path",
                                "tree_arrays"),
     "kvjax.speculative.tree_host": ("TreeResult", "tree_generate"),
+    "kvjax.speculative.tree_model": ("ModelTreeDrafter",),
 }
 
-__all__ = ["Drafter", "GammaPolicy", "ModelDrafter", "NGramDrafter", "NGramTreeDrafter",
+__all__ = ["Drafter", "GammaPolicy", "ModelDrafter", "ModelTreeDrafter", "NGramDrafter",
+           "NGramTreeDrafter",
            "SpecConfig", "SpecResult", "SpecStats", "TreeResult", "choose_gamma",
            "greedy_accept", "greedy_path", "make_drafter", "predicted_speedup",
            "sampled_path", "sampling_accept", "speculative_generate", "tree_arrays",
@@ -56,6 +59,7 @@ if TYPE_CHECKING:  # what static tools read: the names of _EXPORTS (tests/test_l
         tree_arrays,
     )
     from kvjax.speculative.tree_host import TreeResult, tree_generate
+    from kvjax.speculative.tree_model import ModelTreeDrafter
 
 _getattr, __dir__ = _lazy.exports(__name__, _EXPORTS)
 

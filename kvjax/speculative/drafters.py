@@ -23,6 +23,7 @@ from kvjax.decode.batching import page_table, pages_for
 from kvjax.decode.prefill import prefill
 from kvjax.decode.sampling import DRAFT_TAG, probabilities
 from kvjax.decode.state import decode_state
+from kvjax.model.plan import FAST, NumericsPlan
 
 
 def draft_key(seed: int, seq_id: int) -> jax.Array:
@@ -46,20 +47,46 @@ class NGramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose_one(self, history: Sequence[int], gamma: int) -> list[int]:
-        h = np.asarray(history)
-        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
-            tail = h[-n:]
-            # Candidate starts of an earlier occurrence, most recent first.
-            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            for start in hits[::-1]:
-                follow = h[start + n: start + n + gamma]
-                if len(follow):
-                    return follow.tolist()
-        return []
+        found = ngram_continuations(history, gamma, self.max_ngram, self.min_ngram, 1)
+        return found[0] if found else []
 
     def propose(self, histories, gamma, seq_ids=None):
         return [(self.propose_one(h, gamma), None) for h in histories]
+
+
+def ngram_continuations(history: Sequence[int], depth: int, max_ngram: int, min_ngram: int,
+                        count: int) -> list[list[int]]:
+    """Up to `count` different continuations (at most `depth` tokens each) of the history's
+    last n-gram's earlier occurrences, n from `max_ngram` down to `min_ngram`, the most
+    recent occurrence first."""
+    h = np.asarray(history)
+    out: list[list[int]] = []
+    for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+        for start in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]:
+            follow = h[start + n: start + n + depth].tolist()
+            if follow and follow not in out:
+                out.append(follow)
+            if len(out) == count:
+                return out
+    return out
+
+
+def catch_up(pool: KVPool, params, config, cached: list[int], pages: list[int],
+             history: list[int], room: int, plan: NumericsPlan = FAST) -> None:
+    """Brings a draft cache that holds `cached` in `pages` to history[:-1]: keeps the
+    longest prefix still on the history and prefills the rest, `pages` grown (in place)
+    to hold the history and `room` more tokens."""
+    cc = pool.cache_config
+    keep = 0
+    while keep < min(len(cached), len(history) - 1) and cached[keep] == history[keep]:
+        keep += 1
+    need = pages_for(len(history) + room, cc.page_size) - len(pages)
+    if need > 0:
+        pages += pool.allocate(need)
+    if keep < len(history) - 1:
+        pool.run(lambda c: prefill(params, config, c, cc, history[:-1], pages, start=keep,
+                                   plan=plan))
 
 
 class ModelDrafter:
@@ -91,16 +118,8 @@ class ModelDrafter:
     def _propose_one(self, history: list[int], gamma: int, seq_id: int):
         cc = self.pool.cache_config
         cached, pages = self._state.get(seq_id, ([], []))
-        keep = 0
-        while keep < min(len(cached), len(history) - 1) and cached[keep] == history[keep]:
-            keep += 1
-        need = pages_for(len(history) + gamma, cc.page_size) - len(pages)
-        if need > 0:
-            pages += self.pool.allocate(need)
+        catch_up(self.pool, self.params, self.config, cached, pages, history, gamma)
         table = page_table([pages], 1, cc.block_pages)
-        # Catch up on the accepted history (all but its newest token).
-        self.pool.run(lambda cache: prefill(self.params, self.config, cache, cc, history[:-1],
-                                            pages, start=keep))
         length = len(history) - 1
         sampling = self.sampling
         temp = 0.0 if sampling is None else sampling.temperature

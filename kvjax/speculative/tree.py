@@ -37,6 +37,21 @@ def tree_arrays(parents: Sequence[int], width: int | None = None) -> tuple[np.nd
     return depth, ancestors
 
 
+def tree_batch(table: np.ndarray, length: int, parents: Sequence[int], tokens: Sequence[int],
+               width: int):
+    """(BatchInfo, tokens int32[1, width]) of one sequence's tree verify: its page table
+    row [1, P], `length` tokens cached, the tree's nodes padded to `width`."""
+    from kvjax.cache.paged import BatchInfo
+
+    depth, ancestors = tree_arrays(parents, width)
+    batch = BatchInfo(page_table=table, lengths=np.asarray([length], np.int32),
+                      num_new=np.asarray([len(parents)], np.int32), depth=depth[None],
+                      ancestors=ancestors[None])
+    fed = np.zeros((1, width), np.int32)
+    fed[0, :len(tokens)] = tokens
+    return batch, fed
+
+
 def greedy_path(parents: Sequence[int], tokens: Sequence[int], choice: Sequence[int]
                 ) -> list[int]:
     """The nodes of the longest root path along which every child's token is the target's
@@ -66,17 +81,10 @@ class NGramTreeDrafter:
 
     def continuations(self, history: Sequence[int], depth: int) -> list[list[int]]:
         """Up to `branches` different continuations of at most `depth` tokens."""
-        h = np.asarray(history)
-        out: list[list[int]] = []
-        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-            for start in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]:
-                follow = h[start + n: start + n + depth].tolist()
-                if follow and follow not in out:
-                    out.append(follow)
-                if len(out) == self.branches:
-                    return out
-        return out
+        from kvjax.speculative.drafters import ngram_continuations
+
+        return ngram_continuations(history, depth, self.max_ngram, self.min_ngram,
+                                   self.branches)
 
     def propose_tree(self, history: Sequence[int], max_nodes: int, depth: int,
                      seq_id: int = 0) -> tuple[list[int], list[int]]:

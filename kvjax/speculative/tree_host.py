@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvjax.cache.paged import BatchInfo, move_slots
+from kvjax.cache.paged import move_slots
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
@@ -23,7 +23,7 @@ from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sampling_rows
 from kvjax.model.plan import INVARIANT, NumericsPlan
-from kvjax.speculative.tree import greedy_path, sampled_path, tree_arrays
+from kvjax.speculative.tree import greedy_path, sampled_path, tree_batch
 
 
 @dataclasses.dataclass
@@ -84,7 +84,7 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             logits[i] += list(lg[path][:min(keep, left)])
             result.target_calls += 1
             result.drafted += len(parents) - 1
-            result.accepted += len(path) - 1
+            result.accepted += min(len(path), keep, left) - 1  # emitted, less one a call
         pool.release(rows[i])
         if hasattr(drafter, "release"):
             drafter.release(i)
@@ -112,13 +112,8 @@ def _verify(params, config, pool: KVPool, row: list[int], length: int, parents, 
     need = pages_for(length + max_nodes, cc.page_size) - len(row)
     if need > 0:
         row += pool.allocate(need)
-    depth, ancestors = tree_arrays(parents, max_nodes)
     table = page_table([row], 1, cc.block_pages)
-    batch = BatchInfo(page_table=table, lengths=np.asarray([length], np.int32),
-                      num_new=np.asarray([len(parents)], np.int32), depth=depth[None],
-                      ancestors=ancestors[None])
-    fed = np.zeros((1, max_nodes), np.int32)
-    fed[0, :len(tokens)] = tokens
+    batch, fed = tree_batch(table, length, parents, tokens, max_nodes)
     lg = np.asarray(pool.run(lambda c: steps.extend(params, config, c, fed, batch,
                                                     plan=plan)))[0]
     if rng is None:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.cache.paged import BatchInfo
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.batching import page_table, pages_for
-from kvjax.decode.prefill import prefill
+from kvjax.decode.batching import page_table
 from kvjax.model.plan import INVARIANT, NumericsPlan
-from kvjax.speculative.tree import tree_arrays
+from kvjax.speculative.drafters import catch_up
+from kvjax.speculative.tree import tree_batch
 
 
 class ModelTreeDrafter:
@@ -70,30 +69,16 @@ class ModelTreeDrafter:
 
     def _catch_up(self, history: list[int], seq_id: int) -> tuple[int, list[int]]:
         """The draft cache of `seq_id` holding history[:-1]; (its length, its pages)."""
-        cc = self.pool.cache_config
         cached, pages = self._state.get(seq_id, ([], []))
-        keep = 0
-        while keep < min(len(cached), len(history) - 1) and cached[keep] == history[keep]:
-            keep += 1
-        need = pages_for(len(history) + self.width, cc.page_size) - len(pages)
-        if need > 0:
-            pages += self.pool.allocate(need)
-        if keep < len(history) - 1:
-            self.pool.run(lambda c: prefill(self.params, self.config, c, cc, history[:-1],
-                                            pages, start=keep, plan=self.plan))
+        catch_up(self.pool, self.params, self.config, cached, pages, history, self.width,
+                 self.plan)
         self._state[seq_id] = (history[:-1], pages)
         return len(history) - 1, pages
 
     def _tree_logp(self, pages, length: int, parents, tokens) -> np.ndarray:
         """Log-probabilities [nodes, V] of the draft at each node of the tree so far."""
-        cc = self.pool.cache_config
-        depth, ancestors = tree_arrays(parents, self.width)
-        batch = BatchInfo(page_table=page_table([pages], 1, cc.block_pages),
-                          lengths=np.asarray([length], np.int32),
-                          num_new=np.asarray([len(parents)], np.int32), depth=depth[None],
-                          ancestors=ancestors[None])
-        fed = np.zeros((1, self.width), np.int32)
-        fed[0, :len(tokens)] = tokens
+        table = page_table([pages], 1, self.pool.cache_config.block_pages)
+        batch, fed = tree_batch(table, length, parents, tokens, self.width)
         logits = np.asarray(self.pool.run(lambda c: steps.extend(
             self.params, self.config, c, fed, batch, plan=self.plan)), np.float64)[0]
         logits = logits[:len(tokens)]
