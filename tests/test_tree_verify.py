@@ -48,10 +48,8 @@ def _slot(r, position):
     return TABLE[r, position // PS], position % PS
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16", "float8_e4m3fn"])
-def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
-    """Float32, int8 (scales read with the numbers), bfloat16 pages (bits on CPU) and
-    float8 pages (bits and scales)."""
+def _trees():
+    """(width, each row's node tokens, each row's (depth, ancestors), the verify's batch)."""
     width = max(map(len, TREES))
     nodes = [_tokens(10 + r, width) for r in range(2)]
     arrays = [tree_arrays(parents, width) for parents in TREES]
@@ -59,6 +57,14 @@ def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
                       num_new=np.asarray([len(t) for t in TREES], np.int32),
                       depth=np.stack([d for d, _ in arrays]),
                       ancestors=np.stack([a for _, a in arrays]))
+    return width, nodes, arrays, batch
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16", "float8_e4m3fn"])
+def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
+    """Float32, int8 (scales read with the numbers), bfloat16 pages (bits on CPU) and
+    float8 pages (bits and scales)."""
+    _, nodes, arrays, batch = _trees()
     logits, cache = steps.extend(p, CONFIG, _prefilled(fmt), np.stack(nodes), batch,
                                  plan=INVARIANT)
     logits = np.asarray(logits)
@@ -94,13 +100,7 @@ def test_the_accepted_path_moved_into_place_decodes_on_as_plain_decoding(p, fmt)
     scales) moved to the slots plain decoding writes, then one plain decode step of the
     token that follows: the moved K/V and that step's logits are bitwise those of plain
     decoding the path."""
-    width = max(map(len, TREES))
-    nodes = [_tokens(10 + r, width) for r in range(2)]
-    arrays = [tree_arrays(parents, width) for parents in TREES]
-    batch = BatchInfo(page_table=TABLE, lengths=np.asarray(LENGTHS, np.int32),
-                      num_new=np.asarray([len(t) for t in TREES], np.int32),
-                      depth=np.stack([d for d, _ in arrays]),
-                      ancestors=np.stack([a for _, a in arrays]))
+    width, nodes, _, batch = _trees()
     # the drafts on 0 -> 2 -> 5 (row 0) and the chain (row 1) made the target's choices,
     # one depth more per call (a node's logits depend on its ancestors' tokens only)
     for _ in range(3):
