@@ -173,13 +173,16 @@ class Transformer(nn.Module):
 
     With `sharding` (a mesh, see `kvjax.sharding`) the hidden state's batch axis is split
     over the mesh's "data" axis; the weights' and cache's own shardings do the rest.
-    `kernel` picks the decode-attention kernel (`kvjax.model.kernels`).
+    `kernel` picks the decode-attention kernel (`kvjax.model.kernels`). `features`: return
+    the final norm's output [B, T, D] instead of the logits (what the output head reads:
+    an EAGLE-style drafter's input).
     """
 
     config: ModelConfig
     sharding: StepShardings | None = None
     kernel: AttentionKernel | None = None
     plan: NumericsPlan = FAST
+    features: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache = None,
@@ -220,6 +223,8 @@ class Transformer(nn.Module):
         elif logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)
+        if self.features:
+            return x, cache
         dot = row_dot(self.plan, "head")
         if cfg.tie_embeddings:  # x [B, T, D] . embedding [V, D], one product: Flax's
             # `attend` transposes the embedding, and XLA CPU fuses that transpose into a
@@ -235,6 +240,19 @@ class Transformer(nn.Module):
         return logits, cache
 
 
+def output_head(params: dict, config: ModelConfig, features: jax.Array) -> jax.Array:
+    """Logits [..., V] (float32) of features [..., D] by the model's output head, the tied
+    embedding or `lm_head`, then the final soft-cap: what `Transformer` computes after its
+    final norm (canonical parameters; XLA's own product)."""
+    tied = config.tie_embeddings
+    w = params["embed"]["embedding"] if tied else params["lm_head"]["kernel"].T  # [V, D]
+    logits = jnp.einsum("...d,vd->...v", features, w.astype(features.dtype))
+    logits = logits.astype(jnp.float32)
+    if config.final_softcap is not None:
+        logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
+    return logits
+
+
 def init_params(config: ModelConfig, seed: int = 0) -> dict:
     """Random parameters for `config` (float32), in the canonical tree (separate q/k/v and
     gate/up kernels: `kvjax.model.layout.store` fuses them for a fused plan)."""
@@ -248,20 +266,23 @@ def param_shapes(config: ModelConfig):
     return jax.eval_shape(lambda: init_params(config))
 
 
-@partial(jax.jit, static_argnames=("config", "plan"))
+@partial(jax.jit, static_argnames=("config", "plan", "features"))
 def _forward(params: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-             lora: dict | None, adapter_ids: jax.Array | None, plan: NumericsPlan) -> jax.Array:
+             lora: dict | None, adapter_ids: jax.Array | None, plan: NumericsPlan,
+             features: bool = False) -> jax.Array:
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-    return Transformer(config, plan=plan.separate()).apply(  # the canonical tree
-        variables, tokens, positions, None, None, adapter_ids)[0]
+    return Transformer(config, plan=plan.separate(), features=features).apply(
+        variables, tokens, positions, None, None, adapter_ids)[0]  # the canonical tree
 
 
 def forward(params: dict, config: ModelConfig, tokens, adapter: dict | None = None,
-            position_base: int = 0, plan: NumericsPlan = FAST) -> jax.Array:
+            position_base: int = 0, plan: NumericsPlan = FAST,
+            features: bool = False) -> jax.Array:
     """Full-sequence logits [B, T, V] with no cache: the reference every cached path meets.
 
     `adapter` is one LoRA adapter (`kvjax.init_adapter`); `position_base` is the position
     of the first token; `plan` how the arithmetic runs (on the canonical parameters).
+    `features`: the final norm's output [B, T, D] instead (what the output head reads).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = position_base + jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -270,4 +291,4 @@ def forward(params: dict, config: ModelConfig, tokens, adapter: dict | None = No
     if adapter is not None:
         lora = stack_adapters(config, [adapter])
         ids = jnp.ones(tokens.shape[0], jnp.int32)
-    return _forward(params, config, tokens, positions, lora, ids, plan)
+    return _forward(params, config, tokens, positions, lora, ids, plan, features)
