@@ -51,5 +51,6 @@ def test_a_tree_answer_that_differs_from_plain_decoding_raises(monkeypatch, what
 
 def test_verify_cost_per_node_count():
     model = SimpleNamespace(params=params(), config=CONFIG)
-    cost = tree.verify_cost(model, prompt_len=24, reps=1, nodes=(1, 4))
-    assert sorted(cost) == [0, 1, 4] and all(s > 0 for s in cost.values())
+    for as_tree in (True, False):
+        cost = tree.verify_cost(model, prompt_len=24, reps=1, nodes=(1, 4), tree=as_tree)
+        assert sorted(cost) == [0, 1, 4] and all(s > 0 for s in cost.values())

@@ -11,8 +11,9 @@ raises otherwise (every row it reports holds it). Reported per category and draf
 tokens per target call (accepted drafts + 1) and draft nodes per call.
 
 Verify cost: one extend of N = 1, 2, 4, ..., 32 tree nodes (a chain; the cost depends on
-the node count) after `prompt_len` cached tokens, the median of `reps` timed calls after a
-warm-up, beside a plain decode step (N = 1 without tree arrays). The speedup a drafter
+the node count) after `prompt_len` cached tokens, and of N tokens without tree arrays (the
+chain verify), the median of `reps` timed calls after a warm-up, beside a plain decode
+step (N = 1 without tree arrays). The speedup a drafter
 would reach with a free drafter and a host loop that cost nothing: tokens per call /
 (the verify cost at `max_nodes` / a decode step's).
 """
@@ -84,9 +85,11 @@ def answers(model, picked, gen_tokens: int, max_nodes: int,
     return rows
 
 
-def verify_cost(model, prompt_len: int, reps: int, nodes=NODES) -> dict[int, float]:
-    """N -> seconds of one verify of N chain nodes after `prompt_len` cached tokens; key 0:
-    a plain decode step."""
+def verify_cost(model, prompt_len: int, reps: int, nodes=NODES, tree: bool = True
+                ) -> dict[int, float]:
+    """N -> seconds of one verify of N chain nodes after `prompt_len` cached tokens (as a
+    tree, or with `tree=False` as a plain extend of N tokens, the chain verify); key 0: a
+    plain decode step."""
     cfg = CacheConfig(page_size=16, num_pages=1)
     table, cfg = contiguous_pages(cfg, 1, prompt_len + max(nodes))
     holder = CacheHolder(filled_with_noise(init_cache(model.config, cfg)))
@@ -95,8 +98,8 @@ def verify_cost(model, prompt_len: int, reps: int, nodes=NODES) -> dict[int, flo
         depth, ancestors = tree_arrays([-1, *range(max(n, 1) - 1)])
         batch = BatchInfo(page_table=table, lengths=np.asarray([prompt_len], np.int32),
                           num_new=np.asarray([max(n, 1)], np.int32),
-                          depth=None if n == 0 else depth[None],
-                          ancestors=None if n == 0 else ancestors[None])
+                          depth=depth[None] if n and tree else None,
+                          ancestors=ancestors[None] if n and tree else None)
         tokens = np.ones((1, max(n, 1)), np.int32)
 
         def call(batch=batch, tokens=tokens):
@@ -127,16 +130,20 @@ def main(args) -> int:
          f"greedy tokens; n-gram trees of {', '.join(map(str, BRANCHES))} branches, at most "
          f"{max_nodes} nodes; verify cost after {args.prompt_len} tokens")
     cost = verify_cost(model, args.prompt_len, args.reps)
+    chain = verify_cost(model, args.prompt_len, args.reps, tree=False)
     ratio = cost[max_nodes] / cost[0]
     with Progress(len(BRANCHES), "drafters") as bar:
         rows = answers(model, questions(model, args.requests), args.gen_tokens, max_nodes,
                        bar)
     for r in rows:
         r["speedup"] = r["tokens_per_call"] / ratio
-    costs = " | ".join(f"{n}: {cost[n] / cost[0]:.2f}x" for n in NODES)
+    costs = " | ".join(f"{n}: {cost[n] / cost[0]:.2f}x ({chain[n] / cost[0]:.2f}x)"
+                       for n in NODES)
     table = markdown_table(rows, COLUMNS) + (
-        f"\n\nverify cost per node count (vs a decode step, {cost[0] * 1e3:.1f} ms): {costs}\n")
+        f"\n\nverify cost per node count as a tree (as a chain), vs a decode step "
+        f"({cost[0] * 1e3:.1f} ms): {costs}\n")
     write_results(args.out, table, rows, model=name, questions=args.requests,
                   gen_tokens=args.gen_tokens, max_nodes=max_nodes,
-                  verify_s={str(n): s for n, s in cost.items()})
+                  verify_s={str(n): s for n, s in cost.items()},
+                  chain_verify_s={str(n): s for n, s in chain.items()})
     return 0
