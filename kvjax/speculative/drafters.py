@@ -24,6 +24,7 @@ from kvjax.decode.prefill import prefill
 from kvjax.decode.sampling import DRAFT_TAG, probabilities
 from kvjax.decode.state import decode_state
 from kvjax.model.plan import FAST, NumericsPlan
+from kvjax.speculative.tree import ngram_continuations
 
 
 def draft_key(seed: int, seq_id: int) -> jax.Array:
@@ -52,24 +53,6 @@ class NGramDrafter:
 
     def propose(self, histories, gamma, seq_ids=None):
         return [(self.propose_one(h, gamma), None) for h in histories]
-
-
-def ngram_continuations(history: Sequence[int], depth: int, max_ngram: int, min_ngram: int,
-                        count: int) -> list[list[int]]:
-    """Up to `count` different continuations (at most `depth` tokens each) of the history's
-    last n-gram's earlier occurrences, n from `max_ngram` down to `min_ngram`, the most
-    recent occurrence first."""
-    h = np.asarray(history)
-    out: list[list[int]] = []
-    for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-        for start in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]:
-            follow = h[start + n: start + n + depth].tolist()
-            if follow and follow not in out:
-                out.append(follow)
-            if len(out) == count:
-                return out
-    return out
 
 
 def catch_up(pool: KVPool, params, config, cached: list[int], pages: list[int],

@@ -37,19 +37,22 @@ def tree_arrays(parents: Sequence[int], width: int | None = None) -> tuple[np.nd
     return depth, ancestors
 
 
-def tree_batch(table: np.ndarray, length: int, parents: Sequence[int], tokens: Sequence[int],
-               width: int):
-    """(BatchInfo, tokens int32[1, width]) of one sequence's tree verify: its page table
-    row [1, P], `length` tokens cached, the tree's nodes padded to `width`."""
-    from kvjax.cache.paged import BatchInfo
-
-    depth, ancestors = tree_arrays(parents, width)
-    batch = BatchInfo(page_table=table, lengths=np.asarray([length], np.int32),
-                      num_new=np.asarray([len(parents)], np.int32), depth=depth[None],
-                      ancestors=ancestors[None])
-    fed = np.zeros((1, width), np.int32)
-    fed[0, :len(tokens)] = tokens
-    return batch, fed
+def ngram_continuations(history: Sequence[int], depth: int, max_ngram: int, min_ngram: int,
+                        count: int) -> list[list[int]]:
+    """Up to `count` different continuations (at most `depth` tokens each) of the history's
+    last n-gram's earlier occurrences, n from `max_ngram` down to `min_ngram`, the most
+    recent occurrence first."""
+    h = np.asarray(history)
+    out: list[list[int]] = []
+    for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+        for start in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]:
+            follow = h[start + n: start + n + depth].tolist()
+            if follow and follow not in out:
+                out.append(follow)
+            if len(out) == count:
+                return out
+    return out
 
 
 def greedy_path(parents: Sequence[int], tokens: Sequence[int], choice: Sequence[int]
@@ -81,8 +84,6 @@ class NGramTreeDrafter:
 
     def continuations(self, history: Sequence[int], depth: int) -> list[list[int]]:
         """Up to `branches` different continuations of at most `depth` tokens."""
-        from kvjax.speculative.drafters import ngram_continuations
-
         return ngram_continuations(history, depth, self.max_ngram, self.min_ngram,
                                    self.branches)
 

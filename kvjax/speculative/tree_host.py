@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvjax.cache.paged import move_slots
+from kvjax.cache.paged import BatchInfo, move_slots
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
@@ -23,7 +23,7 @@ from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sampling_rows
 from kvjax.model.plan import INVARIANT, NumericsPlan
-from kvjax.speculative.tree import greedy_path, sampled_path, tree_batch
+from kvjax.speculative.tree import greedy_path, sampled_path, tree_arrays
 
 
 @dataclasses.dataclass
@@ -90,6 +90,19 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             drafter.release(i)
     result.logits = [np.stack(lg) for lg in logits]
     return result
+
+
+def tree_batch(table: np.ndarray, length: int, parents: Sequence[int], tokens: Sequence[int],
+               width: int):
+    """(BatchInfo, tokens int32[1, width]) of one sequence's tree verify: its page table
+    row [1, P], `length` tokens cached, the tree's nodes padded to `width`."""
+    depth, ancestors = tree_arrays(parents, width)
+    batch = BatchInfo(page_table=table, lengths=np.asarray([length], np.int32),
+                      num_new=np.asarray([len(parents)], np.int32), depth=depth[None],
+                      ancestors=ancestors[None])
+    fed = np.zeros((1, width), np.int32)
+    fed[0, :len(tokens)] = tokens
+    return batch, fed
 
 
 def _draw(logits: np.ndarray, sampling: SamplingConfig, rng) -> int:

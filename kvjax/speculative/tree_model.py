@@ -21,7 +21,7 @@ from kvjax.decode import steps
 from kvjax.decode.batching import page_table
 from kvjax.model.plan import INVARIANT, NumericsPlan
 from kvjax.speculative.drafters import catch_up
-from kvjax.speculative.tree import tree_batch
+from kvjax.speculative.tree_host import tree_batch
 
 
 class ModelTreeDrafter:
