@@ -48,12 +48,12 @@ def model_variables(params, lora: dict | None, plan: NumericsPlan) -> dict:
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
-@partial(jax.jit, static_argnames=("config", "last_only", "sharding", "plan"),
+@partial(jax.jit, static_argnames=("config", "last_only", "sharding", "plan", "features"),
          donate_argnames=("cache",))
 def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
            batch: BatchInfo, lora: dict | None = None, adapter_ids: jax.Array | None = None,
            last_only: bool = False, sharding: StepShardings | None = None,
-           plan: NumericsPlan = FAST) -> tuple[jax.Array, Cache]:
+           plan: NumericsPlan = FAST, features: bool = False) -> tuple[jax.Array, Cache]:
     """Appends `tokens` [B, T] to each sequence's cache; returns logits [B, T, V] and the cache.
 
     Donates `cache`. New token t of sequence b goes to cache slot `batch.lengths[b] + t` and
@@ -62,13 +62,14 @@ def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
     `last_only` returns only each row's last real token's logits, [B, 1, V] (the cache
     contents are the same either way). `sharding` (see `kvjax.sharding`) pins the cache's
     sharding in and out and replicates the logits. `plan`: how the arithmetic runs
-    (`kvjax.model.plan`; `params` stored as it says).
+    (`kvjax.model.plan`; `params` stored as it says). `features`: (logits, the final norm's
+    output [B, T, D]) in place of the logits (`Transformer`'s `features`).
     """
     note_trace("extend")
     positions = model_positions(batch, tokens.shape[1])
     logits_at = jnp.maximum(batch.num_new - 1, 0) if last_only else None
     cache = maybe_constrain_cache(sharding, cache)
-    logits, cache = Transformer(config, sharding, plan=plan).apply(
+    logits, cache = Transformer(config, sharding, plan=plan, features=features).apply(
         model_variables(params, lora, plan), tokens, positions, cache, batch, adapter_ids,
         logits_at)
     return maybe_replicated(sharding, logits), maybe_constrain_cache(sharding, cache)

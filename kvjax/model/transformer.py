@@ -174,8 +174,9 @@ class Transformer(nn.Module):
     With `sharding` (a mesh, see `kvjax.sharding`) the hidden state's batch axis is split
     over the mesh's "data" axis; the weights' and cache's own shardings do the rest.
     `kernel` picks the decode-attention kernel (`kvjax.model.kernels`). `features`: return
-    the final norm's output [B, T, D] instead of the logits (what the output head reads:
-    an EAGLE-style drafter's input).
+    (logits, the final norm's output [B, T, D]) in place of the logits: the output head's
+    input, what an EAGLE-style drafter reads (`kvjax.speculative.eagle`); the logits are
+    the same computation either way.
     """
 
     config: ModelConfig
@@ -223,8 +224,6 @@ class Transformer(nn.Module):
         elif logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = make_norm(cfg, "final_norm")(x)
-        if self.features:
-            return x, cache
         dot = row_dot(self.plan, "head")
         if cfg.tie_embeddings:  # x [B, T, D] . embedding [V, D], one product: Flax's
             # `attend` transposes the embedding, and XLA CPU fuses that transpose into a
@@ -237,7 +236,7 @@ class Transformer(nn.Module):
         logits = logits.astype(jnp.float32)
         if cfg.final_softcap is not None:
             logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
-        return logits, cache
+        return ((logits, x) if self.features else logits), cache
 
 
 def output_head(params: dict, config: ModelConfig, features: jax.Array) -> jax.Array:
@@ -271,8 +270,9 @@ def _forward(params: dict, config: ModelConfig, tokens: jax.Array, positions: ja
              lora: dict | None, adapter_ids: jax.Array | None, plan: NumericsPlan,
              features: bool = False) -> jax.Array:
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-    return Transformer(config, plan=plan.separate(), features=features).apply(
+    out = Transformer(config, plan=plan.separate(), features=features).apply(
         variables, tokens, positions, None, None, adapter_ids)[0]  # the canonical tree
+    return out[1] if features else out  # jit drops the unused head
 
 
 def forward(params: dict, config: ModelConfig, tokens, adapter: dict | None = None,

@@ -52,8 +52,11 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     invariant plan the same logits, bitwise. Sampled: the target's distribution exactly
     (a deterministic drafter's children one-hot), each sequence drawing from
     `numpy.random.default_rng((sampling.seed, i))`. A sequence ends after one of
-    `stop_tokens` (kept)."""
+    `stop_tokens` (kept). A drafter with `reads_features` (an EAGLE-style head) also gets
+    `features`: the target's features (final norm outputs) of the history but its newest
+    token, float32[len(history) - 1, D], from the prefill and the verify calls."""
     greedy = sampling is None or sampling.temperature == 0
+    reads = getattr(drafter, "reads_features", False)
     prompts = validate_prompts(config, prompts, max_new_tokens)
     plan.check(config)
     depth = max_nodes - 1 if max_depth is None else max_depth
@@ -61,7 +64,12 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
         pages_for(len(p) + max_new_tokens + max_nodes, 16) for p in prompts))
     pool = KVPool(config, cache)
     rows = [pool.allocate(pages_for(len(p), cache.page_size)) for p in prompts]
-    first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
+    if reads:
+        done = [_prefill_features(params, config, pool, p, r, plan)
+                for p, r in zip(prompts, rows, strict=True)]
+        first, feats = [d[0] for d in done], [d[1] for d in done]
+    else:
+        first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
     rngs = [None if greedy else np.random.default_rng((sampling.seed, i))
             for i in range(len(prompts))]
     outs = [[int(lg.argmax()) if greedy else _draw(lg, sampling, rngs[i])]
@@ -72,10 +80,15 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     for i in range(len(prompts)):
         while len(outs[i]) < max_new_tokens and outs[i][-1] not in stop_tokens:
             left = max_new_tokens - len(outs[i])
-            parents, tokens = drafter.propose_tree(prompts[i] + outs[i], max_nodes,
-                                                   min(depth, left - 1), seq_id=i)
-            lg, path, nxt = _verify(params, config, pool, rows[i], lengths[i], parents,
-                                    tokens, max_nodes, plan, sampling, rngs[i])
+            history = prompts[i] + outs[i]
+            kw = {"features": feats[i]} if reads else {}
+            parents, tokens = drafter.propose_tree(history, max_nodes, min(depth, left - 1),
+                                                   seq_id=i, **kw)
+            (lg, node_feats), path, nxt = _verify(params, config, pool, rows[i], lengths[i],
+                                                  parents, tokens, max_nodes, plan, sampling,
+                                                  rngs[i], reads)
+            if reads:
+                feats[i] = np.concatenate([feats[i], node_feats[path]])
             lengths[i] += len(path)  # the root and the accepted drafts are cached now
             pool.truncate(rows[i], lengths[i])
             emitted = [tokens[j] for j in path[1:]] + [nxt]
@@ -105,6 +118,24 @@ def tree_batch(table: np.ndarray, length: int, parents: Sequence[int], tokens: S
     return batch, fed
 
 
+def _prefill_features(params, config: ModelConfig, pool: KVPool, prompt: list[int],
+                      row: list[int], plan: NumericsPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Prefills one prompt in the cache's chunk shape; (its last token's logits [V], the
+    features of every prompt token [n, D])."""
+    cc = pool.cache_config
+    width, table, feats = cc.prefill_chunk, page_table([row], 1, cc.block_pages), []
+    for start in range(0, len(prompt), width):
+        part = prompt[start:start + width]
+        fed = np.zeros((1, width), np.int32)
+        fed[0, :len(part)] = part
+        batch = BatchInfo(page_table=table, lengths=np.asarray([start], np.int32),
+                          num_new=np.asarray([len(part)], np.int32))
+        logits, f = pool.run(lambda c, fed=fed, batch=batch: steps.extend(
+            params, config, c, fed, batch, plan=plan, features=True))
+        feats.append(np.asarray(f[0, :len(part)]))
+    return np.asarray(logits[0, len(part) - 1]), np.concatenate(feats)
+
+
 def _draw(logits: np.ndarray, sampling: SamplingConfig, rng) -> int:
     p = _probs(logits[None], sampling)[0]
     return int(rng.choice(len(p), p=p))
@@ -117,18 +148,21 @@ def _probs(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
 
 
 def _verify(params, config, pool: KVPool, row: list[int], length: int, parents, tokens,
-            max_nodes: int, plan: NumericsPlan, sampling, rng
-            ) -> tuple[np.ndarray, list[int], int]:
-    """One tree verify of a sequence: (its nodes' logits [max_nodes, V], the accepted path,
-    the token after it), the path's K/V moved into place."""
+            max_nodes: int, plan: NumericsPlan, sampling, rng, features: bool = False
+            ) -> tuple[tuple[np.ndarray, np.ndarray | None], list[int], int]:
+    """One tree verify of a sequence: ((its nodes' logits [max_nodes, V], with `features`
+    their features [max_nodes, D]), the accepted path, the token after it), the path's K/V
+    moved into place."""
     cc = pool.cache_config
     need = pages_for(length + max_nodes, cc.page_size) - len(row)
     if need > 0:
         row += pool.allocate(need)
     table = page_table([row], 1, cc.block_pages)
     batch, fed = tree_batch(table, length, parents, tokens, max_nodes)
-    lg = np.asarray(pool.run(lambda c: steps.extend(params, config, c, fed, batch,
-                                                    plan=plan)))[0]
+    out = pool.run(lambda c: steps.extend(params, config, c, fed, batch, plan=plan,
+                                          features=features))
+    lg, node_feats = (out[0][0], np.asarray(out[1][0])) if features else (out[0], None)
+    lg = np.asarray(lg)
     if rng is None:
         choice = lg.argmax(-1)
         path = greedy_path(parents, tokens, choice)
@@ -140,4 +174,4 @@ def _verify(params, config, pool: KVPool, row: list[int], length: int, parents, 
     src[0, :len(path)] = path
     pool.run(lambda c: (None, move_slots(c, table, batch.lengths, src,
                                          np.asarray([len(path)], np.int32))))
-    return lg, path, nxt
+    return (lg, node_feats), path, nxt

@@ -24,6 +24,40 @@ from kvjax.speculative.drafters import catch_up
 from kvjax.speculative.tree_host import tree_batch
 
 
+def grow_tree(root: int, logp_of, max_nodes: int, depth: int, top_k: int,
+              ids: np.ndarray | None = None) -> tuple[list[int], list[int]]:
+    """(parents, tokens) of a tree grown from `root` by cumulative draft log-probability
+    (module docstring). `logp_of(parents, tokens)` gives the draft's log-probabilities
+    [nodes, C] at every node of the tree so far; column c is token `ids[c]` (c itself
+    without `ids`: a draft over the whole vocabulary)."""
+    parents, tokens, score = [-1], [int(root)], [0.0]
+    frontier = [0]
+    for _ in range(depth):
+        if len(tokens) >= max_nodes or not frontier:
+            break
+        logp = logp_of(parents, tokens)
+        offers = []
+        for node in frontier:
+            for c in np.argsort(-logp[node], kind="stable")[:top_k]:
+                token = int(c if ids is None else ids[c])
+                offers.append((score[node] + float(logp[node, c]), node, token))
+        offers.sort(key=lambda o: -o[0])
+        frontier = []
+        for s, node, token in offers[:min(top_k, max_nodes - len(tokens))]:
+            frontier.append(len(tokens))
+            parents.append(node)
+            tokens.append(token)
+            score.append(s)
+    return parents, tokens
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities of logits [..., C], on the host."""
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
 class ModelTreeDrafter:
     """Trees from a small kvjax model of the target's vocabulary (module docstring)."""
 
@@ -48,24 +82,8 @@ class ModelTreeDrafter:
             raise ValueError(f"max_nodes {max_nodes} > the drafter's width {self.width}")
         history = [int(t) for t in history]
         length, pages = self._catch_up(history, seq_id)
-        parents, tokens, score = [-1], [history[-1]], [0.0]
-        frontier = [0]
-        for _ in range(depth):
-            if len(tokens) >= max_nodes or not frontier:
-                break
-            logp = self._tree_logp(pages, length, parents, tokens)
-            offers = []
-            for node in frontier:
-                for token in np.argsort(-logp[node], kind="stable")[:self.top_k]:
-                    offers.append((score[node] + float(logp[node, token]), node, int(token)))
-            offers.sort(key=lambda o: -o[0])
-            frontier = []
-            for s, node, token in offers[:min(self.top_k, max_nodes - len(tokens))]:
-                frontier.append(len(tokens))
-                parents.append(node)
-                tokens.append(token)
-                score.append(s)
-        return parents, tokens
+        return grow_tree(history[-1], lambda parents, tokens: self._tree_logp(
+            pages, length, parents, tokens), max_nodes, depth, self.top_k)
 
     def _catch_up(self, history: list[int], seq_id: int) -> tuple[int, list[int]]:
         """The draft cache of `seq_id` holding history[:-1]; (its length, its pages)."""
@@ -80,7 +98,5 @@ class ModelTreeDrafter:
         table = page_table([pages], 1, self.pool.cache_config.block_pages)
         batch, fed = tree_batch(table, length, parents, tokens, self.width)
         logits = np.asarray(self.pool.run(lambda c: steps.extend(
-            self.params, self.config, c, fed, batch, plan=self.plan)), np.float64)[0]
-        logits = logits[:len(tokens)]
-        top = logits.max(-1, keepdims=True)
-        return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+            self.params, self.config, c, fed, batch, plan=self.plan)))[0]
+        return log_softmax(logits[:len(tokens)])

@@ -1,0 +1,139 @@
+"""An EAGLE-style draft head (Li et al., 2024): the target drafts for itself from its own
+features. Device code: pure JAX.
+
+The target's feature f_j is its final norm's output at position j (what its output head
+reads: `Transformer(features=True)`). The head reads f_j beside the embedding of the token
+that follows, x_{j+1}, mixes them (`fc`: [f_j, e(x_{j+1})] 2D -> D) and runs one decoder
+layer of the target's architecture over that sequence (its own KV cache, positions as the
+target's), predicting f_{j+1}; the target's own output head turns a prediction into the
+next token's logits. The target's embedding and head are read, never trained: the head's
+parameters are the fc and the layer only.
+
+The head drafts from a draft vocabulary (EAGLE-3's reduced vocabulary): the `vocab` ids
+its training text uses most, so its output head is those rows of the target's (a product
+of D x |vocab| instead of D x V per drafted token: SmolLM2's 49,152 ids make the full head
+costlier than the head's layer). The target verifies over its full vocabulary, so what the
+draft vocabulary leaves out costs acceptance, never exactness.
+
+Drafting past the known features feeds the head its own predictions: a drafted token t at
+position j + 1 enters as [f̂_{j+1}, e(t)].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
+from kvjax.config import ModelConfig
+from kvjax.model.plan import FAST, NumericsPlan
+from kvjax.model.transformer import Block
+
+FEATURE_WEIGHT = 1.0  # EAGLE's loss: smooth L1 on the features ...
+TOKEN_WEIGHT = 0.1  # ... plus 0.1 x cross-entropy to the target's next-token distribution
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's decoder layer: one layer of the target's kind, full attention."""
+    return dataclasses.replace(target, num_layers=1,
+                               layer_types=("full",) if target.layer_types else ())
+
+
+class EagleHead(nn.Module):
+    """[f_j, e(x_{j+1})] -> f̂_{j+1} (module docstring). `config` is the head's
+    (`head_config(target)`)."""
+
+    config: ModelConfig
+    plan: NumericsPlan = FAST
+
+    @nn.compact
+    def __call__(self, features: jax.Array, embeddings: jax.Array, positions: jax.Array,
+                 cache: PagedKVCache | None = None, batch: BatchInfo | None = None
+                 ) -> tuple[jax.Array, PagedKVCache | None]:
+        """features, embeddings [B, T, D], positions int32[B, T] -> ([B, T, D], cache)."""
+        x = nn.Dense(self.config.d_model, dtype=self.config.dtype, name="fc")(
+            jnp.concatenate([features, embeddings.astype(features.dtype)], axis=-1))
+        return Block(self.config, 0, plan=self.plan, name="layer_0")(
+            x, positions, cache, batch, None)
+
+
+def embed(target_params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The target's input embeddings [..., D] of `tokens` (canonical parameters)."""
+    x = jnp.take(target_params["embed"]["embedding"], tokens, axis=0)
+    if config.embed_scale:
+        x = x * jnp.asarray(config.d_model**0.5, x.dtype)
+    return x
+
+
+def draft_logits(target_params: dict, config: ModelConfig, features: jax.Array,
+                 vocab: jax.Array) -> jax.Array:
+    """Logits [..., |vocab|] of `features` [..., D] over the draft vocabulary `vocab`
+    int32[|vocab|]: the target's output head restricted to those ids."""
+    tied = config.tie_embeddings
+    w = target_params["embed"]["embedding"] if tied else target_params["lm_head"]["kernel"].T
+    logits = jnp.einsum("...d,vd->...v", features, jnp.take(w, vocab, axis=0).astype(
+        features.dtype)).astype(jnp.float32)
+    if config.final_softcap is not None:
+        logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
+    return logits
+
+
+def init_head(config: ModelConfig, seed: int = 0) -> dict:
+    """Random head parameters for the target `config` (float32)."""
+    x = jnp.zeros((1, 1, config.d_model), jnp.float32)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    return EagleHead(head_config(config)).init(jax.random.PRNGKey(seed), x, x, pos)["params"]
+
+
+@partial(jax.jit, static_argnames=("config", "plan"), donate_argnames=("cache",))
+def head_extend(head_params: dict, target_params: dict, config: ModelConfig,
+                cache: PagedKVCache, features: jax.Array, tokens: jax.Array,
+                batch: BatchInfo, vocab: jax.Array, plan: NumericsPlan = FAST
+                ) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
+    """Appends [features, e(tokens)] ([B, T, D], int32[B, T]) to the head's paged cache
+    (a pool of `head_config(config)`; `batch` as for `kvjax.decode.steps.extend`, trees
+    included); returns ((logits [B, T, |vocab|] of the predicted features over the draft
+    vocabulary, the predictions [B, T, D]), cache). `config` is the target's. Donates
+    `cache`."""
+    positions = model_positions(batch, tokens.shape[1])
+    pred, cache = EagleHead(head_config(config), plan).apply(
+        {"params": head_params}, features, embed(target_params, config, tokens), positions,
+        cache, batch)
+    return (draft_logits(target_params, config, pred, vocab), pred), cache
+
+
+def head_loss(head_params: dict, target_params: dict, config: ModelConfig,
+              features: jax.Array, tokens: jax.Array, mask: jax.Array, vocab: jax.Array,
+              noise: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """EAGLE's teacher-forced loss over windows of a recorded text.
+
+    features [B, T + 1, D]: the target's f_0 .. f_T; tokens int32[B, T + 1]: x_0 .. x_T;
+    mask [B, T + 1]: where the loss counts (position j + 1 is f_{j+1}'s, the prediction
+    from [f_j, e(x_{j+1})]); `noise` [B, T, D] is added to the input features (EAGLE
+    trains with uniform noise so drafting past its own predictions stays on course).
+    The token term compares distributions over the draft vocabulary `vocab`. Returns (loss,
+    {"feature": smooth L1, "token": cross-entropy, "top1": how often the head's argmax over
+    `vocab` is the target's}).
+    """
+    inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32),
+                                 inputs.shape[:2])
+    pred, _ = EagleHead(head_config(config)).apply(
+        {"params": head_params}, inputs, embed(target_params, config, tokens[:, 1:]),
+        positions)
+    want = jax.lax.stop_gradient(features[:, 1:])
+    weight = mask[:, 1:].astype(jnp.float32)
+    count = jnp.maximum(weight.sum(), 1.0)
+    feature = (optax.huber_loss(pred, want).mean(-1) * weight).sum() / count
+    target_logits = jax.lax.stop_gradient(draft_logits(target_params, config, want, vocab))
+    logits = draft_logits(target_params, config, pred, vocab)
+    p = jax.nn.softmax(target_logits)
+    token = (optax.softmax_cross_entropy(logits, p) * weight).sum() / count
+    top1 = ((logits.argmax(-1) == target_logits.argmax(-1)) * weight).sum() / count
+    loss = FEATURE_WEIGHT * feature + TOKEN_WEIGHT * token
+    return loss, {"feature": feature, "token": token, "top1": top1}

@@ -1,0 +1,111 @@
+"""Token trees from an EAGLE-style head (`kvjax.speculative.eagle`): the drafter that reads
+the target's features. Host loop around the head's jitted step.
+
+Let the history be h_0 .. h_m (h_m the newest token, the tree's root) and F_j the target's
+feature at h_j (j < m, handed in by the tree loop). The head's paged cache (a pool of one
+layer, the draft pool) holds the pairs [F_j, e(h_{j+1})] for j < m - 1, kept across rounds
+as far as the history still agrees and the rest fed in chunks. A round grows the tree by
+cumulative draft probability (`tree_model.grow_tree`, EAGLE-2's rule): the root is the pair
+[F_{m-1}, e(h_m)]; a node of token t whose parent predicted f̂ is the pair [f̂, e(t)]; one
+tree extend of the head over every node so far (`BatchInfo.depth` / `ancestors`) gives each
+node's next-token distribution over the draft vocabulary and its prediction. The tree's
+pairs sit in the slots past the cached ones and are overwritten by the next round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.cache.paged import BatchInfo
+from kvjax.cache.pool import KVPool
+from kvjax.config import CacheConfig, ModelConfig
+from kvjax.decode.batching import page_table, pages_for
+from kvjax.model.plan import FAST, NumericsPlan
+from kvjax.speculative.eagle import head_config, head_extend
+from kvjax.speculative.eagle_file import HeadFile
+from kvjax.speculative.tree_host import tree_batch
+from kvjax.speculative.tree_model import grow_tree, log_softmax
+
+
+class EagleTreeDrafter:
+    """Trees from an EAGLE-style head (module docstring). `width` is the tree extend's
+    shape (>= max_nodes), `chunk` the shape that feeds the history's pairs."""
+
+    reads_features = True
+
+    def __init__(self, head: HeadFile, target_params, config: ModelConfig,
+                 cache_config: CacheConfig | None = None, top_k: int = 4, width: int = 16,
+                 chunk: int = 32, plan: NumericsPlan = FAST):
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.head, self.vocab, self.identity = head.params, head.vocab, head.identity
+        self.target_params, self.config, self.plan = target_params, config, plan
+        self.pool = KVPool(head_config(config), cache_config or CacheConfig(
+            page_size=16, num_pages=1024))
+        self.top_k, self.width, self.chunk = top_k, width, chunk
+        self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (history, pages)
+
+    def release(self, seq_id: int = 0) -> None:
+        _, pages = self._state.pop(seq_id, ([], []))
+        self.pool.release(pages)
+
+    def propose_tree(self, history, max_nodes: int, depth: int, seq_id: int = 0,
+                     features=None) -> tuple[list[int], list[int]]:
+        """(parents, tokens) of a tree of at most `max_nodes` nodes (the root, the history's
+        newest token, included) and `depth` levels below it; `features` float32[m, D] are
+        the target's at history[:-1]."""
+        if max_nodes > self.width:
+            raise ValueError(f"max_nodes {max_nodes} > the drafter's width {self.width}")
+        history = [int(t) for t in history]
+        features = np.asarray(features, np.float32)
+        m = len(history) - 1
+        if m < 1 or features.shape != (m, self.config.d_model):
+            raise ValueError(f"a history of {m + 1} tokens needs features [{m}, "
+                             f"{self.config.d_model}], got {features.shape}")
+        pages = self._catch_up(history, features, seq_id)
+        table = page_table([pages], 1, self.pool.cache_config.block_pages)
+        inputs = np.zeros((1, self.width, self.config.d_model), np.float32)
+        inputs[0, 0] = features[m - 1]
+        known = [1]  # nodes whose input is set; a new node's is its parent's prediction
+        preds = np.zeros((self.width, self.config.d_model), np.float32)
+
+        def logp_of(parents, tokens):
+            for i in range(known[0], len(tokens)):
+                inputs[0, i] = preds[parents[i]]
+            known[0] = len(tokens)
+            batch, fed = tree_batch(table, m - 1, parents, tokens, self.width)
+            logits, pred = self._run(inputs, fed, batch)
+            preds[:] = pred[0]
+            return log_softmax(logits[0, :len(tokens)])
+
+        return grow_tree(history[-1], logp_of, max_nodes, depth, self.top_k, ids=self.vocab)
+
+    def _run(self, features: np.ndarray, tokens: np.ndarray, batch: BatchInfo):
+        logits, pred = self.pool.run(lambda c: head_extend(
+            self.head, self.target_params, self.config, c, features, tokens, batch,
+            self.vocab, plan=self.plan))
+        return np.asarray(logits), np.asarray(pred)
+
+    def _catch_up(self, history: list[int], features: np.ndarray, seq_id: int) -> list[int]:
+        """The head cache of `seq_id` holding the pairs of history[:-1]; its pages."""
+        cached, pages = self._state.get(seq_id, ([], []))
+        same = 0
+        while same < min(len(cached), len(history)) and cached[same] == history[same]:
+            same += 1
+        keep, want = max(same - 1, 0), len(history) - 2  # pairs cached, pairs wanted
+        cc = self.pool.cache_config
+        need = pages_for(want + self.width, cc.page_size) - len(pages)
+        if need > 0:
+            pages += self.pool.allocate(need)
+        table = page_table([pages], 1, cc.block_pages)
+        for start in range(keep, want, self.chunk):
+            count = min(self.chunk, want - start)
+            feats = np.zeros((1, self.chunk, self.config.d_model), np.float32)
+            feats[0, :count] = features[start:start + count]
+            fed = np.zeros((1, self.chunk), np.int32)
+            fed[0, :count] = history[start + 1:start + 1 + count]
+            self._run(feats, fed, BatchInfo(page_table=table,
+                                            lengths=np.asarray([start], np.int32),
+                                            num_new=np.asarray([count], np.int32)))
+        self._state[seq_id] = (history[:-1], pages)
+        return pages

@@ -1,0 +1,115 @@
+"""`scripts/train_eagle`: an EAGLE-style head for a real model, trained on ShareGPT.
+
+Each picked conversation (`kvjax.data.sharegpt`, the recorded answers: teacher-forced, as
+the EAGLE paper trained) is rendered in the model's chat template, and its first
+`seq_len + 1` tokens make one window: every window starts a conversation, so each feature
+is the target's at the position and with the context it has when serving that text. The
+loss counts on every real token, the user turns' too: EAGLE counts the answers only, but
+with this little text (the features cost a target pass per token on this CPU) the more
+positions the better, and predicting the target's next feature is the same task on a
+user's text. Two settings: "short" (a few minutes: tests,
+the quickstart) and "full" (about half an hour on two CPU cores, feature extraction
+included). The head lands in `out/head` (`kvjax.speculative.eagle_file.load_head`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+from kvjax.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleSetting:
+    conversations: int  # training windows, one per ShareGPT conversation
+    validation: int  # held-out conversations (after the training ones in the pick)
+    seq_len: int
+    draft_vocab: int
+    train: TrainConfig
+
+
+SETTINGS = {
+    "short": EagleSetting(conversations=32, validation=8, seq_len=128, draft_vocab=4096,
+                          train=TrainConfig(steps=60, batch_size=4, learning_rate=1e-3,
+                                            warmup_steps=10, eval_every=30,
+                                            checkpoint_every=30, time_limit_s=90)),
+    "full": EagleSetting(conversations=640, validation=32, seq_len=384, draft_vocab=8192,
+                         train=TrainConfig(steps=1500, batch_size=8, learning_rate=1e-3,
+                                           warmup_steps=50, eval_every=250,
+                                           checkpoint_every=250, time_limit_s=1080)),
+}
+
+
+def windows(model, conversations, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32[N, seq_len + 1], answers bool[N, seq_len + 1]): each conversation's
+    first seq_len + 1 rendered tokens (zero-padded), and where its answers' tokens are."""
+    template = model.template
+    tokens = np.zeros((len(conversations), seq_len + 1), np.int32)
+    mask = np.zeros(tokens.shape, bool)
+    for row, c in enumerate(conversations):
+        messages = c.messages
+        ids = template.render(messages, add_generation_prompt=False)[:seq_len + 1]
+        tokens[row, :len(ids)] = ids
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = len(template.render(messages[:i], add_generation_prompt=True))
+            if start >= len(ids):
+                break
+            end = len(template.render(messages[:i + 1], add_generation_prompt=False))
+            mask[row, start:min(end, len(ids))] = True
+    return tokens, mask
+
+
+def train_eagle(model_name: str, setting: EagleSetting, out_dir: str, resume: bool = True,
+                log=print) -> dict:
+    """Trains the head of `model_name` (`kvjax.models`) with `setting` into `out_dir`."""
+    from kvjax import models
+    from kvjax.data.sharegpt import sharegpt
+    from kvjax.train.eagle import train_head
+
+    t0 = time.perf_counter()
+    model = models.load(model_name)
+    picked = sharegpt(setting.conversations + setting.validation, seed=setting.train.seed)
+    tokens, answers = windows(model, picked.conversations, setting.seq_len)
+    mask = np.zeros(tokens.shape, bool)
+    for row, c in enumerate(picked.conversations):  # every real token (module docstring)
+        mask[row, :len(model.template.render(c.messages, add_generation_prompt=False))] = True
+    n = setting.conversations
+    log(f"eagle: {model_name}, {n} + {setting.validation} ShareGPT windows of "
+        f"{setting.seq_len + 1} tokens ({int(mask[:n].sum()):,} tokens to learn, "
+        f"{int(answers[:n].sum()):,} of them answers'), "
+        f"draft vocabulary {setting.draft_vocab}, {setting.train.steps} steps of "
+        f"{setting.train.batch_size}")
+    result = train_head(model.params, model.config, (tokens[:n], mask[:n]),
+                        (tokens[n:], mask[n:]), setting.train, setting.draft_vocab, out_dir,
+                        keep=model.stop_tokens, resume=resume, log=log, metadata={
+                            "model": model_name, "data": picked.source,
+                            "setting": dataclasses.asdict(setting)})
+    result["total_seconds"] = time.perf_counter() - t0
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="train_eagle", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="full")
+    parser.add_argument("--out", help="output folder (default: checkpoints/eagle-SETTING)")
+    parser.add_argument("--no-resume", action="store_true", help="start over")
+    args = parser.parse_args(argv)
+    out = args.out or f"checkpoints/eagle-{args.setting}"
+    result = train_eagle(args.model, SETTINGS[args.setting], out, not args.no_resume)
+    val = result["validation"]
+    print(f"done: step {result['step']}, validation loss {val['loss']:.4f}, top-1 "
+          f"{val['top1']:.3f} ({result['data_seconds']:.0f} s of features, "
+          f"{result['train_seconds']:.0f} s of training, {result['total_seconds']:.0f} s "
+          f"in all); head in {result['out']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
