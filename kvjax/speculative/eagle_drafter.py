@@ -44,6 +44,7 @@ class EagleTreeDrafter:
             page_size=16, num_pages=1024))
         self.top_k, self.width, self.chunk = top_k, width, chunk
         self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (history, pages)
+        self.last_path_probs: list[float] = []  # the last tree's (`tree_policy`)
 
     def release(self, seq_id: int = 0) -> None:
         _, pages = self._state.pop(seq_id, ([], []))
@@ -78,7 +79,9 @@ class EagleTreeDrafter:
             preds[:] = pred[0]
             return log_softmax(logits[0, :len(tokens)])
 
-        return grow_tree(history[-1], logp_of, max_nodes, depth, self.top_k, ids=self.vocab)
+        parents, tokens, self.last_path_probs = grow_tree(history[-1], logp_of, max_nodes,
+                                                          depth, self.top_k, ids=self.vocab)
+        return parents, tokens
 
     def _run(self, features: np.ndarray, tokens: np.ndarray, batch: BatchInfo):
         logits, pred = self.pool.run(lambda c: head_extend(

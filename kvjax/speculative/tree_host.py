@@ -44,7 +44,7 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
                   max_nodes: int = 8, max_depth: int | None = None,
                   cache: CacheConfig | None = None, plan: NumericsPlan = INVARIANT,
                   sampling: SamplingConfig | None = None,
-                  stop_tokens: Sequence[int] = ()) -> TreeResult:
+                  stop_tokens: Sequence[int] = (), size_policy=None) -> TreeResult:
     """Generation like `kvjax.generate(..., plan=plan)`, verifying a tree of up to
     `max_nodes` nodes (the root, the newest token, included) from
     `drafter.propose_tree(history, max_nodes, depth)` per target call, one sequence a call.
@@ -54,9 +54,15 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     `numpy.random.default_rng((sampling.seed, i))`. A sequence ends after one of
     `stop_tokens` (kept). A drafter with `reads_features` (an EAGLE-style head) also gets
     `features`: the target's features (final norm outputs) of the history but its newest
-    token, float32[len(history) - 1, D], from the prefill and the verify calls."""
+    token, float32[len(history) - 1, D], from the prefill and the verify calls.
+    `size_policy` (a `kvjax.speculative.tree_policy.TreeSizePolicy`, for a drafter that
+    scores its trees: `last_path_probs`) cuts each tree to the verify width it picks; the
+    verify runs in that width (one compiled shape per width)."""
     greedy = sampling is None or sampling.temperature == 0
     reads = getattr(drafter, "reads_features", False)
+    if size_policy is not None and not hasattr(drafter, "last_path_probs"):
+        raise ValueError("a size policy needs a drafter that scores its trees "
+                         "(last_path_probs)")
     prompts = validate_prompts(config, prompts, max_new_tokens)
     plan.check(config)
     depth = max_nodes - 1 if max_depth is None else max_depth
@@ -84,9 +90,16 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             kw = {"features": feats[i]} if reads else {}
             parents, tokens = drafter.propose_tree(history, max_nodes, min(depth, left - 1),
                                                    seq_id=i, **kw)
+            width = max_nodes
+            if size_policy is not None:
+                probs = drafter.last_path_probs
+                width = size_policy.choose(parents, probs)
+                parents, tokens, probs = parents[:width], tokens[:width], probs[:width]
             (lg, node_feats), path, nxt = _verify(params, config, pool, rows[i], lengths[i],
-                                                  parents, tokens, max_nodes, plan, sampling,
+                                                  parents, tokens, width, plan, sampling,
                                                   rngs[i], reads)
+            if size_policy is not None:
+                size_policy.observe(probs, len(path) - 1)
             if reads:
                 feats[i] = np.concatenate([feats[i], node_feats[path]])
             lengths[i] += len(path)  # the root and the accepted drafts are cached now

@@ -25,11 +25,12 @@ from kvjax.speculative.tree_host import tree_batch
 
 
 def grow_tree(root: int, logp_of, max_nodes: int, depth: int, top_k: int,
-              ids: np.ndarray | None = None) -> tuple[list[int], list[int]]:
-    """(parents, tokens) of a tree grown from `root` by cumulative draft log-probability
-    (module docstring). `logp_of(parents, tokens)` gives the draft's log-probabilities
-    [nodes, C] at every node of the tree so far; column c is token `ids[c]` (c itself
-    without `ids`: a draft over the whole vocabulary)."""
+              ids: np.ndarray | None = None) -> tuple[list[int], list[int], list[float]]:
+    """(parents, tokens, path probabilities) of a tree grown from `root` by cumulative draft
+    log-probability (module docstring); the root's path probability is 1.
+    `logp_of(parents, tokens)` gives the draft's log-probabilities [nodes, C] at every node
+    of the tree so far; column c is token `ids[c]` (c itself without `ids`: a draft over
+    the whole vocabulary)."""
     parents, tokens, score = [-1], [int(root)], [0.0]
     frontier = [0]
     for _ in range(depth):
@@ -48,7 +49,7 @@ def grow_tree(root: int, logp_of, max_nodes: int, depth: int, top_k: int,
             parents.append(node)
             tokens.append(token)
             score.append(s)
-    return parents, tokens
+    return parents, tokens, np.exp(score).tolist()
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -69,6 +70,7 @@ class ModelTreeDrafter:
         self.pool = KVPool(config, cache_config)
         self.top_k, self.width = top_k, width  # width: the extend shape, >= max_nodes
         self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (cached, pages)
+        self.last_path_probs: list[float] = []  # the last tree's (`tree_policy`)
 
     def release(self, seq_id: int = 0) -> None:
         _, pages = self._state.pop(seq_id, ([], []))
@@ -82,8 +84,11 @@ class ModelTreeDrafter:
             raise ValueError(f"max_nodes {max_nodes} > the drafter's width {self.width}")
         history = [int(t) for t in history]
         length, pages = self._catch_up(history, seq_id)
-        return grow_tree(history[-1], lambda parents, tokens: self._tree_logp(
-            pages, length, parents, tokens), max_nodes, depth, self.top_k)
+        parents, tokens, self.last_path_probs = grow_tree(
+            history[-1], lambda parents, tokens: self._tree_logp(pages, length, parents,
+                                                                 tokens),
+            max_nodes, depth, self.top_k)
+        return parents, tokens
 
     def _catch_up(self, history: list[int], seq_id: int) -> tuple[int, list[int]]:
         """The draft cache of `seq_id` holding history[:-1]; (its length, its pages)."""

@@ -38,9 +38,9 @@ SETTINGS = {
                                             warmup_steps=10, eval_every=30,
                                             checkpoint_every=30, time_limit_s=90)),
     "full": EagleSetting(conversations=640, validation=32, seq_len=384, draft_vocab=8192,
-                         train=TrainConfig(steps=1500, batch_size=8, learning_rate=1e-3,
-                                           warmup_steps=50, eval_every=250,
-                                           checkpoint_every=250, time_limit_s=1080)),
+                         train=TrainConfig(steps=480, batch_size=8, learning_rate=1e-3,
+                                           warmup_steps=30, eval_every=120,
+                                           checkpoint_every=120, time_limit_s=1200)),
 }
 
 
