@@ -153,7 +153,7 @@ def _bench(args: argparse.Namespace) -> int:
 # Timed repetitions (medians) per benchmark when --reps is not given.
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
               "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 3,
-              "tiers": 5, "tree": 5}
+              "tiers": 5, "tree": 5, "eagle": 5}
 
 
 def fill_bench_defaults(args: argparse.Namespace) -> None:
@@ -161,7 +161,8 @@ def fill_bench_defaults(args: argparse.Namespace) -> None:
     args.out = args.out or f"results/bench_{args.which}.json"
     args.reps = args.reps or BENCH_REPS[args.which]
     pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
-    for key, default in (("requests", 8 if pressure else 16 if args.which == "tree" else 32),
+    questions = {"tree": 16, "eagle": 80}.get(args.which, 32)
+    for key, default in (("requests", 8 if pressure else questions),
                          ("prompt_len", 64 if pressure else 1024 if args.which == "tiers" else 512),
                          ("gen_tokens", 448 if pressure else 128)):
         if getattr(args, key) is None:
@@ -255,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "int8 and float8 pages "
                                          "against float32 on the real model), tree (n-gram "
                                          "chains vs trees on MT-Bench, verify cost per node "
-                                         "count)")
+                                         "count), eagle (the EAGLE-style head's chains and "
+                                         "trees vs n-gram and plain decoding on MT-Bench)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
                        default="decode")
@@ -317,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(arrivals) rounds timed before the arrival")
     bench.add_argument("--fit", type=int, default=4,
                        help="(preemption) requests the cache holds at full length")
+    eagle = bench.add_argument_group("eagle")
+    eagle.add_argument("--head", default="checkpoints/eagle-full/head",
+                       help="(eagle) the head's folder (scripts/train_eagle); '' for none")
+    eagle.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
+                       help="(eagle) fast: speed; invariant: every answer checked bitwise")
     spec = bench.add_argument_group("spec")
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")

@@ -85,11 +85,11 @@ def answers(model, picked, gen_tokens: int, max_nodes: int,
     return rows
 
 
-def verify_cost(model, prompt_len: int, reps: int, nodes=NODES, tree: bool = True
-                ) -> dict[int, float]:
+def verify_cost(model, prompt_len: int, reps: int, nodes=NODES, tree: bool = True,
+                plan=INVARIANT) -> dict[int, float]:
     """N -> seconds of one verify of N chain nodes after `prompt_len` cached tokens (as a
     tree, or with `tree=False` as a plain extend of N tokens, the chain verify); key 0: a
-    plain decode step."""
+    plain decode step; under `plan`."""
     cfg = CacheConfig(page_size=16, num_pages=1)
     table, cfg = contiguous_pages(cfg, 1, prompt_len + max(nodes))
     holder = CacheHolder(filled_with_noise(init_cache(model.config, cfg)))
@@ -104,7 +104,7 @@ def verify_cost(model, prompt_len: int, reps: int, nodes=NODES, tree: bool = Tru
 
         def call(batch=batch, tokens=tokens):
             holder.run(lambda c: steps.extend(model.params, model.config, c, tokens, batch,
-                                              plan=INVARIANT)).block_until_ready()
+                                              plan=plan)).block_until_ready()
 
         out[n] = median_seconds(call, reps)
     return out

@@ -90,7 +90,9 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     tiled as a lone query's are, and sees at slot `lengths + j` its ancestor at depth j
     (read from where that node was written): the keys, values and blocks plain decoding
     would give the node at its position, so under invariant numerics its bits are plain
-    decoding's.
+    decoding's. Without a `row_tile` (fast numerics, no bitwise promise) a tree is tiled as
+    a chain is, all nodes' rows in one product, and a mask does the rest: node t sees slot
+    `lengths + i` when node i is its ancestor or itself, at i's position (`_tree_mask`).
 
     Args:
       q: [B, T, N, H], queries at positions `batch.lengths + t` (tree: `+ depth`).
@@ -99,8 +101,9 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     b, t, n, h = q.shape
     kv = cache.k.shape[1]
     g = n // kv
-    tree = batch.ancestors is not None
-    if tree and fresh is not None:
+    fast_tree = batch.ancestors is not None and row_tile is None
+    tree = batch.ancestors is not None and not fast_tree  # one node per tile
+    if batch.ancestors is not None and fresh is not None:
         raise NotImplementedError("tree verify over int4_kivi pages")
     rows = g if tree else t * g  # the rows tiled together: one node's, or every query's
     tile = rows if row_tile is None else max(2, min(row_tile or rows, rows))
@@ -121,10 +124,17 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, nt * tile - rows), (0, 0)))
         qg = qg.reshape(b, kv, nt, tile, h)  # [B, K, nt, R, H]
         q_pos = batch.lengths[:, None] + at[None, :] // g
+        if fast_tree:
+            q_pos = batch.lengths[:, None] + jnp.take_along_axis(
+                batch.depth, jnp.minimum(at // g, t - 1)[None, :], axis=1)
         q_pos = jnp.where(at < rows, q_pos, -1).reshape(b, nt, tile)  # [B, nt, R]
     end = batch.lengths + batch.num_new  # [B] keys at or past `end` are unwritten
     blocks = batch.page_table.reshape(b, num_blocks, block_pages).transpose(1, 0, 2)
     trees = (batch.lengths, batch.ancestors, batch.page_table) if tree else None
+    if fast_tree:  # seen[b, t, i]: node i is node t's ancestor or node t itself
+        seen = ((batch.ancestors[..., None] == jnp.arange(t))
+                & (jnp.arange(t)[:, None] <= batch.depth[..., None, None])).any(axis=2)
+        trees = (batch.lengths, batch.depth, seen)
 
     def gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array,
                keys: bool = False) -> jax.Array:
@@ -184,7 +194,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         a tree verify's `tree_` (lengths, ancestors, page table) of those rows."""
         m, l, acc = carry  # [b, K, nt, R] and acc [b, K, nt, R, H]
         k_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # [S]
-        if tree_ is None:
+        if tree_ is None or fast_tree:
             k = gather(cache.k, cache.k_scale, pages, keys=True)
             v = gather(cache.v, cache.v_scale, pages)
         else:  # blocks wholly before every row's tree hold the same keys for every node
@@ -196,7 +206,10 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
                          tree_gather(cache.v, cache.v_scale, k_pos, tree_)))
         written = k_pos[None, :] < end_[:, None]  # [b, S]
         v = jnp.where(written[:, None, None, :, None], v, 0)  # a poisoned page never leaks in
-        mask = _mask(q_pos_, k_pos[None, None, :], True, window)  # [b, nt, R, S]
+        if fast_tree:
+            mask = _tree_mask(q_pos_, k_pos, tree_, g, window)
+        else:
+            mask = _mask(q_pos_, k_pos[None, None, :], True, window)  # [b, nt, R, S]
         mask = (mask & written[:, None, None, :])[:, None]  # [b, 1, nt, R, S]
         s = _capped(jnp.einsum("BKnRH,BKnSH->BKnRS", qg_, k), softcap)
         if fresh_ is not None:
@@ -267,6 +280,26 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     else:
         out = out.reshape(b, kv, nt * tile, h)[:, :, :rows].reshape(b, kv, t, g, h)
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h)
+
+
+def _tree_mask(q_pos: jax.Array, k_pos: jax.Array, tree: tuple, g: int,
+               window: int | None) -> jax.Array:
+    """[b, 1, R, S] of a tree verify tiled as a chain (one tile of T * g rows, row r node
+    r // g, at q_pos [b, 1, R]): a key before the tree is seen as causal attention sees it;
+    slot `lengths + i` holds node i, seen by node i's descendants and itself, at node i's
+    position (`lengths + depth[i]`: the window counts from there)."""
+    lengths, depth, seen = tree  # [b], [b, T], [b, T, T]
+    t = depth.shape[1]
+    i = k_pos[None, :] - lengths[:, None]  # [b, S] the tree node a slot holds, if >= 0
+    node_i = jnp.clip(i, 0, t - 1)
+    k_eff = jnp.where(i >= 0, lengths[:, None] + jnp.take_along_axis(depth, node_i, axis=1),
+                      k_pos[None, :])  # [b, S]
+    rows = q_pos.shape[-1]
+    node_r = jnp.minimum(jnp.arange(rows) // g, t - 1)  # [R]
+    visible = (i[:, None, :] < 0) | jnp.take_along_axis(
+        seen[:, node_r], jnp.broadcast_to(node_i[:, None, :], (i.shape[0], rows, i.shape[1])),
+        axis=2)  # [b, R, S]
+    return _mask(q_pos, k_eff[:, None, :], True, window) & visible[:, None]
 
 
 def dense_attention(q: jax.Array, cache: DenseKVCache, layer: int, batch: BatchInfo,

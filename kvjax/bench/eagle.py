@@ -1,0 +1,164 @@
+"""Speculation on the real model, per MT-Bench category (`kvjax bench eagle`): plain
+decoding against n-gram chains and trees and the EAGLE-style head's chains and trees (with
+and without the tree-size policy), batch 1, both turns of each question.
+
+Each picked question's first turn is rendered in the chat template and answered greedily
+by plain decoding (up to `gen_tokens`, ended at the end of turn); its second turn follows
+that answer (MT-Bench's protocol). Every method answers both turns; per category and
+method the bench reports tokens per target call (accepted drafts + 1), the wall time of
+whole answers (prefill, drafting, host loop and verify included; the methods take turns
+question by question, so the machine's drift hits them alike) and the speedup over plain
+decoding's time, and how many answers equal plain decoding's tokens. Under invariant
+numerics (`--numerics invariant`) every answer must equal plain decoding's, tokens and
+logits bitwise: the bench raises otherwise. Under fast numerics (the default, the speed
+setting) a tree's logits are plain decoding's to rounding, so a near-tie may flip a token;
+the count says how often.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvjax.config import CacheConfig
+from kvjax.decode.batching import pages_for
+from kvjax.decode.generate import generate
+from kvjax.lab.progress import Progress
+from kvjax.lab.report import emit, markdown_table, write_results
+from kvjax.model.plan import FAST, INVARIANT
+from kvjax.speculative.tree import NGramTreeDrafter
+from kvjax.speculative.tree_host import tree_generate
+from kvjax.speculative.tree_policy import TreeSizePolicy
+
+POLICY_SIZES = (1, 2, 4, 8, 16)
+
+
+def turns(model, count: int, gen_tokens: int, plan, cache) -> list[tuple[str, list[int]]]:
+    """(category, prompt) of both turns of `count` MT-Bench questions, categories in turn;
+    the second turn after plain decoding's answer to the first."""
+    from kvjax.data.mtbench import CATEGORIES, mtbench
+
+    by_category = {c: [q for q in mtbench().conversations if q.category == c]
+                   for c in CATEGORIES}
+    stop = model.stop_tokens[0]
+    out = []
+    for i in range(count):
+        c = CATEGORIES[i % len(CATEGORIES)]
+        q = by_category[c][i // len(CATEGORIES)]
+        first = [{"role": "user", "content": q.user_turns[0]}]
+        prompt = model.template.render(first)
+        answer = generate(model.params, model.config, [prompt], gen_tokens, cache=cache,
+                          stop_token=stop, plan=plan).tokens[0]
+        text = model.tokenizer.decode([t for t in answer if t != stop])
+        second = [*first, {"role": "assistant", "content": text},
+                  {"role": "user", "content": q.user_turns[1]}]
+        out += [(c, prompt), (c, model.template.render(second))]
+    return out
+
+
+def methods(model, head, policy_costs: dict[int, float] | None) -> dict:
+    """name -> (a fresh drafter, max_nodes, max_depth, size policy or None)."""
+    from kvjax.speculative.eagle_drafter import EagleTreeDrafter
+
+    out = {"n-gram chain": (lambda: NGramTreeDrafter(branches=1), 6, 5, None),
+           "n-gram tree": (lambda: NGramTreeDrafter(branches=4), 8, 5, None)}
+    if head is not None:
+        def eagle(top_k):
+            return lambda: EagleTreeDrafter(head, model.params, model.config, top_k=top_k,
+                                            width=16)
+        out["eagle chain"] = (eagle(1), 6, 5, None)
+        out["eagle tree"] = (eagle(4), 16, 6, None)
+        if policy_costs is not None:
+            out["eagle tree + policy"] = (eagle(4), 16, 6, policy_costs)
+    return out
+
+
+def run(model, picked, gen_tokens: int, plan, cache, table: dict, progress=None
+        ) -> list[dict]:
+    """One row per (category, method) and one per method over every category."""
+    stop = model.stop_tokens[0]
+    stats: dict[tuple[str, str], dict] = {}
+
+    def add(category, name, seconds, tokens, calls, accepted, same):
+        for key in ((category, name), ("all", name)):
+            s = stats.setdefault(key, {"category": key[0], "method": name, "answers": 0,
+                                       "tokens": 0, "seconds": 0.0, "calls": 0,
+                                       "accepted": 0, "same": 0})
+            s["answers"] += 1
+            s["tokens"] += tokens
+            s["seconds"] += seconds
+            s["calls"] += calls
+            s["accepted"] += accepted
+            s["same"] += same
+
+    for category, prompt in picked:
+        t0 = time.perf_counter()
+        plain = generate(model.params, model.config, [prompt], gen_tokens, cache=cache,
+                         stop_token=stop, plan=plan, return_logits=plan.invariant)
+        seconds = time.perf_counter() - t0
+        want = plain.tokens[0]
+        add(category, "plain", seconds, len(want), len(want), 0, 1)
+        for name, (drafter, nodes, depth, costs) in table.items():
+            policy = None if costs is None else TreeSizePolicy(costs, sizes=POLICY_SIZES)
+            t0 = time.perf_counter()
+            got = tree_generate(model.params, model.config, [prompt], gen_tokens, drafter(),
+                                max_nodes=nodes, max_depth=depth, cache=cache, plan=plan,
+                                stop_tokens=(stop,), size_policy=policy)
+            seconds = time.perf_counter() - t0
+            same = got.tokens[0] == want
+            if plan.invariant and not (same and np.array_equal(
+                    got.logits[0], np.asarray(plain.logits[0]))):
+                raise AssertionError(f"{category}, {name}: the answer differs from plain "
+                                     f"decoding's")
+            add(category, name, seconds, len(got.tokens[0]), got.target_calls + 1,
+                got.accepted, int(same))
+        if progress is not None:
+            progress.update()
+    rows = list(stats.values())
+    plain_s = {r["category"]: r["seconds"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        r["tokens_per_call"] = r["tokens"] / max(r["calls"], 1)
+        r["speedup"] = plain_s[r["category"]] / r["seconds"]
+    return rows
+
+
+COLUMNS = [
+    ("category", lambda r: r["category"]),
+    ("method", lambda r: r["method"]),
+    ("answers / tokens", lambda r: f"{r['answers']} / {r['tokens']}"),
+    ("tokens per call", lambda r: f"{r['tokens_per_call']:.2f}"),
+    ("seconds", lambda r: f"{r['seconds']:.1f}"),
+    ("speedup", lambda r: f"{r['speedup']:.2f}x"),
+    ("= plain", lambda r: f"{r['same']}/{r['answers']}"),
+]
+
+
+def main(args) -> int:
+    from kvjax import models
+    from kvjax.bench.tree import verify_cost
+    from kvjax.speculative.eagle_file import load_head
+
+    name = args.model or "smollm2-135m-instruct"
+    plan = INVARIANT if args.numerics == "invariant" else FAST
+    model = models.load(name)
+    head = load_head(args.head, model.config, model.params) if args.head else None
+    emit(f"bench eagle: {name}, {args.requests} MT-Bench questions x 2 turns x up to "
+         f"{args.gen_tokens} greedy tokens, {plan.mode} numerics; head "
+         f"{args.head or '(none)'}")
+    cost = verify_cost(model, args.prompt_len, args.reps, nodes=POLICY_SIZES, plan=plan)
+    costs = {n: cost[n] / cost[0] for n in POLICY_SIZES}
+    cache = CacheConfig(page_size=16, num_pages=pages_for(4096, 16))
+    picked = turns(model, args.requests, args.gen_tokens, plan, cache)
+    table = methods(model, head, costs)
+    # one untimed answer per method first: every shape compiled before the clock runs
+    run(model, picked[:1], args.gen_tokens, plan, cache, table)
+    with Progress(len(picked), "answers") as bar:
+        rows = run(model, picked, args.gen_tokens, plan, cache, table, bar)
+    text = markdown_table(rows, COLUMNS) + (
+        "\n\nverify cost per node count vs a decode step: "
+        + ", ".join(f"{n}: {c:.2f}x" for n, c in costs.items()) + "\n")
+    write_results(args.out, text, rows, model=name, head=args.head,
+                  questions=args.requests, gen_tokens=args.gen_tokens, numerics=plan.mode,
+                  verify_cost=costs)
+    return 0

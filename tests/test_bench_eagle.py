@@ -1,0 +1,62 @@
+"""`kvjax bench eagle` (kvjax.bench.eagle) on the tests' small model with a random head:
+every method's rows per category and over all, plain decoding's speedup 1, under
+invariant numerics every answer checked bitwise (a one-bit difference raises)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from engine_helpers import CACHE, CONFIG, params
+from helpers import random_tokens
+
+from kvjax.bench import eagle
+from kvjax.model.plan import FAST, INVARIANT
+from kvjax.speculative.eagle import init_head
+from kvjax.speculative.eagle_file import HeadFile
+
+
+def _setup():
+    model = SimpleNamespace(params=params(), config=CONFIG, stop_tokens=(CONFIG.vocab_size - 1,))
+    head = HeadFile(init_head(CONFIG, 3), np.arange(CONFIG.vocab_size, dtype=np.int32), "t",
+                    "i", {})
+    base = random_tokens(7, [6], CONFIG.vocab_size)[0]
+    picked = [("copying", base * 4 + base[:2]),
+              ("random", random_tokens(8, [11], CONFIG.vocab_size)[0])]
+    return model, head, picked
+
+
+@pytest.mark.parametrize("plan", [FAST, INVARIANT])
+def test_every_method_answers_every_prompt(plan):
+    model, head, picked = _setup()
+    table = eagle.methods(model, head, {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 4.0})
+    rows = eagle.run(model, picked, 12, plan, CACHE, table)
+    names = ["plain", *table]
+    assert {(r["category"], r["method"]) for r in rows} == {
+        (c, m) for c in ("copying", "random", "all") for m in names}
+    for r in rows:
+        assert r["answers"] == (2 if r["category"] == "all" else 1)
+        assert r["tokens_per_call"] >= 1.0 and r["seconds"] > 0
+        if r["method"] == "plain":
+            assert r["speedup"] == 1.0 and r["tokens_per_call"] == 1.0
+    copying = {r["method"]: r for r in rows if r["category"] == "copying"}
+    assert copying["n-gram tree"]["tokens_per_call"] > 1.0
+    if plan.invariant:  # checked bitwise, or the bench would have raised
+        assert all(r["same"] == r["answers"] for r in rows)
+
+
+def test_an_answer_that_differs_from_plain_decoding_raises(monkeypatch):
+    from kvjax.speculative import tree_host
+
+    real = tree_host.tree_generate
+
+    def one_bit_off(*a, **kw):
+        out = real(*a, **kw)
+        out.logits[0][-1, 0] = np.nextafter(out.logits[0][-1, 0], np.float32(np.inf))
+        return out
+
+    monkeypatch.setattr(eagle, "tree_generate", one_bit_off)
+    model, head, picked = _setup()
+    with pytest.raises(AssertionError, match="differs from plain decoding"):
+        eagle.run(model, picked[:1], 4, INVARIANT, CACHE, eagle.methods(model, head, None))
