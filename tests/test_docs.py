@@ -132,6 +132,10 @@ def check_command(cmd: list[str]) -> None:
 
             runner.resolve(str(ROOT / parsed.config), parsed.set)
         return
+    if head == "scripts/train_eagle":
+        from kvjax.train.eagle_run import build_parser as eagle_parser
+
+        eagle_parser().parse_args(args)
     if head == "python":
         assert args[:1] == ["-c"], f"python {args}: only `python -c CODE` is checked"
         compile(args[1], "<doc>", "exec")
@@ -152,6 +156,7 @@ def test_shell_commands_parse(where, cmd):
     ("kvjax run configs/eviction.toml --set eviction=random", ConfigError),  # a bad value
     ("kvjax bench --nope", SystemExit),  # no such option
     ("scripts/nope", AssertionError),  # no such script
+    ("scripts/train_eagle --setting nope", SystemExit),  # no such setting
     ("python -c 'def'", SyntaxError),  # code that does not compile
 ])
 def test_the_shell_check_can_fail(cmd, error):

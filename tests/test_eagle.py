@@ -16,7 +16,14 @@ from kvjax.config import CacheConfig, TrainConfig
 from kvjax.decode.batching import page_table
 from kvjax.io.hf import CheckpointError
 from kvjax.model.transformer import forward, init_params
-from kvjax.speculative.eagle import EagleHead, embed, head_config, head_extend, init_head
+from kvjax.speculative.eagle import (
+    EagleHead,
+    draft_head,
+    embed,
+    head_config,
+    head_extend,
+    init_head,
+)
 from kvjax.speculative.eagle_file import load_head, save_head
 from kvjax.train.eagle import draft_vocab, train_head
 
@@ -44,14 +51,15 @@ def test_the_cached_head_is_its_full_sequence_pass():
     cc = CacheConfig(page_size=4, num_pages=5)
     cache = init_cache(head_config(config), cc)
     table = page_table([[1, 2, 3, 4]], 1, cc.block_pages)
-    vocab = np.arange(config.vocab_size, dtype=np.int32)
+    head_w = draft_head(target, config, np.arange(config.vocab_size))
     got = []
     for start, count in ((0, 5), (5, 1), (6, 6)):  # a prefill, a step, a longer extend
         batch = BatchInfo(page_table=table, lengths=np.asarray([start], np.int32),
                           num_new=np.asarray([count], np.int32))
-        (_, pred), cache = head_extend(head, target, config, cache,
-                                       feats[:, start:start + count],
-                                       tokens[:, start + 1:start + 1 + count], batch, vocab)
+        (_, _, pred), cache = head_extend(head, target, config, cache,
+                                          feats[:, start:start + count],
+                                          tokens[:, start + 1:start + 1 + count], batch,
+                                          head_w, 2)
         got.append(np.asarray(pred))
     got = np.concatenate(got, axis=1)
     # measured 3e-7 (features up to 4): another reduction order, same values

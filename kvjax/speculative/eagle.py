@@ -70,14 +70,19 @@ def embed(target_params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Ar
     return x
 
 
-def draft_logits(target_params: dict, config: ModelConfig, features: jax.Array,
-                 vocab: jax.Array) -> jax.Array:
-    """Logits [..., |vocab|] of `features` [..., D] over the draft vocabulary `vocab`
-    int32[|vocab|]: the target's output head restricted to those ids."""
+def draft_head(target_params: dict, config: ModelConfig, vocab) -> jax.Array:
+    """[|vocab|, D]: the rows of the target's output head (the tied embedding or `lm_head`)
+    for the draft vocabulary `vocab` int32[|vocab|]."""
     tied = config.tie_embeddings
     w = target_params["embed"]["embedding"] if tied else target_params["lm_head"]["kernel"].T
-    logits = jnp.einsum("...d,vd->...v", features, jnp.take(w, vocab, axis=0).astype(
-        features.dtype)).astype(jnp.float32)
+    return jnp.take(w, jnp.asarray(vocab), axis=0)
+
+
+def draft_logits(config: ModelConfig, features: jax.Array, head: jax.Array) -> jax.Array:
+    """Logits [..., |vocab|] of `features` [..., D] by `head` (`draft_head`): the target's
+    output head restricted to the draft vocabulary, soft-capped as the target's."""
+    logits = jnp.einsum("...d,vd->...v", features, head.astype(features.dtype))
+    logits = logits.astype(jnp.float32)
     if config.final_softcap is not None:
         logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
     return logits
@@ -90,21 +95,24 @@ def init_head(config: ModelConfig, seed: int = 0) -> dict:
     return EagleHead(head_config(config)).init(jax.random.PRNGKey(seed), x, x, pos)["params"]
 
 
-@partial(jax.jit, static_argnames=("config", "plan"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("config", "top_k", "plan"), donate_argnames=("cache",))
 def head_extend(head_params: dict, target_params: dict, config: ModelConfig,
                 cache: PagedKVCache, features: jax.Array, tokens: jax.Array,
-                batch: BatchInfo, vocab: jax.Array, plan: NumericsPlan = FAST
-                ) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
+                batch: BatchInfo, head: jax.Array, top_k: int, plan: NumericsPlan = FAST
+                ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], PagedKVCache]:
     """Appends [features, e(tokens)] ([B, T, D], int32[B, T]) to the head's paged cache
     (a pool of `head_config(config)`; `batch` as for `kvjax.decode.steps.extend`, trees
-    included); returns ((logits [B, T, |vocab|] of the predicted features over the draft
-    vocabulary, the predictions [B, T, D]), cache). `config` is the target's. Donates
-    `cache`."""
+    included); returns ((the `top_k` best log-probabilities [B, T, top_k] of the next token
+    over the draft vocabulary (`head`: `draft_head`), their columns int32[B, T, top_k],
+    the predicted features [B, T, D]), cache): the host gets a few numbers per node, not a
+    distribution. `config` is the target's. Donates `cache`."""
     positions = model_positions(batch, tokens.shape[1])
     pred, cache = EagleHead(head_config(config), plan).apply(
         {"params": head_params}, features, embed(target_params, config, tokens), positions,
         cache, batch)
-    return (draft_logits(target_params, config, pred, vocab), pred), cache
+    logp = jax.nn.log_softmax(draft_logits(config, pred, head), axis=-1)
+    best, columns = jax.lax.top_k(logp, top_k)
+    return (best, columns, pred), cache
 
 
 def head_loss(head_params: dict, target_params: dict, config: ModelConfig,
@@ -130,8 +138,9 @@ def head_loss(head_params: dict, target_params: dict, config: ModelConfig,
     weight = mask[:, 1:].astype(jnp.float32)
     count = jnp.maximum(weight.sum(), 1.0)
     feature = (optax.huber_loss(pred, want).mean(-1) * weight).sum() / count
-    target_logits = jax.lax.stop_gradient(draft_logits(target_params, config, want, vocab))
-    logits = draft_logits(target_params, config, pred, vocab)
+    head = draft_head(target_params, config, vocab)
+    target_logits = jax.lax.stop_gradient(draft_logits(config, want, head))
+    logits = draft_logits(config, pred, head)
     p = jax.nn.softmax(target_logits)
     token = (optax.softmax_cross_entropy(logits, p) * weight).sum() / count
     top1 = ((logits.argmax(-1) == target_logits.argmax(-1)) * weight).sum() / count

@@ -21,10 +21,10 @@ from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.model.plan import FAST, NumericsPlan
-from kvjax.speculative.eagle import head_config, head_extend
+from kvjax.speculative.eagle import draft_head, head_config, head_extend
 from kvjax.speculative.eagle_file import HeadFile
 from kvjax.speculative.tree_host import tree_batch
-from kvjax.speculative.tree_model import grow_tree, log_softmax
+from kvjax.speculative.tree_model import grow_tree
 
 
 class EagleTreeDrafter:
@@ -39,6 +39,7 @@ class EagleTreeDrafter:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         self.head, self.vocab, self.identity = head.params, head.vocab, head.identity
+        self.head_w = draft_head(target_params, config, head.vocab)  # [|vocab|, D], once
         self.target_params, self.config, self.plan = target_params, config, plan
         self.pool = KVPool(head_config(config), cache_config or CacheConfig(
             page_size=16, num_pages=1024))
@@ -75,19 +76,19 @@ class EagleTreeDrafter:
                 inputs[0, i] = preds[parents[i]]
             known[0] = len(tokens)
             batch, fed = tree_batch(table, m - 1, parents, tokens, self.width)
-            logits, pred = self._run(inputs, fed, batch)
+            best, columns, pred = self._run(inputs, fed, batch)
             preds[:] = pred[0]
-            return log_softmax(logits[0, :len(tokens)])
+            return best[0, :len(tokens)], self.vocab[columns[0, :len(tokens)]]
 
         parents, tokens, self.last_path_probs = grow_tree(history[-1], logp_of, max_nodes,
-                                                          depth, self.top_k, ids=self.vocab)
+                                                          depth, self.top_k)
         return parents, tokens
 
     def _run(self, features: np.ndarray, tokens: np.ndarray, batch: BatchInfo):
-        logits, pred = self.pool.run(lambda c: head_extend(
+        out = self.pool.run(lambda c: head_extend(
             self.head, self.target_params, self.config, c, features, tokens, batch,
-            self.vocab, plan=self.plan))
-        return np.asarray(logits), np.asarray(pred)
+            self.head_w, self.top_k, plan=self.plan))
+        return tuple(np.asarray(x) for x in out)
 
     def _catch_up(self, history: list[int], features: np.ndarray, seq_id: int) -> list[int]:
         """The head cache of `seq_id` holding the pairs of history[:-1]; its pages."""

@@ -24,24 +24,21 @@ from kvjax.speculative.drafters import catch_up
 from kvjax.speculative.tree_host import tree_batch
 
 
-def grow_tree(root: int, logp_of, max_nodes: int, depth: int, top_k: int,
-              ids: np.ndarray | None = None) -> tuple[list[int], list[int], list[float]]:
+def grow_tree(root: int, best_of, max_nodes: int, depth: int, top_k: int
+              ) -> tuple[list[int], list[int], list[float]]:
     """(parents, tokens, path probabilities) of a tree grown from `root` by cumulative draft
     log-probability (module docstring); the root's path probability is 1.
-    `logp_of(parents, tokens)` gives the draft's log-probabilities [nodes, C] at every node
-    of the tree so far; column c is token `ids[c]` (c itself without `ids`: a draft over
-    the whole vocabulary)."""
+    `best_of(parents, tokens)` gives the draft's `top_k` likeliest next tokens at every node
+    of the tree so far, best first: (log-probabilities [nodes, top_k], token ids
+    [nodes, top_k])."""
     parents, tokens, score = [-1], [int(root)], [0.0]
     frontier = [0]
     for _ in range(depth):
         if len(tokens) >= max_nodes or not frontier:
             break
-        logp = logp_of(parents, tokens)
-        offers = []
-        for node in frontier:
-            for c in np.argsort(-logp[node], kind="stable")[:top_k]:
-                token = int(c if ids is None else ids[c])
-                offers.append((score[node] + float(logp[node, c]), node, token))
+        logp, ids = best_of(parents, tokens)
+        offers = [(score[node] + float(logp[node, c]), node, int(ids[node, c]))
+                  for node in frontier for c in range(top_k)]
         offers.sort(key=lambda o: -o[0])
         frontier = []
         for s, node, token in offers[:min(top_k, max_nodes - len(tokens))]:
@@ -52,11 +49,14 @@ def grow_tree(root: int, logp_of, max_nodes: int, depth: int, top_k: int,
     return parents, tokens, np.exp(score).tolist()
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-probabilities of logits [..., C], on the host."""
+def best_tokens(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probabilities [n, top_k], token ids [n, top_k]) of the `top_k` likeliest
+    tokens of logits [n, V], best first (the lower id on ties), on the host."""
     logits = np.asarray(logits, np.float64)
     top = logits.max(-1, keepdims=True)
-    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    ids = np.argsort(-logp, axis=-1, kind="stable")[:, :top_k]
+    return np.take_along_axis(logp, ids, axis=-1), ids
 
 
 class ModelTreeDrafter:
@@ -98,10 +98,12 @@ class ModelTreeDrafter:
         self._state[seq_id] = (history[:-1], pages)
         return len(history) - 1, pages
 
-    def _tree_logp(self, pages, length: int, parents, tokens) -> np.ndarray:
-        """Log-probabilities [nodes, V] of the draft at each node of the tree so far."""
+    def _tree_logp(self, pages, length: int, parents, tokens) -> tuple[np.ndarray,
+                                                                        np.ndarray]:
+        """The draft's `top_k` likeliest tokens at each node of the tree so far
+        (`best_tokens`)."""
         table = page_table([pages], 1, self.pool.cache_config.block_pages)
         batch, fed = tree_batch(table, length, parents, tokens, self.width)
         logits = np.asarray(self.pool.run(lambda c: steps.extend(
             self.params, self.config, c, fed, batch, plan=self.plan)))[0]
-        return log_softmax(logits[:len(tokens)])
+        return best_tokens(logits[:len(tokens)], self.top_k)

@@ -94,13 +94,17 @@ def train_eagle(model_name: str, setting: EagleSetting, out_dir: str, resume: bo
     return result
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="train_eagle", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="full")
     parser.add_argument("--out", help="output folder (default: checkpoints/eagle-SETTING)")
     parser.add_argument("--no-resume", action="store_true", help="start over")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     out = args.out or f"checkpoints/eagle-{args.setting}"
     result = train_eagle(args.model, SETTINGS[args.setting], out, not args.no_resume)
     val = result["validation"]
