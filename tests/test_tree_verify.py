@@ -252,3 +252,44 @@ def test_a_draft_model_tree_drafter_grown_by_cumulative_probability(p):
         calls[top_k] = got.target_calls
     assert calls[1] == 4  # 19 tokens after the prefill's, 5 a call
     assert calls[3] < 19 // 2  # measured 6
+
+
+def test_a_tree_verify_and_its_compaction_write_only_the_tree_s_slots(p):
+    """Every slot of the pool but each row's L .. L + nodes - 1 keeps its bits through the
+    verify and the move (pages wholly before L, which a trie may share, are never
+    written); the rejected nodes' slots past the kept path, poisoned with NaN, change
+    nothing of the next step: they leave no trace."""
+    width, nodes, _, batch = _trees()
+    before = _prefilled("float32")
+    old_k, old_v = np.asarray(before.k), np.asarray(before.v)
+    logits, cache = steps.extend(p, CONFIG, before, np.stack(nodes), batch, plan=INVARIANT)
+    choice = np.asarray(logits).argmax(-1)
+    paths = [[0, 2], [0, 1]]  # kept: 2 of 7 nodes in row 0, 2 of 4 in row 1
+    src = np.zeros((2, width), np.int32)
+    for r, path in enumerate(paths):
+        src[r, :len(path)] = path
+    cache = move_slots(cache, TABLE, np.asarray(LENGTHS, np.int32), src,
+                       np.asarray([len(q) for q in paths], np.int32))
+    k, v = np.asarray(cache.k).copy(), np.asarray(cache.v).copy()
+    tree_slots = {_slot(r, LENGTHS[r] + i) for r in range(2) for i in range(len(TREES[r]))}
+    untouched = np.ones(k.shape[2:4], bool)  # [pages, page_size]
+    for page, slot in tree_slots:
+        untouched[page, slot] = False
+    np.testing.assert_array_equal(k[:, :, untouched], old_k[:, :, untouched])
+    np.testing.assert_array_equal(v[:, :, untouched], old_v[:, :, untouched])
+    assert (k[:, :, ~untouched] != old_k[:, :, ~untouched]).any()  # the tree was written
+    for r, path in enumerate(paths):  # poison what was rejected, then decode on
+        for i in range(len(path), len(TREES[r])):
+            page, slot = _slot(r, LENGTHS[r] + i)
+            k[:, :, page, slot] = np.nan
+            v[:, :, page, slot] = np.nan
+    poisoned = cache.replace(k=k, v=v)
+    for r, path in enumerate(paths):
+        one = BatchInfo(page_table=TABLE[r:r + 1],
+                        lengths=np.asarray([LENGTHS[r] + len(path)], np.int32),
+                        num_new=np.ones(1, np.int32))
+        token = np.asarray([[choice[r, path[-1]]]], np.int32)
+        clean, cache = steps.extend(p, CONFIG, cache, token, one, plan=INVARIANT)
+        dirty, poisoned = steps.extend(p, CONFIG, poisoned, token, one, plan=INVARIANT)
+        assert np.isfinite(np.asarray(dirty)).all()
+        np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
