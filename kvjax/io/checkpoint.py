@@ -40,9 +40,15 @@ def save(path, config: ModelConfig, params, metadata: dict | None = None) -> str
 
 
 def read_metadata(path) -> dict:
-    meta_file = Path(path) / "kvjax.json"
+    return read_json(path, "kvjax.json", "a kvjax checkpoint")
+
+
+def read_json(path, name: str, what: str) -> dict:
+    """`path/name` parsed; CheckpointError when it is missing ("`path` is not `what`") or
+    corrupt."""
+    meta_file = Path(path) / name
     if not meta_file.exists():
-        raise CheckpointError(f"{path} is not a kvjax checkpoint (no kvjax.json)")
+        raise CheckpointError(f"{path} is not {what} (no {name})")
     try:
         return json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:

@@ -243,8 +243,19 @@ def output_head(params: dict, config: ModelConfig, features: jax.Array) -> jax.A
     """Logits [..., V] (float32) of features [..., D] by the model's output head, the tied
     embedding or `lm_head`, then the final soft-cap: what `Transformer` computes after its
     final norm (canonical parameters; XLA's own product)."""
-    tied = config.tie_embeddings
-    w = params["embed"]["embedding"] if tied else params["lm_head"]["kernel"].T  # [V, D]
+    return head_logits(config, features, output_weights(params, config))
+
+
+def output_weights(params: dict, config: ModelConfig) -> jax.Array:
+    """[V, D]: the output head's rows, the tied embedding or `lm_head` (canonical params)."""
+    if config.tie_embeddings:
+        return params["embed"]["embedding"]
+    return params["lm_head"]["kernel"].T
+
+
+def head_logits(config: ModelConfig, features: jax.Array, w: jax.Array) -> jax.Array:
+    """Logits [..., R] (float32) of features [..., D] by head rows w [R, D] (all of the
+    output head's, or some: a draft vocabulary's), soft-capped as `config` says."""
     logits = jnp.einsum("...d,vd->...v", features, w.astype(features.dtype))
     logits = logits.astype(jnp.float32)
     if config.final_softcap is not None:

@@ -32,7 +32,7 @@ import optax
 from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
 from kvjax.config import ModelConfig
 from kvjax.model.plan import FAST, NumericsPlan
-from kvjax.model.transformer import Block
+from kvjax.model.transformer import Block, head_logits, output_weights
 
 FEATURE_WEIGHT = 1.0  # EAGLE's loss: smooth L1 on the features ...
 TOKEN_WEIGHT = 0.1  # ... plus 0.1 x cross-entropy to the target's next-token distribution
@@ -71,21 +71,9 @@ def embed(target_params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Ar
 
 
 def draft_head(target_params: dict, config: ModelConfig, vocab) -> jax.Array:
-    """[|vocab|, D]: the rows of the target's output head (the tied embedding or `lm_head`)
-    for the draft vocabulary `vocab` int32[|vocab|]."""
-    tied = config.tie_embeddings
-    w = target_params["embed"]["embedding"] if tied else target_params["lm_head"]["kernel"].T
-    return jnp.take(w, jnp.asarray(vocab), axis=0)
-
-
-def draft_logits(config: ModelConfig, features: jax.Array, head: jax.Array) -> jax.Array:
-    """Logits [..., |vocab|] of `features` [..., D] by `head` (`draft_head`): the target's
-    output head restricted to the draft vocabulary, soft-capped as the target's."""
-    logits = jnp.einsum("...d,vd->...v", features, head.astype(features.dtype))
-    logits = logits.astype(jnp.float32)
-    if config.final_softcap is not None:
-        logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
-    return logits
+    """[|vocab|, D]: the rows of the target's output head for the draft vocabulary `vocab`
+    int32[|vocab|]."""
+    return jnp.take(output_weights(target_params, config), jnp.asarray(vocab), axis=0)
 
 
 def init_head(config: ModelConfig, seed: int = 0) -> dict:
@@ -110,7 +98,7 @@ def head_extend(head_params: dict, target_params: dict, config: ModelConfig,
     pred, cache = EagleHead(head_config(config), plan).apply(
         {"params": head_params}, features, embed(target_params, config, tokens), positions,
         cache, batch)
-    logp = jax.nn.log_softmax(draft_logits(config, pred, head), axis=-1)
+    logp = jax.nn.log_softmax(head_logits(config, pred, head), axis=-1)
     best, columns = jax.lax.top_k(logp, top_k)
     return (best, columns, pred), cache
 
@@ -139,8 +127,8 @@ def head_loss(head_params: dict, target_params: dict, config: ModelConfig,
     count = jnp.maximum(weight.sum(), 1.0)
     feature = (optax.huber_loss(pred, want).mean(-1) * weight).sum() / count
     head = draft_head(target_params, config, vocab)
-    target_logits = jax.lax.stop_gradient(draft_logits(config, want, head))
-    logits = draft_logits(config, pred, head)
+    target_logits = jax.lax.stop_gradient(head_logits(config, want, head))
+    logits = head_logits(config, pred, head)
     p = jax.nn.softmax(target_logits)
     token = (optax.softmax_cross_entropy(logits, p) * weight).sum() / count
     top1 = ((logits.argmax(-1) == target_logits.argmax(-1)) * weight).sum() / count

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvjax.cache.identity import digest_tree, model_fingerprint
 from kvjax.config import ModelConfig
+from kvjax.io.checkpoint import read_json
 from kvjax.io.hf import CheckpointError
 from kvjax.speculative.eagle import init_head
 
@@ -61,22 +62,12 @@ def save_head(path, params, vocab, target_config: ModelConfig, target_params,
     return HeadFile(params, vocab, target, identity, metadata or {})
 
 
-def read_meta(path) -> dict:
-    file = Path(path) / "eagle.json"
-    if not file.exists():
-        raise CheckpointError(f"{path} is not an EAGLE head (no eagle.json)")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is corrupt: {e}") from None
-
-
 def load_head(path, target_config: ModelConfig, target_params) -> HeadFile:
     """The head under `path`, checked against the target it will draft for."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    meta = read_meta(path)
+    meta = read_json(path, "eagle.json", "an EAGLE head")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: head format {meta.get('format')} is not {FORMAT}")
     target = model_fingerprint(target_config, target_params)
