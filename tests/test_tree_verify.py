@@ -293,3 +293,48 @@ def test_a_tree_verify_and_its_compaction_write_only_the_tree_s_slots(p):
         dirty, poisoned = steps.extend(p, CONFIG, poisoned, token, one, plan=INVARIANT)
         assert np.isfinite(np.asarray(dirty)).all()
         np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+
+
+class _RandomTrees:
+    """Random trees over a known greedy answer: each node's parent is drawn among the
+    nodes before it (or set by `shape`: "chain", "star", "root"); a node whose parent's
+    path follows the answer carries the answer's next token half of the time, else a
+    random one, so paths of every length are accepted and rejected."""
+
+    def __init__(self, prompt, answer, shape, seed):
+        self.full = list(prompt) + list(answer)
+        self.shape, self.rng = shape, np.random.default_rng(seed)
+
+    def propose_tree(self, history, max_nodes, depth, seq_id=0):
+        n = 1 if self.shape == "root" else int(self.rng.integers(1, max_nodes + 1))
+        parents, tokens, on_path, level = [-1], [int(history[-1])], [True], [0]
+        for i in range(1, n):
+            p = {"chain": i - 1, "star": 0}.get(self.shape, int(self.rng.integers(0, i)))
+            if level[p] >= depth:
+                break
+            at = len(history) + level[p]
+            right = on_path[p] and at < len(self.full) and self.rng.random() < 0.5
+            token = self.full[at] if right else int(self.rng.integers(1, CONFIG.vocab_size))
+            parents.append(p)
+            tokens.append(token)
+            on_path.append(right)
+            level.append(level[p] + 1)
+        return parents, tokens
+
+
+@pytest.mark.parametrize("shape", ["random", "chain", "star", "root"])
+def test_random_and_degenerate_trees_emit_plain_greedy_decoding(p, shape):
+    """Trees of random shape (and a chain, all siblings, the root alone) drawn anew every
+    call, against plain greedy decoding under invariant numerics: the same tokens and
+    logits, bitwise, with drafts accepted wherever a tree has more than its root."""
+    from kvjax.decode.generate import generate
+    from kvjax.speculative.tree_host import tree_generate
+
+    prompts = [[int(t) for t in _tokens(20 + i, 5 + 9 * i)] for i in range(2)]
+    want = generate(p, CONFIG, prompts, 20, cache=CACHE, return_logits=True, plan=INVARIANT)
+    for i, prompt in enumerate(prompts):
+        drafter = _RandomTrees(prompt, want.tokens[i], shape, seed=i)
+        got = tree_generate(p, CONFIG, [prompt], 20, drafter, max_nodes=8, cache=CACHE)
+        assert got.tokens[0] == want.tokens[i]
+        np.testing.assert_array_equal(got.logits[0], np.asarray(want.logits[i]))
+        assert (got.accepted > 0) == (shape != "root")
