@@ -55,15 +55,21 @@ class NGramDrafter:
         return [(self.propose_one(h, gamma), None) for h in histories]
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def catch_up(pool: KVPool, params, config, cached: list[int], pages: list[int],
              history: list[int], room: int, plan: NumericsPlan = FAST) -> None:
     """Brings a draft cache that holds `cached` in `pages` to history[:-1]: keeps the
     longest prefix still on the history and prefills the rest, `pages` grown (in place)
     to hold the history and `room` more tokens."""
     cc = pool.cache_config
-    keep = 0
-    while keep < min(len(cached), len(history) - 1) and cached[keep] == history[keep]:
-        keep += 1
+    keep = min(common_prefix(cached, history), len(history) - 1)
     need = pages_for(len(history) + room, cc.page_size) - len(pages)
     if need > 0:
         pages += pool.allocate(need)

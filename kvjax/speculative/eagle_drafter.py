@@ -21,6 +21,7 @@ from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.model.plan import FAST, NumericsPlan
+from kvjax.speculative.drafters import common_prefix
 from kvjax.speculative.eagle import draft_head, head_config, head_extend
 from kvjax.speculative.eagle_file import HeadFile
 from kvjax.speculative.tree_host import tree_batch
@@ -93,10 +94,9 @@ class EagleTreeDrafter:
     def _catch_up(self, history: list[int], features: np.ndarray, seq_id: int) -> list[int]:
         """The head cache of `seq_id` holding the pairs of history[:-1]; its pages."""
         cached, pages = self._state.get(seq_id, ([], []))
-        same = 0
-        while same < min(len(cached), len(history)) and cached[same] == history[same]:
-            same += 1
-        keep, want = max(same - 1, 0), len(history) - 2  # pairs cached, pairs wanted
+        # pair j needs history[:j + 2]: the pairs of a shared prefix of n tokens still hold
+        keep = max(common_prefix(cached, history) - 1, 0)
+        want = len(history) - 2
         cc = self.pool.cache_config
         need = pages_for(want + self.width, cc.page_size) - len(pages)
         if need > 0:

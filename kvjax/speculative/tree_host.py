@@ -73,7 +73,12 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     if reads:
         done = [_prefill_features(params, config, pool, p, r, plan)
                 for p, r in zip(prompts, rows, strict=True)]
-        first, feats = [d[0] for d in done], [d[1] for d in done]
+        first = [d[0] for d in done]
+        # per sequence the features of every cached token, filled in place as it grows
+        feats = [np.zeros((len(p) + max_new_tokens, config.d_model), np.float32)
+                 for p in prompts]
+        for f, (_, prompt_feats) in zip(feats, done, strict=True):
+            f[:len(prompt_feats)] = prompt_feats
     else:
         first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
     rngs = [None if greedy else np.random.default_rng((sampling.seed, i))
@@ -87,7 +92,7 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
         while len(outs[i]) < max_new_tokens and outs[i][-1] not in stop_tokens:
             left = max_new_tokens - len(outs[i])
             history = prompts[i] + outs[i]
-            kw = {"features": feats[i]} if reads else {}
+            kw = {"features": feats[i][:lengths[i]]} if reads else {}
             parents, tokens = drafter.propose_tree(history, max_nodes, min(depth, left - 1),
                                                    seq_id=i, **kw)
             width = max_nodes
@@ -101,7 +106,7 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             if size_policy is not None:
                 size_policy.observe(probs, len(path) - 1)
             if reads:
-                feats[i] = np.concatenate([feats[i], node_feats[path]])
+                feats[i][lengths[i]:lengths[i] + len(path)] = node_feats[path]
             lengths[i] += len(path)  # the root and the accepted drafts are cached now
             pool.truncate(rows[i], lengths[i])
             emitted = [tokens[j] for j in path[1:]] + [nxt]

@@ -44,16 +44,19 @@ SETTINGS = {
 }
 
 
-def windows(model, conversations, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens int32[N, seq_len + 1], answers bool[N, seq_len + 1]): each conversation's
-    first seq_len + 1 rendered tokens (zero-padded), and where its answers' tokens are."""
+def windows(model, conversations, seq_len: int) -> tuple[np.ndarray, np.ndarray,
+                                                          np.ndarray]:
+    """(tokens int32[N, seq_len + 1], real bool[N, seq_len + 1], answers bool[N, seq_len +
+    1]): each conversation's first seq_len + 1 rendered tokens (zero-padded), where they
+    are real (not padding) and where its answers' tokens are."""
     template = model.template
     tokens = np.zeros((len(conversations), seq_len + 1), np.int32)
-    mask = np.zeros(tokens.shape, bool)
+    real, answers = np.zeros(tokens.shape, bool), np.zeros(tokens.shape, bool)
     for row, c in enumerate(conversations):
         messages = c.messages
         ids = template.render(messages, add_generation_prompt=False)[:seq_len + 1]
         tokens[row, :len(ids)] = ids
+        real[row, :len(ids)] = True
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
@@ -61,8 +64,8 @@ def windows(model, conversations, seq_len: int) -> tuple[np.ndarray, np.ndarray]
             if start >= len(ids):
                 break
             end = len(template.render(messages[:i + 1], add_generation_prompt=False))
-            mask[row, start:min(end, len(ids))] = True
-    return tokens, mask
+            answers[row, start:min(end, len(ids))] = True
+    return tokens, real, answers
 
 
 def train_eagle(model_name: str, setting: EagleSetting, out_dir: str, resume: bool = True,
@@ -75,10 +78,8 @@ def train_eagle(model_name: str, setting: EagleSetting, out_dir: str, resume: bo
     t0 = time.perf_counter()
     model = models.load(model_name)
     picked = sharegpt(setting.conversations + setting.validation, seed=setting.train.seed)
-    tokens, answers = windows(model, picked.conversations, setting.seq_len)
-    mask = np.zeros(tokens.shape, bool)
-    for row, c in enumerate(picked.conversations):  # every real token (module docstring)
-        mask[row, :len(model.template.render(c.messages, add_generation_prompt=False))] = True
+    # the loss counts on every real token (module docstring)
+    tokens, mask, answers = windows(model, picked.conversations, setting.seq_len)
     n = setting.conversations
     log(f"eagle: {model_name}, {n} + {setting.validation} ShareGPT windows of "
         f"{setting.seq_len + 1} tokens ({int(mask[:n].sum()):,} tokens to learn, "
