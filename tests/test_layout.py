@@ -41,12 +41,12 @@ HOST = ["kvjax.config", "kvjax.errors", "kvjax.cache.allocator", "kvjax.cache.tr
         "kvjax.engine.stats", "kvjax.engine.numerics_policy", "kvjax.lab.workloads",
         "kvjax.lab.progress", "kvjax.lab.replay", "kvjax.model.plan", "kvjax.data",
         "kvjax.data.sharegpt", "kvjax.data.mtbench",
-        "kvjax.speculative.gamma", "kvjax.speculative.stats"]
+        "kvjax.speculative.gamma", "kvjax.speculative.stats", "kvjax.cpu.build"]
 # Device code: the model, cache pytrees, steps and the on-device speculative loop.
 DEVICE_PREFIXES = ["kvjax.model", "kvjax.cache.paged", "kvjax.cache.dense",
                    "kvjax.decode.steps", "kvjax.decode.sampling", "kvjax.decode.prefill",
                    "kvjax.speculative.rules", "kvjax.speculative.loop",
-                   "kvjax.speculative.ngram_device", "kvjax.sharding"]
+                   "kvjax.speculative.ngram_device", "kvjax.sharding", "kvjax.cpu.product"]
 ABOVE_DEVICE = ["kvjax.engine", "kvjax.lab", "kvjax.bench", "kvjax.cli", "kvjax.train",
                 "kvjax.speculative.plugin", "experiments"]
 JAX = ("jax", "jaxlib", "flax", "optax", "chex", "orbax")

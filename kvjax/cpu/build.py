@@ -1,0 +1,90 @@
+"""Builds kvjax's CPU kernel library with the system C++ compiler: plain Python, no JAX.
+
+The library is compiled for the CPU it runs on (`-march=native`) and cached under
+`KVJAX_KERNEL_CACHE` (default ~/.cache/kvjax/kernels) by a digest of the source, the
+compiler, its flags, the CPU's features and the jaxlib version whose FFI headers it was
+built against: any of them changed, a new library is built; the same, the cached one loads
+at once. Builds write a temporary file and rename it, so processes racing on a cold cache
+(pytest workers) each end with a whole library. Where no compiler is found, or it fails,
+`build` says why and kvjax runs its pure-JAX products (`kvjax.cpu.product.kernel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("product.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+COMPILE_SECONDS = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    path: Path | None  # the library, or None when it could not be built
+    reason: str  # what was done ("cached", "built in 4.1 s") or why there is no library
+
+
+def cpu_features() -> str:
+    """The CPU's model and feature flags (what `-march=native` compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    lines = [ln.split(":", 1)[1].strip() for ln in text.splitlines()
+             if ln.startswith(("flags", "model name", "Features")) and ":" in ln]
+    return "\n".join(sorted(set(lines)))
+
+
+def compiler(environ=os.environ) -> str | None:
+    """The C++ compiler: $CXX, else c++ or g++ on the PATH; None when there is none."""
+    path = environ.get("PATH", os.defpath)
+    if environ.get("CXX"):
+        return shutil.which(environ["CXX"], path=path)
+    return shutil.which("c++", path=path) or shutil.which("g++", path=path)
+
+
+def cache_dir(environ=os.environ) -> Path:
+    return Path(environ.get("KVJAX_KERNEL_CACHE") or Path.home() / ".cache/kvjax/kernels")
+
+
+def _version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build(include_dir: str, jaxlib_version: str, environ=os.environ) -> Build:
+    """The kernel library for this machine, built or taken from the cache (module
+    docstring); `include_dir` holds XLA's FFI headers (`jax.ffi.include_dir()`)."""
+    cxx = compiler(environ)
+    if cxx is None:
+        return Build(None, "no C++ compiler found ($CXX, c++, g++)")
+    key = hashlib.sha256("\0".join([
+        SOURCE.read_text(), cxx, _version(cxx), " ".join(FLAGS), cpu_features(),
+        jaxlib_version]).encode()).hexdigest()[:20]
+    path = cache_dir(environ) / f"kvjax_product-{key}.so"
+    if path.exists():
+        return Build(path, "cached")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", include_dir, "-o", tmp, str(SOURCE)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_SECONDS)
+    except (OSError, subprocess.SubprocessError) as e:
+        os.unlink(tmp)
+        return Build(None, f"{cxx} failed to run: {e}")
+    if done.returncode != 0:
+        os.unlink(tmp)
+        return Build(None, f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, path)
+    return Build(path, "built")

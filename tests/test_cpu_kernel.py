@@ -1,0 +1,114 @@
+"""The row-count-invariant CPU product (kvjax/cpu): a row's bits across row counts and
+neighbours, its values against a float64 product, the library cache, and the fallback when
+no library can be built."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cpu import build
+from kvjax.cpu.product import kernel, pack, product
+
+needs_kernel = pytest.mark.skipif(not kernel().available, reason=kernel().describe())
+# (I, O): SmolLM2's q/o, k/v, MLP up and down, and odd sizes for the panel and row tails
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (37, 100)]
+ROW_COUNTS = [*range(1, 14), 31, 64, 100, 255, 256, 512]
+
+
+def _weights(i: int, o: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((i, o)) / np.sqrt(i)).astype(np.float32)
+
+
+_product = jax.jit(product, static_argnums=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("i", "o"), SHAPES)
+def test_a_rows_bits_are_the_same_for_every_row_count_and_neighbour(i, o):
+    w = _weights(i, o)
+    packed = pack(jnp.asarray(w))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((512, i)).astype(np.float32)
+    alone = np.concatenate([np.asarray(_product(jnp.asarray(x[r:r + 1]), packed, o))
+                            for r in range(16)])
+    full = np.asarray(_product(jnp.asarray(x), packed, o))
+    np.testing.assert_array_equal(full[:16], alone)
+    for count in ROW_COUNTS:
+        got = np.asarray(_product(jnp.asarray(x[:count]), packed, o))
+        np.testing.assert_array_equal(got, full[:count], err_msg=f"{count} rows")
+    # the same rows beside other neighbours, at other places in the block of rows
+    other = rng.standard_normal((512, i)).astype(np.float32)
+    for count, at in ((2, 1), (7, 3), (6, 5), (40, 17), (300, 299)):
+        mixed = other[:count].copy()
+        mixed[at] = x[0]
+        got = np.asarray(_product(jnp.asarray(mixed), packed, o))
+        np.testing.assert_array_equal(got[at], full[0], err_msg=f"row {at} of {count}")
+
+
+@needs_kernel
+@pytest.mark.parametrize(("i", "o"), SHAPES)
+def test_values_within_ten_times_the_measured_error_of_a_float64_product(i, o):
+    w = _weights(i, o, seed=2)
+    x = np.random.default_rng(3).standard_normal((64, i)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    got = np.asarray(_product(jnp.asarray(x), pack(jnp.asarray(w)), o), np.float64)
+    # measured: 2.4e-6 (I = 576) .. 3.8e-6 (I = 1536); XLA's own product 4.9e-6 at 576
+    assert np.abs(got - want).max() < 4e-5
+    # the leading dimensions of x are kept
+    y = product(jnp.asarray(x.reshape(4, 16, i)), pack(jnp.asarray(w)), o)
+    assert y.shape == (4, 16, o)
+    np.testing.assert_array_equal(np.asarray(y).reshape(64, o), got.astype(np.float32))
+
+
+def test_pack_lays_out_panels_of_64_outputs_zero_past_the_last():
+    w = _weights(5, 100)
+    packed = np.asarray(pack(jnp.asarray(w)))
+    assert packed.shape == (2, 5, 64)
+    np.testing.assert_array_equal(packed[0], w[:, :64])
+    np.testing.assert_array_equal(packed[1, :, :36], w[:, 64:])
+    assert not packed[1, :, 36:].any()
+
+
+@needs_kernel
+def test_the_library_is_cached_by_source_compiler_cpu_and_jaxlib(tmp_path, monkeypatch):
+    env = {"KVJAX_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    first = build.build(jax.ffi.include_dir(), "jaxlib-x", env)
+    assert first.reason == "built" and first.path.exists()
+    again = build.build(jax.ffi.include_dir(), "jaxlib-x", env)
+    assert again == build.Build(first.path, "cached")
+    other = build.build(jax.ffi.include_dir(), "jaxlib-y", env)  # another jaxlib: rebuilt
+    assert other.reason == "built" and other.path != first.path
+    monkeypatch.setattr(build, "cpu_features", lambda: "another cpu")
+    assert build.build(jax.ffi.include_dir(), "jaxlib-x", env).path not in (first.path,
+                                                                           other.path)
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".so"] * 3  # no temporaries
+
+
+def test_no_compiler_or_a_failed_build_says_why_and_builds_nothing(tmp_path):
+    env = {"KVJAX_KERNEL_CACHE": str(tmp_path), "PATH": str(tmp_path)}
+    made = build.build(jax.ffi.include_dir(), "jaxlib-x", env)
+    assert made == build.Build(None, "no C++ compiler found ($CXX, c++, g++)")
+    (tmp_path / "c++").write_text("#!/bin/sh\necho 'no such header' >&2\nexit 1\n")
+    (tmp_path / "c++").chmod(0o755)
+    made = build.build(jax.ffi.include_dir(), "jaxlib-x", env)
+    assert made.path is None and "no such header" in made.reason
+    assert list(tmp_path.glob("*.so")) == []
+
+
+@pytest.mark.parametrize(("env", "why"), [
+    ({"PATH": "/nonexistent"}, "no C++ compiler found"),
+    ({"KVJAX_CPU_KERNEL": "0"}, "KVJAX_CPU_KERNEL=0"),
+])
+def test_a_process_without_the_kernel_says_so(tmp_path, env, why):
+    code = ("from kvjax.cpu.product import kernel; k = kernel(); "
+            "print(k.available); print(k.describe())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"KVJAX_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin",
+                              "JAX_PLATFORMS": "cpu", **env}, check=True).stdout.split("\n")
+    assert out[0] == "False" and out[1].startswith("pure-JAX products") and why in out[1]
