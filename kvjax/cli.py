@@ -153,7 +153,8 @@ def _bench(args: argparse.Namespace) -> int:
 # Timed repetitions (medians) per benchmark when --reps is not given.
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
               "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 3,
-              "tiers": 5, "tree": 5, "eagle": 5}
+              "tiers": 5, "tree": 5, "eagle": 5,
+              "kernel": 15}
 
 
 def fill_bench_defaults(args: argparse.Namespace) -> None:
@@ -257,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "against float32 on the real model), tree (n-gram "
                                          "chains vs trees on MT-Bench, verify cost per node "
                                          "count), eagle (the EAGLE-style head's chains and "
-                                         "trees vs n-gram and plain decoding on MT-Bench)")
+                                         "trees vs n-gram and plain decoding on MT-Bench), "
+                                         "kernel (the row-count-invariant CPU product vs "
+                                         "XLA's)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
                        default="decode")
@@ -324,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(eagle) the head's folder (scripts/train_eagle); '' for none")
     eagle.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
                        help="(eagle) fast: speed; invariant: every answer checked bitwise")
+    eagle.add_argument("--methods", default="",
+                       help="(eagle) comma-separated methods beside plain decoding (default "
+                            "all), e.g. 'n-gram tree,eagle tree 16'")
     spec = bench.add_argument_group("spec")
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")

@@ -253,21 +253,20 @@ class EngineConfig:
     # `kvjax.model.plan.NumericsPlan`): "invariant" makes a request's bits depend on its own
     # history alone; "fast" shares prefill-written pages only
     numerics: str = "invariant"
-    # invariant numerics: store a product's kernel transposed where that lets one product of
-    # any row count replace a loop of 32-row blocks (kvjax.model.layout): faster prefill,
-    # slower decode of a few rows (docs/numerics.md has the costs)
+    # invariant numerics: kernels stored transposed where one product of any row count then
+    # replaces 32-row blocks (kvjax.model.layout; the costs: docs/numerics.md)
     transposed_kernels: bool = True
-    # invariant numerics: the largest row block the start-up probe tries for a product it
-    # cannot run as one product of any row count (NumericsPlan.row_block)
+    # invariant numerics: the largest row block the start-up probe tries (NumericsPlan)
     row_block: int = 32
-    # the steps take q/k/v as one product and gate/up as one (NumericsPlan.fused): their
-    # kernels concatenated once at load, not on a mesh (its rules shard them apart)
+    # q/k/v as one product, gate/up as one (NumericsPlan.fused; not on a mesh)
     fused_projections: bool = True
-    # the context every compiled step covers at least, in tokens: page tables (and the
-    # n-gram drafter's history) are this wide or wider. 0: as wide as the longest row needs,
-    # in powers of two, so a growing sequence compiles a few shapes; the model's max_seq_len:
-    # one shape for every length. Attention visits no block past a row's end, so a wider
-    # table changes no bit and costs no attention work.
+    # "auto": the products by kvjax's CPU kernel where it runs (kvjax.cpu: a CPU backend, a
+    # C++ compiler, no mesh; NumericsPlan.cpu_kernel), else XLA's (`Engine.products` says)
+    cpu_kernel: str = "off"
+    # the context every compiled step covers at least, in tokens (page tables, the n-gram
+    # drafter's history). 0: as wide as the longest row needs, in powers of two (a growing
+    # sequence compiles a few shapes); max_seq_len: one shape for every length. Attention
+    # visits no block past a row's end: a wider table changes no bit, costs no attention.
     min_context: int = 0
 
     def __post_init__(self):
@@ -279,6 +278,7 @@ class EngineConfig:
                  f"must be >= 0, got {self.prefill_calls_per_round}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
+        _choice(self.cpu_kernel, "cpu_kernel", ("off", "auto"))
         _choice(self.preemption, "preemption", ("resume", "recompute"))
         _choice(self.attention, "attention", ("auto", "reference", "pallas_gpu", "pallas_tpu"))
         if isinstance(self.mesh, str):

@@ -231,18 +231,18 @@ def test_the_engine_probes_calls_as_wide_as_it_makes(monkeypatch):
     decode step (a token per slot beside every prompt's slice)."""
     from kvjax import EngineConfig
     from kvjax.config import CacheConfig
-    from kvjax.engine import engine as engine_module
+    from kvjax.engine import plans
 
     seen = []
-    monkeypatch.setattr(engine_module, "choose_blocks",
+    monkeypatch.setattr(plans, "choose_blocks",
                         lambda config, plan, calls, transpose: seen.append(calls) or
                         ((), (), []))
     ec = EngineConfig(cache=CacheConfig(prefill_chunk=128), max_slots=6)
-    engine_module.numerics_plans([small_model()], ec, 0)
+    plans.numerics_plans([small_model()], ec, 0)
     assert seen[0].queries >= 128 * 8 and seen[0].rows >= 128 * 8
     # a packed decode step: a token per slot beside 8 prompts' 512-token slices
     ec = EngineConfig(cache=CacheConfig(prefill_chunk=512), max_slots=6, decode_steps=1)
-    engine_module.numerics_plans([small_model()], ec, 0)
+    plans.numerics_plans([small_model()], ec, 0)
     assert seen[1].rows >= 6 + 8 * 512 and seen[1].head_rows >= 6 + 8
 
 
@@ -333,12 +333,12 @@ def test_the_engine_probes_its_adapters_products(monkeypatch):
     from engine_helpers import CACHE, CONFIG, params
 
     from kvjax import Engine, EngineConfig, init_adapter
-    from kvjax.engine import engine as engine_module
+    from kvjax.engine import plans
     from kvjax.model import lora
 
     adapters = {"a": init_adapter(CONFIG, rank=4, seed=1)}
     chosen = []  # (shapes, rows, row_block) and the block choose_block gave the engine
-    monkeypatch.setattr(engine_module, "choose_block", lambda *args: chosen.append(
+    monkeypatch.setattr(plans, "choose_block", lambda *args: chosen.append(
         (args, lora.choose_block(*args))) or chosen[-1][1])
     engine = Engine(params(), CONFIG, EngineConfig(cache=CACHE), adapters=adapters)
     assert "lora" in dict(engine.plan.row_blocks) and engine.numerics_problems == []

@@ -144,6 +144,11 @@ def main(args) -> int:
     plan = INVARIANT if args.numerics == "invariant" else FAST
     model = models.load(name)
     head = load_head(args.head, model.config, model.params) if args.head else None
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(wanted) - set(methods(model, head, {})))
+    if unknown:
+        raise SystemExit(f"bench eagle: unknown methods {unknown}; known: "
+                         f"{sorted(methods(model, head, {}))}")
     emit(f"bench eagle: {name}, {args.requests} MT-Bench questions x 2 turns x up to "
          f"{args.gen_tokens} greedy tokens, {plan.mode} numerics; head "
          f"{args.head or '(none)'}")
@@ -152,6 +157,8 @@ def main(args) -> int:
     cache = CacheConfig(page_size=16, num_pages=pages_for(4096, 16))
     picked = turns(model, args.requests, args.gen_tokens, plan, cache)
     table = methods(model, head, costs)
+    if wanted:
+        table = {m: table[m] for m in wanted}
     # untimed answers to the shortest and the longest prompt first: every shape (page
     # tables come in power-of-two widths) compiled before the clock runs
     by_length = sorted(picked, key=lambda p: len(p[1]))

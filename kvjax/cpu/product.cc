@@ -1,16 +1,20 @@
-// A row-count-invariant product for XLA CPU: y[R, O] = x[R, I] W[I, O], called from JAX as
-// the FFI target "kvjax_product" (kvjax/cpu/product.py builds, loads and calls it).
+// Row-count-invariant products for XLA CPU, called from JAX as FFI targets (kvjax/cpu/
+// product.py builds, loads and calls them):
+//   kvjax_product    y[R, O] = x[R, I] W[I, O]   (a Dense kernel as Flax stores it)
+//   kvjax_product_t  y[R, O] = x[R, I] W[O, I]^T (a tied head: the embedding [V, D])
 //
-// Every output element is one chain of fused multiply-adds over the input dimension in
-// index order, y[r, o] = fma(x[r, I-1], W[I-1, o], ... fma(x[r, 0], W[0, o], 0)), whatever
-// the number of rows, the row's neighbours, the thread count or the vector width: lanes run
-// over outputs (never over the summed dimension), rows are blocked in registers only to
-// reuse each loaded weight vector, and threads split the outputs. So a row's bits depend on
-// its own values alone, which is what invariant numerics need, at the cost of one pass over
-// the weights per call for a handful of rows.
-//
-// W comes packed in panels of PANEL outputs (kvjax.cpu.product.pack): panel p holds
-// W[i, p * PANEL + j] at [p, i, j], zero past O, so a panel streams contiguously.
+// What a row's bits depend on is fixed by I alone, never by the number of rows, the row's
+// neighbours, the thread count or the vector width:
+// - kvjax_product: each output is one chain of fused multiply-adds over the inputs in index
+//   order, y = fma(x[I-1], W[I-1], ... fma(x[0], W[0], 0)). Vector lanes run over outputs;
+//   rows are blocked in registers only to reuse each loaded weight vector; the inputs are
+//   taken CHUNK at a time so the weights stream once, row by row, while the partial sums
+//   wait in y (a store and a load are exact, the chain goes on unchanged).
+// - kvjax_product_t: lane l of an output's 16 accumulators sums the inputs i = l mod 16 in
+//   index order by fused multiply-adds (past I a lane adds nothing), then the 16 lanes are
+//   added in one fixed tree.
+// Threads split the outputs. So a row's bits are its own, which is what invariant numerics
+// need, and the weights pass once per call for a handful of rows.
 
 #include <algorithm>
 #include <atomic>
@@ -20,9 +24,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -30,12 +32,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t LANES = 16;           // one vector of outputs
-constexpr int64_t VECS = 4;             // vectors per panel
-constexpr int64_t PANEL = LANES * VECS;  // outputs per panel
-constexpr int64_t ROW_BLOCK = 6;        // rows sharing each loaded weight vector
+constexpr int64_t LANES = 16;
+constexpr int64_t VECS = 4;              // vectors of outputs per tile (kvjax_product)
+constexpr int64_t PANEL = LANES * VECS;  // outputs per tile
+constexpr int64_t ROW_BLOCK = 6;         // rows per tile (kvjax_product)
+constexpr int64_t CHUNK = 64;            // inputs per pass over the weights
+constexpr int64_t T_ROWS = 4;            // rows x outputs per tile (kvjax_product_t)
+constexpr int64_t T_OUTS = 4;
 
-// Sixteen float lanes, each an independent fma chain; three builds with the same bits.
+// Sixteen float lanes, each its own fma chain: three builds with the same bits.
 #if defined(__AVX512F__)
 struct Vec {
   __m512 v;
@@ -84,89 +89,177 @@ inline void store(float* p, Vec a) { std::copy(a.f, a.f + LANES, p); }
 constexpr const char* ISA = "scalar";
 #endif
 
-// Rows [r0, r0 + ROWS) of y for one panel of outputs [o0, o0 + PANEL) (clipped at O).
+// The first `n` floats at p, zero past them.
+inline Vec load_part(const float* p, int64_t n) {
+  float tmp[LANES] = {};
+  std::copy(p, p + n, tmp);
+  return load(tmp);
+}
+
+// ---- kvjax_product: W[I, O] ------------------------------------------------------------
+
+struct Dense {
+  const float* x;  // [rows, in]
+  const float* w;  // [in, out]
+  float* y;        // [rows, out]
+  int64_t rows, in, out;
+};
+
+// y[r0 .. r0 + ROWS, o0 .. o0 + PANEL) over inputs [c0, c1), going on from y unless first.
 template <int64_t ROWS>
-void block(const float* x, const float* panel, float* y, int64_t r0, int64_t o0,
-           int64_t in, int64_t out) {
+void tile(const Dense& d, int64_t r0, int64_t o0, int64_t c0, int64_t c1, bool first) {
   Vec acc[ROWS][VECS];
   for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t v = 0; v < VECS; ++v) acc[r][v] = zero();
-  const float* xr = x + r0 * in;
-  for (int64_t i = 0; i < in; ++i) {
-    const float* w = panel + i * PANEL;
+    for (int64_t v = 0; v < VECS; ++v)
+      acc[r][v] = first ? zero() : load(d.y + (r0 + r) * d.out + o0 + v * LANES);
+  const float* xr = d.x + r0 * d.in;
+  for (int64_t i = c0; i < c1; ++i) {
+    const float* w = d.w + i * d.out + o0;
     Vec wv[VECS];
     for (int64_t v = 0; v < VECS; ++v) wv[v] = load(w + v * LANES);
     for (int64_t r = 0; r < ROWS; ++r) {
-      Vec xv = splat(xr[r * in + i]);
+      Vec xv = splat(xr[r * d.in + i]);
       for (int64_t v = 0; v < VECS; ++v) acc[r][v] = fma(xv, wv[v], acc[r][v]);
     }
   }
-  int64_t width = std::min(PANEL, out - o0);
-  for (int64_t r = 0; r < ROWS; ++r) {
-    float* yr = y + (r0 + r) * out + o0;
-    if (width == PANEL) {
-      for (int64_t v = 0; v < VECS; ++v) store(yr + v * LANES, acc[r][v]);
-    } else {
-      float tmp[PANEL];
-      for (int64_t v = 0; v < VECS; ++v) store(tmp + v * LANES, acc[r][v]);
-      std::copy(tmp, tmp + width, yr);
-    }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t v = 0; v < VECS; ++v) store(d.y + (r0 + r) * d.out + o0 + v * LANES, acc[r][v]);
+}
+
+using Tile = void (*)(const Dense&, int64_t, int64_t, int64_t, int64_t, bool);
+constexpr Tile TILES[ROW_BLOCK + 1] = {nullptr,  tile<1>, tile<2>,        tile<3>,
+                                       tile<4>, tile<5>, tile<ROW_BLOCK>};
+
+// Outputs [o_begin, o_end) of every row: full panels by tiles, the rest one lane at a time
+// (std::fma: the same operation as a vector lane).
+void dense_outputs(const Dense& d, int64_t o_begin, int64_t o_end) {
+  int64_t panels_end = o_begin + (o_end - o_begin) / PANEL * PANEL;
+  for (int64_t c0 = 0; c0 < d.in; c0 += CHUNK) {
+    int64_t c1 = std::min(d.in, c0 + CHUNK);
+    for (int64_t o0 = o_begin; o0 < panels_end; o0 += PANEL)
+      for (int64_t r0 = 0; r0 < d.rows; r0 += ROW_BLOCK)
+        TILES[std::min(ROW_BLOCK, d.rows - r0)](d, r0, o0, c0, c1, c0 == 0);
+    for (int64_t r = 0; r < d.rows; ++r)
+      for (int64_t o = panels_end; o < o_end; ++o) {
+        float acc = c0 == 0 ? 0.0f : d.y[r * d.out + o];
+        for (int64_t i = c0; i < c1; ++i)
+          acc = std::fma(d.x[r * d.in + i], d.w[i * d.out + o], acc);
+        d.y[r * d.out + o] = acc;
+      }
   }
 }
 
-using Block = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-constexpr Block TAILS[ROW_BLOCK] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>};
+// ---- kvjax_product_t: W[O, I] ----------------------------------------------------------
 
-// Panels [p0, p1) for every row.
-void panels(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
-            int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * in * PANEL;
-    int64_t r = 0;
-    for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK)
-      block<ROW_BLOCK>(x, panel, y, r, p * PANEL, in, out);
-    if (r < rows) TAILS[rows - r](x, panel, y, r, p * PANEL, in, out);
+// The 16 lanes of `a` added in one fixed tree.
+inline float lane_sum(Vec a) {
+  float f[LANES];
+  store(f, a);
+  for (int64_t step = LANES / 2; step > 0; step /= 2)
+    for (int64_t l = 0; l < step; ++l) f[l] += f[l + step];
+  return f[0];
+}
+
+template <int64_t ROWS, int64_t OUTS>
+void tile_t(const Dense& d, int64_t r0, int64_t o0) {
+  Vec acc[ROWS][OUTS];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t o = 0; o < OUTS; ++o) acc[r][o] = zero();
+  int64_t full = d.in / LANES * LANES;
+  for (int64_t i = 0; i < d.in; i += LANES) {
+    int64_t n = std::min(LANES, d.in - i);
+    Vec wv[OUTS], xv[ROWS];
+    for (int64_t o = 0; o < OUTS; ++o) {
+      const float* p = d.w + (o0 + o) * d.in + i;
+      wv[o] = i < full ? load(p) : load_part(p, n);
+    }
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const float* p = d.x + (r0 + r) * d.in + i;
+      xv[r] = i < full ? load(p) : load_part(p, n);
+    }
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t o = 0; o < OUTS; ++o) acc[r][o] = fma(xv[r], wv[o], acc[r][o]);
   }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t o = 0; o < OUTS; ++o) d.y[(r0 + r) * d.out + o0 + o] = lane_sum(acc[r][o]);
+}
+
+template <int64_t OUTS>
+void rows_t(const Dense& d, int64_t o0) {
+  int64_t r0 = 0;
+  for (; r0 + T_ROWS <= d.rows; r0 += T_ROWS) tile_t<T_ROWS, OUTS>(d, r0, o0);
+  for (; r0 < d.rows; ++r0) tile_t<1, OUTS>(d, r0, o0);
+}
+
+void transposed_outputs(const Dense& d, int64_t o_begin, int64_t o_end) {
+  int64_t o0 = o_begin;
+  for (; o0 + T_OUTS <= o_end; o0 += T_OUTS) rows_t<T_OUTS>(d, o0);
+  for (; o0 < o_end; ++o0) rows_t<1>(d, o0);
+}
+
+// ---- the FFI handlers ------------------------------------------------------------------
+
+// fn(d, o_begin, o_end) over ranges of outputs (multiples of `unit` but the last), one per
+// thread; each output's work is the same whichever thread runs it.
+template <typename Fn>
+void split_outputs(ffi::ThreadPool& pool, const Dense& d, int64_t unit, Fn fn) {
+  int64_t units = (d.out + unit - 1) / unit;
+  int64_t tasks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), units);
+  auto range = [&](int64_t t) {
+    return std::pair<int64_t, int64_t>{std::min(d.out, units * t / tasks * unit),
+                                       std::min(d.out, units * (t + 1) / tasks * unit)};
+  };
+  std::atomic<int64_t> done{0};
+  for (int64_t t = 1; t < tasks; ++t) {
+    auto [b, e] = range(t);
+    pool.Schedule([&d, &done, fn, b = b, e = e] {
+      fn(d, b, e);
+      done.fetch_add(1, std::memory_order_release);
+    });
+  }
+  auto [b, e] = range(0);
+  fn(d, b, e);
+  while (done.load(std::memory_order_acquire) < tasks - 1) std::this_thread::yield();
+}
+
+ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+               ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  int64_t in_axis = transposed ? 1 : 0;
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[in_axis] != xd[1] ||
+      wd[1 - in_axis] != yd[1] || yd[0] != xd[0])
+    return ffi::Error::InvalidArgument(
+        transposed ? "kvjax_product_t: want x[R, I], w[O, I] -> y[R, O]"
+                   : "kvjax_product: want x[R, I], w[I, O] -> y[R, O]");
+  Dense d{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
+  if (d.rows == 0 || d.out == 0) return ffi::Error::Success();
+  if (transposed)
+    split_outputs(pool, d, T_OUTS, transposed_outputs);
+  else
+    split_outputs(pool, d, PANEL, dense_outputs);
+  return ffi::Error::Success();
 }
 
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                    ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != PANEL ||
-      wd[1] != xd[1] || yd[0] != xd[0] || (yd[1] + PANEL - 1) / PANEL != wd[0])
-    return ffi::Error::InvalidArgument(
-        "kvjax_product: want x[R, I], packed w[ceil(O / 64), I, 64] -> y[R, O]");
-  int64_t rows = xd[0], in = xd[1], out = yd[1], count = wd[0];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  // Threads split the panels; each panel's work is the same whichever thread runs it.
-  int64_t tasks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), count);
-  if (tasks <= 1) {
-    panels(xp, wp, yp, rows, in, out, 0, count);
-    return ffi::Error::Success();
-  }
-  std::atomic<int64_t> done{0};
-  for (int64_t t = 1; t < tasks; ++t) {
-    int64_t p0 = count * t / tasks, p1 = count * (t + 1) / tasks;
-    pool.Schedule([=, &done] {
-      panels(xp, wp, yp, rows, in, out, p0, p1);
-      done.fetch_add(1, std::memory_order_release);
-    });
-  }
-  panels(xp, wp, yp, rows, in, out, 0, count / tasks);
-  while (done.load(std::memory_order_acquire) < tasks - 1) std::this_thread::yield();
-  return ffi::Error::Success();
+  return Run(pool, x, w, y, false);
+}
+
+ffi::Error ProductT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, w, y, true);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProduct, Product,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define KVJAX_BIND                      \
+  ffi::Ffi::Bind()                      \
+      .Ctx<ffi::ThreadPool>()           \
+      .Arg<ffi::Buffer<ffi::F32>>()     \
+      .Arg<ffi::Buffer<ffi::F32>>()     \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProduct, Product, KVJAX_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProductT, ProductT, KVJAX_BIND);
 
 extern "C" const char* kvjax_product_isa() { return ISA; }
-extern "C" int64_t kvjax_product_panel() { return PANEL; }

@@ -1,27 +1,27 @@
 """The row-count-invariant product on XLA CPU (kvjax/cpu/product.cc) called from JAX.
 
 `kernel()` builds or loads the library once per process (`kvjax.cpu.build`) and registers
-it with XLA as the FFI target "kvjax_product"; it says whether the kernel is in use and,
-where not, why (no compiler, a failed build, a backend other than CPU, or
-`KVJAX_CPU_KERNEL=0`): then the pure-JAX products run. `pack` lays a kernel [I, O] out in
-the panels the library streams, once at load; `product` is x [..., I] times it.
+its two products with XLA as FFI targets; it says whether the kernel is in use and, where
+not, why (no compiler, a failed build, a backend other than CPU, or `KVJAX_CPU_KERNEL=0`):
+then the pure-JAX products run. `product` takes the weights as the model holds them, a
+Dense kernel [I, O] or a tied head's embedding [O, I]: nothing is repacked.
 
 A row's bits from `product` depend on that row's values alone: the same for 1 row or 512,
-whatever rows sit beside it (each output one fused-multiply-add chain over the inputs in
-index order). They are not XLA's bits: the kernel in use is part of the numerics plan.
+whatever rows sit beside it (the order of each output's sum is fixed by I alone:
+product.cc). They are not XLA's bits: the kernel in use is part of the numerics plan.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 
 import jax
 import jax.numpy as jnp
 
-PANEL = 64  # outputs per packed panel (product.cc's PANEL)
-TARGET = "kvjax_product"
+TARGET, TARGET_T = "kvjax_product", "kvjax_product_t"  # w [I, O]; w [O, I]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +56,8 @@ def _load() -> Kernel:
     except OSError as e:
         return Kernel(False, f"{made.path} did not load: {e}")
     lib.kvjax_product_isa.restype = ctypes.c_char_p
-    lib.kvjax_product_panel.restype = ctypes.c_int64
-    if lib.kvjax_product_panel() != PANEL:
-        return Kernel(False, f"{made.path} packs {lib.kvjax_product_panel()} outputs a panel")
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvjaxProduct), platform="cpu")
+    for name, fn in ((TARGET, lib.KvjaxProduct), (TARGET_T, lib.KvjaxProductT)):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     return Kernel(True, made.reason, lib.kvjax_product_isa().decode())
 
 
@@ -71,19 +69,40 @@ def kernel() -> Kernel:
     return _KERNEL
 
 
-def pack(w: jax.Array) -> jax.Array:
-    """kernel [I, O] -> float32[ceil(O / PANEL), I, PANEL]: panel p holds outputs
-    p * PANEL .. p * PANEL + PANEL - 1, zero past O."""
-    i, o = w.shape
-    count = -(-o // PANEL)
-    w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, count * PANEL - o)))
-    return w.reshape(i, count, PANEL).transpose(1, 0, 2)
-
-
-def product(x: jax.Array, packed: jax.Array, out_features: int) -> jax.Array:
-    """x [..., I] times the packed kernel (`pack`) -> float32 [..., out_features], each
-    row's bits its own (module docstring). Needs `kernel().available`."""
+def product(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """x [..., I] times w [I, O] (a Dense kernel), or times w [O, I] transposed (a tied
+    head's embedding) -> float32 [..., O], each row's bits its own (module docstring).
+    Needs `kernel().available`."""
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], out_features),
-                                                      jnp.float32))(rows, packed)
-    return y.reshape(*x.shape[:-1], out_features)
+    out = w.shape[0] if transposed else w.shape[1]
+    y = jax.ffi.ffi_call(TARGET_T if transposed else TARGET,
+                         jax.ShapeDtypeStruct((rows.shape[0], out), jnp.float32))(
+        rows, jnp.asarray(w, jnp.float32))
+    return y.reshape(*x.shape[:-1], out)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelDot:
+    """A `lax.dot_general` for Flax's Dense and DenseGeneral (w [in..., out...], its leading
+    axes contracted) and for a tied head (w [V, D], its last axis contracted) by `product`:
+    the input's trailing axes are contracted, every other input axis is a row axis, and no
+    batch axes. Float32 products (other dtypes are cast to it and the result back)."""
+
+    def __call__(self, x: jax.Array, w: jax.Array, dimension_numbers, precision=None,
+                 preferred_element_type=None) -> jax.Array:
+        (x_contract, w_contract), (x_batch, w_batch) = dimension_numbers
+        n = len(x_contract)
+        x_contract = tuple(a % x.ndim for a in x_contract)
+        w_contract = tuple(a % w.ndim for a in w_contract)
+        leading, trailing = tuple(range(n)), tuple(range(w.ndim - n, w.ndim))
+        if x_batch or w_batch or x_contract != tuple(range(x.ndim - n, x.ndim)) or \
+                w_contract not in (leading, trailing):
+            raise ValueError(f"KernelDot: contract the input's trailing axes with the "
+                             f"weights' leading or trailing ones, got {dimension_numbers}")
+        transposed = w_contract != leading
+        inputs = math.prod(x.shape[x.ndim - n:])
+        outs = w.shape[:w.ndim - n] if transposed else w.shape[n:]
+        w2 = w.reshape(-1, inputs) if transposed else w.reshape(inputs, -1)
+        y = product(x.reshape(-1, inputs), w2, transposed)
+        dtype = preferred_element_type or jnp.result_type(x, w)
+        return y.reshape(*x.shape[:x.ndim - n], *outs).astype(dtype)

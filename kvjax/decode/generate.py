@@ -3,7 +3,7 @@
 Under an invariant numerics plan (`plan=kvjax.model.plan.NumericsPlan("invariant")`) the
 prompts are prefilled together. The parameters must be stored as the plan says
 (`kvjax.model.layout.store(params, plan)`: kernels stored transposed, q/k/v and gate/up
-fused); the engine's start-up choice of plan is `kvjax.engine.engine.numerics_plans`.
+fused); the engine's start-up choice of plan is `kvjax.engine.plans.numerics_plans`.
 
 The pages come from a `KVPool` (`kvjax.cache.pool.PagePool`, the engine's pool class).
 

@@ -35,7 +35,6 @@ pages explain), aggregated, never per request.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import time
 import warnings
@@ -49,9 +48,11 @@ from kvjax.cache.identity import CacheNamespace, adapter_identity, model_fingerp
 from kvjax.cache.manager import KVCacheManager
 from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
-from kvjax.decode.batching import bucket
 from kvjax.decode.sampling import sequence_keys
 from kvjax.engine.engine_metrics import EngineMetrics, tier_metrics
+from kvjax.engine.plans import numerics_blocks as numerics_blocks  # the old name's home
+from kvjax.engine.plans import numerics_plans as numerics_plans
+from kvjax.engine.plans import products_path
 from kvjax.engine.requests import (
     MAX_STOP_TOKENS,
     LiveRequest,
@@ -70,9 +71,7 @@ from kvjax.engine.stats import Timers, aggregate
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.layout import canonical, store
-from kvjax.model.lora import choose_block, stack_adapters, stacked_shapes
-from kvjax.model.plan import NumericsPlan
-from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
+from kvjax.model.lora import stack_adapters, stacked_shapes
 from kvjax.speculative.plugin import Speculator
 
 
@@ -101,6 +100,7 @@ class Engine:
         plan, *draft_plan, self.numerics_problems = numerics_plans(
             configs, ec, gamma, [] if lora is None else stacked_shapes(lora))
         self.config = config  # the architecture; how its steps run is `self.plan`
+        self.products = products_path(ec)  # XLA's or kvjax's CPU kernel, and why
         self.plan = plan.check(config)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -341,58 +341,3 @@ class Engine:
         req.submitted = time.perf_counter()
         self.rounds.enqueue(req)
         return req.id
-
-
-def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
-                   lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
-    """The numerics plan (`kvjax.model.plan.NumericsPlan`) of each of `configs` (the
-    target's, the draft's) under the engine's settings, then what still fails: the mode is
-    `ec.numerics`, and under invariant numerics each product's row block
-    (`kvjax.model.tiled.choose_blocks`, probed per shape on the running backend and cached)
-    for the engine's largest calls: `bucket(max_slots)` sequences of up to
-    max(prefill_chunk, gamma + 1) tokens each (logits for gamma + 1 of them: prefill keeps
-    the last token's), or one prompt with all of a call's tokens (a widened prefill call),
-    attention over blocks of `attn_block` keys, and never less than
-    `kvjax.model.tiled.PROBED`, so that the choice (and so a request's bits) does not change
-    with max_slots, the chunk or gamma inside those bounds; with `lora_shapes` (the
-    target's stacked adapters, `kvjax.model.lora.stacked_shapes`) the LoRA deltas' block
-    too (`kvjax.model.lora.choose_block`). Problems come with the backend check (a warning
-    names them). A plan is part of the cache identity."""
-    base = NumericsPlan(ec.numerics, ec.row_block,
-                        fused=ec.fused_projections and ec.mesh is None)
-    if not base.invariant:
-        return [*(base for _ in configs), []]
-    width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
-    # a packed decode step (`EngineConfig.packed_prefill`) holds a decode token per slot
-    # beside up to `bucket(max_slots)` prompts' slices, and a head row for each
-    calls = Calls(rows=max(seqs * (width + 1), PROBED.rows),
-                  head_rows=max(seqs * max(gamma + 1, 2), PROBED.head_rows),
-                  # a widened prefill call (`StepRunner.call_width`) gives one prompt all of
-                  # a call's tokens
-                  queries=max(seqs * ec.cache.prefill_chunk, gamma + 1, PROBED.queries),
-                  keys=ec.cache.block_pages * ec.cache.page_size)
-    plans, problems = [], []
-    for i, c in enumerate(configs):
-        blocks, transposed, failed = choose_blocks(
-            c, base, calls, transpose=ec.transposed_kernels and ec.mesh is None)
-        if i == 0 and lora_shapes:  # the target's adapters (the draft runs without)
-            block = choose_block(lora_shapes, calls.rows, base.row_block)
-            blocks += (("lora", base.row_block if block is None else block),)
-            failed += [] if block is not None else ["lora"]
-        plans.append(dataclasses.replace(base, row_blocks=blocks, transposed=transposed))
-        problems += [p for p in failed if p not in problems]
-    problems += check_backend()
-    if problems:
-        warnings.warn(f"kvjax numerics='invariant' does not hold on this backend for: "
-                      f"{'; '.join(problems)}. A request's bits may change with its batch.",
-                      RuntimeWarning, stacklevel=3)
-    return [*plans, problems]
-
-
-def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
-                    lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
-    """Deprecated: `numerics_plans` (the plans are no longer part of the model configs)."""
-    warnings.warn("kvjax.engine.engine.numerics_blocks is now numerics_plans, which returns "
-                  "the NumericsPlan of each config (kvjax.model.plan)", DeprecationWarning,
-                  stacklevel=2)
-    return numerics_plans(configs, ec, gamma, lora_shapes)

@@ -44,7 +44,7 @@ class TargetModel:
 
     params: Any  # on device (or placed on the mesh), stored as `plan` says
     config: ModelConfig
-    plan: NumericsPlan = FAST  # how the steps run it (`kvjax.engine.engine.numerics_plans`)
+    plan: NumericsPlan = FAST  # how the steps run it (`kvjax.engine.plans.numerics_plans`)
     lora: Any = None  # the loaded adapters, stacked (`kvjax.model.lora.stack_adapters`)
     shardings: Any = None  # `kvjax.sharding.StepShardings` on a mesh
     kernel: Any = None  # the decode attention kernel (None: the reference)

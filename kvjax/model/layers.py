@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
+from kvjax.cpu.product import KernelDot
 from kvjax.model.lora import add_lora
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.tiled import RowInvariantDot, tree_sum
@@ -19,10 +20,12 @@ from kvjax.model.tiled import RowInvariantDot, tree_sum
 EMBED_INIT = nn.initializers.normal(stddev=0.02)
 
 
-def row_dot(plan: NumericsPlan, product: str) -> RowInvariantDot | None:
+def row_dot(plan: NumericsPlan, product: str) -> RowInvariantDot | KernelDot | None:
     """The `dot_general` of one of the model's token-row products (a name in
-    `kvjax.config.ROW_PRODUCTS`): row-invariant blocks under an invariant plan, XLA's own
-    choice (None) otherwise."""
+    `kvjax.config.ROW_PRODUCTS`): kvjax's CPU kernel when the plan says so; else
+    row-invariant blocks under an invariant plan, XLA's own choice (None) otherwise."""
+    if plan.cpu_kernel:
+        return KernelDot()
     if not plan.invariant:
         return None
     return RowInvariantDot(plan.block(product))

@@ -4,7 +4,7 @@ what the model is.
 A `ModelConfig` is the architecture alone: two engines with the same config and weights
 hold the same model. How its products run is the plan: the mode, each product's row block,
 the kernels stored transposed and the projections fused. The engine chooses it at start-up
-(`kvjax.engine.engine.numerics_plans` probes the running backend); every step takes it as
+(`kvjax.engine.plans.numerics_plans` probes the running backend); every step takes it as
 a static argument beside the config. Every field changes a token's bits, so the plan is
 part of the cache identity (`kvjax.cache.identity.model_fingerprint`). Host code: no JAX.
 """
@@ -42,6 +42,12 @@ class NumericsPlan:
     # ("mlp up"), on kernels concatenated once at load (`kvjax.model.layout.store`); the
     # parameter tree users hold, load and save keeps its separate kernels
     fused: bool = False
+    # every product of ROW_PRODUCTS by kvjax's own CPU kernel (`kvjax.cpu.product`): one
+    # call of any row count, each row's bits its own by construction (whatever the mode), and
+    # a lone row at XLA's one-row speed instead of padded to two; its bits are not XLA's.
+    # It reads the kernels as Flax stores them (nothing `transposed`); LoRA deltas, norms and
+    # attention run as the mode says
+    cpu_kernel: bool = False
 
     def __post_init__(self):
         _require(self.mode in ("fast", "invariant"), "mode",
@@ -53,6 +59,8 @@ class NumericsPlan:
             _require(block == 0 or block >= 2, "row_blocks",
                      f"{name}: a block is 0 or >= 2, got {block}")
         object.__setattr__(self, "transposed", tuple(self.transposed))
+        _require(not (self.cpu_kernel and self.transposed), "transposed",
+                 "the CPU kernel reads the kernels as Flax stores them: nothing transposed")
         for name in self.transposed:
             _require(name in STORED_PRODUCTS, "transposed", f"{name!r} is not a stored product")
             _require(self.block(name) == 0, "transposed", f"{name}: a transposed kernel is "

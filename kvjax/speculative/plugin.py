@@ -35,7 +35,7 @@ class Speculator:
                  plan: NumericsPlan = FAST):
         self.spec = spec
         # the draft model's (None: the n-gram drafter); its pool is the manager's `draft`;
-        # `plan`: how its steps run (the engine's, `kvjax.engine.engine.numerics_plans`)
+        # `plan`: how its steps run (the engine's, `kvjax.engine.plans.numerics_plans`)
         self.params = self.config = self.sharding = self.fingerprint = None
         self.plan = plan
         if spec.drafter == "model":

@@ -1,0 +1,94 @@
+"""The engine's numerics plans: how the target's and the draft's steps run their products,
+chosen once at start-up from the engine's settings and probes of the running backend
+(`kvjax.model.tiled.choose_blocks`), and whether kvjax's CPU kernel runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+
+from kvjax.config import EngineConfig, ModelConfig
+from kvjax.decode.batching import bucket
+from kvjax.model.lora import choose_block
+from kvjax.model.plan import NumericsPlan
+from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
+
+
+def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
+                   lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
+    """The numerics plan (`kvjax.model.plan.NumericsPlan`) of each of `configs` (the
+    target's, the draft's) under the engine's settings, then what still fails: the mode is
+    `ec.numerics`, and under invariant numerics each product's row block
+    (`kvjax.model.tiled.choose_blocks`, probed per shape on the running backend and cached)
+    for the engine's largest calls: `bucket(max_slots)` sequences of up to
+    max(prefill_chunk, gamma + 1) tokens each (logits for gamma + 1 of them: prefill keeps
+    the last token's), or one prompt with all of a call's tokens (a widened prefill call),
+    attention over blocks of `attn_block` keys, and never less than
+    `kvjax.model.tiled.PROBED`, so that the choice (and so a request's bits) does not change
+    with max_slots, the chunk or gamma inside those bounds; with `lora_shapes` (the
+    target's stacked adapters, `kvjax.model.lora.stacked_shapes`) the LoRA deltas' block
+    too (`kvjax.model.lora.choose_block`). Problems come with the backend check (a warning
+    names them). A plan is part of the cache identity."""
+    base = NumericsPlan(ec.numerics, ec.row_block,
+                        fused=ec.fused_projections and ec.mesh is None,
+                        cpu_kernel=uses_cpu_kernel(ec))
+    if not base.invariant:
+        return [*(base for _ in configs), []]
+    width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
+    # a packed decode step (`EngineConfig.packed_prefill`) holds a decode token per slot
+    # beside up to `bucket(max_slots)` prompts' slices, and a head row for each
+    calls = Calls(rows=max(seqs * (width + 1), PROBED.rows),
+                  head_rows=max(seqs * max(gamma + 1, 2), PROBED.head_rows),
+                  # a widened prefill call (`StepRunner.call_width`) gives one prompt all of
+                  # a call's tokens
+                  queries=max(seqs * ec.cache.prefill_chunk, gamma + 1, PROBED.queries),
+                  keys=ec.cache.block_pages * ec.cache.page_size)
+    plans, problems = [], []
+    for i, c in enumerate(configs):
+        blocks, transposed, failed = choose_blocks(
+            c, base, calls, transpose=ec.transposed_kernels and ec.mesh is None)
+        if base.cpu_kernel:  # the kernel runs every product: attention's block alone counts
+            blocks, transposed = tuple(b for b in blocks if b[0] == "attention"), ()
+            failed = [f for f in failed if f == "attention"]
+        if i == 0 and lora_shapes:  # the target's adapters (the draft runs without)
+            block = choose_block(lora_shapes, calls.rows, base.row_block)
+            blocks += (("lora", base.row_block if block is None else block),)
+            failed += [] if block is not None else ["lora"]
+        plans.append(dataclasses.replace(base, row_blocks=blocks, transposed=transposed))
+        problems += [p for p in failed if p not in problems]
+    problems += check_backend()
+    if problems:
+        warnings.warn(f"kvjax numerics='invariant' does not hold on this backend for: "
+                      f"{'; '.join(problems)}. A request's bits may change with its batch.",
+                      RuntimeWarning, stacklevel=3)
+    return [*plans, problems]
+
+
+def uses_cpu_kernel(ec: EngineConfig) -> bool:
+    """Whether the engine's products run on kvjax's CPU kernel (`EngineConfig.cpu_kernel`)."""
+    if ec.cpu_kernel == "off" or ec.mesh is not None:
+        return False
+    from kvjax.cpu.product import kernel
+
+    return kernel().available
+
+
+def products_path(ec: EngineConfig) -> str:
+    """Which products the engine runs, in words (`Engine.products`)."""
+    if ec.cpu_kernel == "off":
+        return "XLA's products (cpu_kernel='off')"
+    if ec.mesh is not None:
+        return "XLA's products (the CPU kernel is not used on a mesh)"
+    from kvjax.cpu.product import kernel
+
+    return kernel().describe()
+
+
+def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
+                    lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
+    """Deprecated: `numerics_plans` (the plans are no longer part of the model configs)."""
+    warnings.warn("kvjax.engine.engine.numerics_blocks is now numerics_plans, which returns "
+                  "the NumericsPlan of each config (kvjax.model.plan)", DeprecationWarning,
+                  stacklevel=2)
+    return numerics_plans(configs, ec, gamma, lora_shapes)

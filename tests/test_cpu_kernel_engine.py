@@ -1,0 +1,71 @@
+"""The engine on kvjax's CPU kernel (`EngineConfig(cpu_kernel="auto")`): a request's bits
+are the ones it gets alone across the engine's knobs, its values are XLA's path's to
+rounding, the kernel is part of the cache identity, and `Engine.products` says which path
+runs (the kernel itself: tests/test_cpu_kernel.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from engine_helpers import CACHE, CONFIG, CONTEXT, assert_same, params, with_cache
+from test_invariance import requests
+
+from kvjax import Engine, EngineConfig, Request
+from kvjax.cache.identity import model_fingerprint
+from kvjax.cpu.product import kernel
+from kvjax.model.plan import INVARIANT
+
+pytestmark = pytest.mark.skipif(not kernel().available, reason=kernel().describe())
+
+
+def engine(p, **kw) -> Engine:
+    kw.setdefault("max_slots", 8)
+    kw.setdefault("decode_steps", 4)
+    kw.setdefault("min_context", CONTEXT)
+    return Engine(p, CONFIG, EngineConfig(cache=kw.pop("cache", CACHE), cpu_kernel="auto",
+                                          **kw))
+
+
+@pytest.fixture(scope="module")
+def p():
+    return params()
+
+
+@pytest.fixture(scope="module")
+def alone(p):
+    e = engine(p, max_slots=1, prefix_cache=False, min_context=0)
+    assert e.plan.cpu_kernel and e.plan.transposed == ()
+    return [e.generate([r])[0] for r in requests()]
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(max_slots=8), dict(max_slots=2), dict(cache=with_cache(prefill_chunk=8)),
+    dict(decode_steps=1), dict(decode_steps=16), dict(packed_prefill=True)], ids=str)
+def test_a_request_gets_its_alone_bits_on_the_kernel_path(p, alone, knobs):
+    assert_same(engine(p, **knobs).generate(requests()), alone)
+
+
+def test_the_kernel_path_gives_xla_paths_values_to_rounding(p, alone):
+    xla = Engine(p, CONFIG, EngineConfig(cache=CACHE, max_slots=1, prefix_cache=False))
+    assert not xla.plan.cpu_kernel
+    for r, got in zip(requests(), alone, strict=True):
+        want = xla.generate([dataclasses.replace(r, max_new_tokens=1)])[0]
+        # the first token's logits (the same history on both paths; up to 8.4): measured 8.6e-6
+        np.testing.assert_allclose(got.logits[0], want.logits[0], atol=1e-4, rtol=0)
+    greedy = [Request(tokens=r.tokens, max_new_tokens=10, return_logits=True)
+              for r in requests()[::2]]
+    assert [r.tokens for r in engine(p).generate(greedy)] == \
+        [r.tokens for r in xla.generate(greedy)]
+
+
+def test_the_kernel_is_part_of_the_cache_identity_and_of_the_startup_line(p):
+    on, off = engine(p), Engine(p, CONFIG, EngineConfig(cache=CACHE))
+    assert on.plan.cpu_kernel and not off.plan.cpu_kernel
+    assert on.products.startswith("kvjax CPU product kernel (")
+    assert off.products == "XLA's products (cpu_kernel='off')"
+    plan = dataclasses.replace(INVARIANT, cpu_kernel=True)
+    assert model_fingerprint(CONFIG, p, plan) != model_fingerprint(CONFIG, p, INVARIANT)
+    request = requests()[0]
+    assert on.namespace(request) != off.namespace(request)
