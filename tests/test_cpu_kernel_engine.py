@@ -14,10 +14,11 @@ from test_invariance import requests
 
 from kvjax import Engine, EngineConfig, Request
 from kvjax.cache.identity import model_fingerprint
-from kvjax.cpu.product import kernel
+from kvjax.cpu import product
+from kvjax.cpu.product import Kernel, kernel
 from kvjax.model.plan import INVARIANT
 
-pytestmark = pytest.mark.skipif(not kernel().available, reason=kernel().describe())
+needs_kernel = pytest.mark.skipif(not kernel().available, reason=kernel().describe())
 
 
 def engine(p, **kw) -> Engine:
@@ -40,6 +41,7 @@ def alone(p):
     return [e.generate([r])[0] for r in requests()]
 
 
+@needs_kernel
 @pytest.mark.parametrize("knobs", [
     dict(max_slots=8), dict(max_slots=2), dict(cache=with_cache(prefill_chunk=8)),
     dict(decode_steps=1), dict(decode_steps=16), dict(packed_prefill=True)], ids=str)
@@ -47,6 +49,7 @@ def test_a_request_gets_its_alone_bits_on_the_kernel_path(p, alone, knobs):
     assert_same(engine(p, **knobs).generate(requests()), alone)
 
 
+@needs_kernel
 def test_the_kernel_path_gives_xla_paths_values_to_rounding(p, alone):
     xla = Engine(p, CONFIG, EngineConfig(cache=CACHE, max_slots=1, prefix_cache=False))
     assert not xla.plan.cpu_kernel
@@ -60,6 +63,7 @@ def test_the_kernel_path_gives_xla_paths_values_to_rounding(p, alone):
         [r.tokens for r in xla.generate(greedy)]
 
 
+@needs_kernel
 def test_the_kernel_is_part_of_the_cache_identity_and_of_the_startup_line(p):
     on, off = engine(p), Engine(p, CONFIG, EngineConfig(cache=CACHE))
     assert on.plan.cpu_kernel and not off.plan.cpu_kernel
@@ -69,3 +73,14 @@ def test_the_kernel_is_part_of_the_cache_identity_and_of_the_startup_line(p):
     assert model_fingerprint(CONFIG, p, plan) != model_fingerprint(CONFIG, p, INVARIANT)
     request = requests()[0]
     assert on.namespace(request) != off.namespace(request)
+
+
+def test_without_the_kernel_auto_runs_xlas_products_with_the_same_bits_and_says_why(
+        p, monkeypatch):
+    off = Engine(p, CONFIG, EngineConfig(cache=CACHE, max_slots=4))
+    monkeypatch.setattr(product, "_KERNEL", Kernel(False, "no C++ compiler found"))
+    auto = engine(p, max_slots=4, min_context=0)
+    assert not auto.plan.cpu_kernel and auto.plan == off.plan
+    assert auto.products == ("pure-JAX products (kvjax CPU kernel not in use: no C++ "
+                             "compiler found)")
+    assert_same(auto.generate(requests()), off.generate(requests()))
