@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvjax.cpu import build
-from kvjax.cpu.product import kernel, product
+from kvjax.cpu.product import kernel, pack, product, unpack
 
 needs_kernel = pytest.mark.skipif(not kernel().available, reason=kernel().describe())
 # (I, O, w stored [O, I]): SmolLM2's q/o, k/v, MLP up and down, a head's shape, and odd
@@ -31,7 +31,8 @@ _product = jax.jit(product, static_argnums=2)
 
 
 def _stored(w: np.ndarray, transposed: bool) -> jax.Array:
-    return jnp.asarray(np.ascontiguousarray(w.T) if transposed else w)
+    """w [I, O] as `product` takes it: [O, I] transposed, else packed."""
+    return jnp.asarray(w.T) if transposed else pack(jnp.asarray(w))
 
 
 @needs_kernel
@@ -71,6 +72,24 @@ def test_values_within_ten_times_the_measured_error_of_a_float64_product(i, o, t
     y = product(jnp.asarray(x.reshape(4, 16, i)), _stored(w, transposed), transposed)
     assert y.shape == (4, 16, o)
     np.testing.assert_array_equal(np.asarray(y).reshape(64, o), got.astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(5, 100), (5, 64), (3, 7), (4, 3, 128), (2, 3, 5)])
+def test_pack_streams_panels_of_64_outputs_then_the_rest_and_unpacks(shape):
+    w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    inputs = 2 if len(shape) == 3 and shape[-1] == 5 else 1  # an o kernel [N, H, D]
+    packed = np.asarray(pack(jnp.asarray(w), inputs))
+    assert packed.shape == w.shape
+    flat, out = w.reshape(-1, w.size // np.prod(shape[:inputs])), w.size // np.prod(
+        shape[:inputs])
+    full = out // 64 * 64
+    want = np.concatenate([flat[:, :full].reshape(len(flat), -1, 64).transpose(1, 0, 2)
+                           .reshape(-1), flat[:, full:].reshape(-1)])
+    np.testing.assert_array_equal(packed.reshape(-1), want)
+    if full:  # panel 0 holds outputs 0..63 of every input, input by input
+        np.testing.assert_array_equal(packed.reshape(-1)[:64 * len(flat)],
+                                      flat[:, :64].reshape(-1))
+    np.testing.assert_array_equal(np.asarray(unpack(jnp.asarray(packed), inputs)), w)
 
 
 @needs_kernel

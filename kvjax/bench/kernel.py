@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config_files import load_config
-from kvjax.cpu.product import kernel, product
+from kvjax.cpu.product import kernel, pack, product
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.model.tiled import model_shapes
 
@@ -88,7 +88,7 @@ def chain_rows(reps: int, rng) -> list[dict]:
     layers = [[_weights(rng, d, f) for d, f in shapes] for _ in range(s["layers"])]
     embedding = _weights(rng, s["vocab"], s["d"])
     xla = chain(layers, embedding, xla_product)
-    ours = chain(layers, embedding, product)
+    ours = chain([[pack(w) for w in layer] for layer in layers], embedding, product)
     out = []
     for m in ROWS:
         x = jnp.asarray(rng.standard_normal((m, s["d"])).astype(np.float32))
@@ -104,11 +104,12 @@ def product_rows(shapes: dict, reps: int, rng) -> list[dict]:
     xla, ours = (jax.jit(f, static_argnums=2) for f in (xla_product, product))
     for name, (d, f, transposed) in shapes.items():
         w = _weights(rng, f, d) if transposed else _weights(rng, d, f)
-        agree = rows_agree(w, transposed, rng)
+        stored = w if transposed else pack(w)  # as the engine stores it
+        agree = rows_agree(stored, transposed, rng)
         for m in ROWS:
             x = jnp.asarray(rng.standard_normal((m, d)).astype(np.float32))
             t_xla, t_ours = side_by_side([partial(_call, xla, x, w, transposed),
-                                          partial(_call, ours, x, w, transposed)], reps)
+                                          partial(_call, ours, x, stored, transposed)], reps)
             out.append({"shape": f"{name} {d}x{f}", "rows": m, "xla_ms": t_xla * 1e3,
                         "kernel_ms": t_ours * 1e3, "bits": agree})
     return out

@@ -7,9 +7,11 @@
 // neighbours, the thread count or the vector width:
 // - kvjax_product: each output is one chain of fused multiply-adds over the inputs in index
 //   order, y = fma(x[I-1], W[I-1], ... fma(x[0], W[0], 0)). Vector lanes run over outputs;
-//   rows are blocked in registers only to reuse each loaded weight vector; the inputs are
-//   taken CHUNK at a time so the weights stream once, row by row, while the partial sums
-//   wait in y (a store and a load are exact, the chain goes on unchanged).
+//   rows are blocked in registers only to reuse each loaded weight vector. W comes packed
+//   (kvjax.cpu.product.pack, once at load; same shape): the outputs' first O - O % 64 in
+//   panels of 64, panel p holding W[i, 64p + j] at (p * I + i) * 64 + j, then the last
+//   O % 64 outputs as [I, O % 64], so each thread streams its panels front to back (in
+//   Flax's layout a thread's share of a row is a short piece and the stream stalls).
 // - kvjax_product_t: lane l of an output's 16 accumulators sums the inputs i = l mod 16 in
 //   index order by fused multiply-adds (past I a lane adds nothing), then the 16 lanes are
 //   added in one fixed tree.
@@ -36,9 +38,8 @@ constexpr int64_t LANES = 16;
 constexpr int64_t VECS = 4;              // vectors of outputs per tile (kvjax_product)
 constexpr int64_t PANEL = LANES * VECS;  // outputs per tile
 constexpr int64_t ROW_BLOCK = 6;         // rows per tile (kvjax_product)
-constexpr int64_t CHUNK = 64;            // inputs per pass over the weights
-constexpr int64_t T_ROWS = 4;            // rows x outputs per tile (kvjax_product_t)
-constexpr int64_t T_OUTS = 4;
+constexpr int64_t T_ROWS = 4;  // rows per tile (kvjax_product_t; one output a tile: one
+                               // stream of weights per thread streams fastest)
 
 // Sixteen float lanes, each its own fma chain: three builds with the same bits.
 #if defined(__AVX512F__)
@@ -96,57 +97,55 @@ inline Vec load_part(const float* p, int64_t n) {
   return load(tmp);
 }
 
-// ---- kvjax_product: W[I, O] ------------------------------------------------------------
+// ---- kvjax_product: W[I, O], packed ----------------------------------------------------
 
 struct Dense {
   const float* x;  // [rows, in]
-  const float* w;  // [in, out]
+  const float* w;  // [in, out] (kvjax_product: packed, see the file's head)
   float* y;        // [rows, out]
   int64_t rows, in, out;
 };
 
-// y[r0 .. r0 + ROWS, o0 .. o0 + PANEL) over inputs [c0, c1), going on from y unless first.
+// y[r0 .. r0 + ROWS, p * PANEL .. + PANEL) from panel p, streamed once.
 template <int64_t ROWS>
-void tile(const Dense& d, int64_t r0, int64_t o0, int64_t c0, int64_t c1, bool first) {
+void tile(const Dense& d, int64_t r0, int64_t p) {
   Vec acc[ROWS][VECS];
   for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t v = 0; v < VECS; ++v)
-      acc[r][v] = first ? zero() : load(d.y + (r0 + r) * d.out + o0 + v * LANES);
+    for (int64_t v = 0; v < VECS; ++v) acc[r][v] = zero();
+  const float* panel = d.w + p * d.in * PANEL;
   const float* xr = d.x + r0 * d.in;
-  for (int64_t i = c0; i < c1; ++i) {
-    const float* w = d.w + i * d.out + o0;
+  for (int64_t i = 0; i < d.in; ++i) {
     Vec wv[VECS];
-    for (int64_t v = 0; v < VECS; ++v) wv[v] = load(w + v * LANES);
+    for (int64_t v = 0; v < VECS; ++v) wv[v] = load(panel + i * PANEL + v * LANES);
     for (int64_t r = 0; r < ROWS; ++r) {
       Vec xv = splat(xr[r * d.in + i]);
       for (int64_t v = 0; v < VECS; ++v) acc[r][v] = fma(xv, wv[v], acc[r][v]);
     }
   }
   for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t v = 0; v < VECS; ++v) store(d.y + (r0 + r) * d.out + o0 + v * LANES, acc[r][v]);
+    for (int64_t v = 0; v < VECS; ++v)
+      store(d.y + (r0 + r) * d.out + p * PANEL + v * LANES, acc[r][v]);
 }
 
-using Tile = void (*)(const Dense&, int64_t, int64_t, int64_t, int64_t, bool);
+using Tile = void (*)(const Dense&, int64_t, int64_t);
 constexpr Tile TILES[ROW_BLOCK + 1] = {nullptr,  tile<1>, tile<2>,        tile<3>,
                                        tile<4>, tile<5>, tile<ROW_BLOCK>};
 
-// Outputs [o_begin, o_end) of every row: full panels by tiles, the rest one lane at a time
-// (std::fma: the same operation as a vector lane).
-void dense_outputs(const Dense& d, int64_t o_begin, int64_t o_end) {
-  int64_t panels_end = o_begin + (o_end - o_begin) / PANEL * PANEL;
-  for (int64_t c0 = 0; c0 < d.in; c0 += CHUNK) {
-    int64_t c1 = std::min(d.in, c0 + CHUNK);
-    for (int64_t o0 = o_begin; o0 < panels_end; o0 += PANEL)
-      for (int64_t r0 = 0; r0 < d.rows; r0 += ROW_BLOCK)
-        TILES[std::min(ROW_BLOCK, d.rows - r0)](d, r0, o0, c0, c1, c0 == 0);
-    for (int64_t r = 0; r < d.rows; ++r)
-      for (int64_t o = panels_end; o < o_end; ++o) {
-        float acc = c0 == 0 ? 0.0f : d.y[r * d.out + o];
-        for (int64_t i = c0; i < c1; ++i)
-          acc = std::fma(d.x[r * d.in + i], d.w[i * d.out + o], acc);
-        d.y[r * d.out + o] = acc;
-      }
-  }
+// Panels [p_begin, p_end) for every row; the last range also takes the outputs past the
+// last full panel, one lane at a time (std::fma: the same operation as a vector lane).
+void dense_outputs(const Dense& d, int64_t p_begin, int64_t p_end) {
+  for (int64_t p = p_begin; p < p_end; ++p)
+    for (int64_t r0 = 0; r0 < d.rows; r0 += ROW_BLOCK)
+      TILES[std::min(ROW_BLOCK, d.rows - r0)](d, r0, p);
+  int64_t full = d.out / PANEL, rest = d.out - full * PANEL;
+  if (p_end != full || rest == 0) return;
+  const float* tail = d.w + full * PANEL * d.in;  // [in, rest]
+  for (int64_t r = 0; r < d.rows; ++r)
+    for (int64_t o = 0; o < rest; ++o) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < d.in; ++i) acc = std::fma(d.x[r * d.in + i], tail[i * rest + o], acc);
+      d.y[r * d.out + full * PANEL + o] = acc;
+    }
 }
 
 // ---- kvjax_product_t: W[O, I] ----------------------------------------------------------
@@ -160,54 +159,42 @@ inline float lane_sum(Vec a) {
   return f[0];
 }
 
-template <int64_t ROWS, int64_t OUTS>
-void tile_t(const Dense& d, int64_t r0, int64_t o0) {
-  Vec acc[ROWS][OUTS];
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t o = 0; o < OUTS; ++o) acc[r][o] = zero();
+// Output o of rows [r0, r0 + ROWS).
+template <int64_t ROWS>
+void tile_t(const Dense& d, int64_t r0, int64_t o) {
+  Vec acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = zero();
   int64_t full = d.in / LANES * LANES;
+  const float* w = d.w + o * d.in;
   for (int64_t i = 0; i < d.in; i += LANES) {
     int64_t n = std::min(LANES, d.in - i);
-    Vec wv[OUTS], xv[ROWS];
-    for (int64_t o = 0; o < OUTS; ++o) {
-      const float* p = d.w + (o0 + o) * d.in + i;
-      wv[o] = i < full ? load(p) : load_part(p, n);
-    }
+    Vec wv = i < full ? load(w + i) : load_part(w + i, n);
     for (int64_t r = 0; r < ROWS; ++r) {
       const float* p = d.x + (r0 + r) * d.in + i;
-      xv[r] = i < full ? load(p) : load_part(p, n);
+      acc[r] = fma(i < full ? load(p) : load_part(p, n), wv, acc[r]);
     }
-    for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t o = 0; o < OUTS; ++o) acc[r][o] = fma(xv[r], wv[o], acc[r][o]);
   }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t o = 0; o < OUTS; ++o) d.y[(r0 + r) * d.out + o0 + o] = lane_sum(acc[r][o]);
-}
-
-template <int64_t OUTS>
-void rows_t(const Dense& d, int64_t o0) {
-  int64_t r0 = 0;
-  for (; r0 + T_ROWS <= d.rows; r0 += T_ROWS) tile_t<T_ROWS, OUTS>(d, r0, o0);
-  for (; r0 < d.rows; ++r0) tile_t<1, OUTS>(d, r0, o0);
+  for (int64_t r = 0; r < ROWS; ++r) d.y[(r0 + r) * d.out + o] = lane_sum(acc[r]);
 }
 
 void transposed_outputs(const Dense& d, int64_t o_begin, int64_t o_end) {
-  int64_t o0 = o_begin;
-  for (; o0 + T_OUTS <= o_end; o0 += T_OUTS) rows_t<T_OUTS>(d, o0);
-  for (; o0 < o_end; ++o0) rows_t<1>(d, o0);
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    int64_t r0 = 0;
+    for (; r0 + T_ROWS <= d.rows; r0 += T_ROWS) tile_t<T_ROWS>(d, r0, o);
+    for (; r0 < d.rows; ++r0) tile_t<1>(d, r0, o);
+  }
 }
 
 // ---- the FFI handlers ------------------------------------------------------------------
 
-// fn(d, o_begin, o_end) over ranges of outputs (multiples of `unit` but the last), one per
-// thread; each output's work is the same whichever thread runs it.
+// fn(d, begin, end) over `units` split in ranges, one per thread; each unit's work is the
+// same whichever thread runs it.
 template <typename Fn>
-void split_outputs(ffi::ThreadPool& pool, const Dense& d, int64_t unit, Fn fn) {
-  int64_t units = (d.out + unit - 1) / unit;
-  int64_t tasks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), units);
+void split(ffi::ThreadPool& pool, const Dense& d, int64_t units, Fn fn) {
+  int64_t tasks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1),
+                                    std::max<int64_t>(units, 1));
   auto range = [&](int64_t t) {
-    return std::pair<int64_t, int64_t>{std::min(d.out, units * t / tasks * unit),
-                                       std::min(d.out, units * (t + 1) / tasks * unit)};
+    return std::pair<int64_t, int64_t>{units * t / tasks, units * (t + 1) / tasks};
   };
   std::atomic<int64_t> done{0};
   for (int64_t t = 1; t < tasks; ++t) {
@@ -234,9 +221,9 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
   Dense d{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
   if (d.rows == 0 || d.out == 0) return ffi::Error::Success();
   if (transposed)
-    split_outputs(pool, d, T_OUTS, transposed_outputs);
+    split(pool, d, d.out, transposed_outputs);
   else
-    split_outputs(pool, d, PANEL, dense_outputs);
+    split(pool, d, d.out / PANEL, dense_outputs);
   return ffi::Error::Success();
 }
 

@@ -3,8 +3,9 @@
 `kernel()` builds or loads the library once per process (`kvjax.cpu.build`) and registers
 its two products with XLA as FFI targets; it says whether the kernel is in use and, where
 not, why (no compiler, a failed build, a backend other than CPU, or `KVJAX_CPU_KERNEL=0`):
-then the pure-JAX products run. `product` takes the weights as the model holds them, a
-Dense kernel [I, O] or a tied head's embedding [O, I]: nothing is repacked.
+then the pure-JAX products run. `product` takes a Dense kernel [I, O] packed once at load
+(`pack`: the same shape, another order; `kvjax.model.layout.store`) or a tied head's
+embedding [O, I] as it is.
 
 A row's bits from `product` depend on that row's values alone: the same for 1 row or 512,
 whatever rows sit beside it (the order of each output's sum is fixed by I alone:
@@ -69,10 +70,37 @@ def kernel() -> Kernel:
     return _KERNEL
 
 
+PANEL = 64  # outputs per packed panel (product.cc)
+
+
+def pack(w: jax.Array, inputs: int = 1) -> jax.Array:
+    """A kernel [in..., out...] (its first `inputs` axes the inputs) in the order
+    `product` streams, same shape: over I = prod(in) and O = prod(out), the first
+    O - O % 64 outputs in panels of 64 ([O // 64, I, 64]), then the rest as [I, O % 64]."""
+    i = math.prod(w.shape[:inputs])
+    flat = w.reshape(i, -1)
+    full = flat.shape[1] // PANEL * PANEL
+    panels = flat[:, :full].reshape(i, -1, PANEL).transpose(1, 0, 2)
+    return jnp.concatenate([panels.reshape(-1), flat[:, full:].reshape(-1)]).reshape(w.shape)
+
+
+def unpack(w: jax.Array, inputs: int = 1) -> jax.Array:
+    """`pack` undone."""
+    i = math.prod(w.shape[:inputs])
+    o = w.size // i
+    full = o // PANEL * PANEL
+    flat = w.reshape(-1)
+    panels = flat[:i * full].reshape(-1, i, PANEL).transpose(1, 0, 2).reshape(i, full)
+    rest = flat[i * full:].reshape(i, o - full)
+    return jnp.concatenate([panels, rest], axis=1).reshape(w.shape)
+
+
 def product(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """x [..., I] times w [I, O] (a Dense kernel), or times w [O, I] transposed (a tied
-    head's embedding) -> float32 [..., O], each row's bits its own (module docstring).
-    Needs `kernel().available`."""
+    """x [..., I] times w [I, O] packed (`pack`: a Dense kernel), or times w [O, I]
+    transposed (a tied head's embedding, as stored) -> float32 [..., O], each row's bits
+    its own (module docstring). Needs `kernel().available` (a clear error otherwise)."""
+    if not kernel().available:
+        raise RuntimeError(f"kvjax.cpu.product: {kernel().describe()}")
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     out = w.shape[0] if transposed else w.shape[1]
     y = jax.ffi.ffi_call(TARGET_T if transposed else TARGET,
@@ -83,10 +111,10 @@ def product(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class KernelDot:
-    """A `lax.dot_general` for Flax's Dense and DenseGeneral (w [in..., out...], its leading
-    axes contracted) and for a tied head (w [V, D], its last axis contracted) by `product`:
-    the input's trailing axes are contracted, every other input axis is a row axis, and no
-    batch axes. Float32 products (other dtypes are cast to it and the result back)."""
+    """A `lax.dot_general` for Flax's Dense and DenseGeneral (w [in..., out...] packed, its
+    leading axes contracted) and for a tied head (w [V, D], its last axis contracted) by
+    `product`: the input's trailing axes are contracted, every other input axis is a row
+    axis, and no batch axes. Float32 products (other dtypes are cast to it and the result back)."""
 
     def __call__(self, x: jax.Array, w: jax.Array, dimension_numbers, precision=None,
                  preferred_element_type=None) -> jax.Array:

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cpu.product import pack, unpack
+
 SCOPE = "stored_kernels"
 
 # product -> (module path inside a layer or at the top, inputs axes contracted at the front)
@@ -49,9 +51,10 @@ class Stored:
     tree: Any
     products: tuple[str, ...]
     fused: bool = False  # q/k/v and gate/up concatenated (`NumericsPlan.fused`)
+    packed: bool = False  # every kernel packed for the CPU kernel (`NumericsPlan.cpu_kernel`)
 
     def tree_flatten(self):
-        return (self.tree,), (self.products, self.fused)
+        return (self.tree,), (self.products, self.fused, self.packed)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -132,27 +135,32 @@ def unfuse(params: dict, config) -> dict:
 
 def store(params: dict, plan) -> dict | Stored:
     """The parameters as the steps of a `NumericsPlan` take them: its `transposed` products'
-    kernels stored transposed and, for a fused plan, q/k/v and gate/up concatenated; the
-    plain tree when there is neither."""
-    products, fused = tuple(plan.transposed), plan.fused
-    if not products and not fused:
+    kernels stored transposed, for a fused plan q/k/v and gate/up concatenated, for the CPU
+    kernel every kernel packed (`kvjax.cpu.product.pack`: a tied head's embedding, which
+    the input lookup reads too, stays); the plain tree when there is none of these."""
+    products, fused, packed = tuple(plan.transposed), plan.fused, plan.cpu_kernel
+    if not products and not fused and not packed:
         return params
     tree = fuse(params) if fused else params
-    return Stored(_map_kernels(tree, products, to_stored), products, fused)
+    if packed:
+        tree = _map_kernels(tree, tuple(KERNELS), pack)
+    return Stored(_map_kernels(tree, products, to_stored), products, fused, packed)
 
 
 def unstored(params: dict | Stored, plan) -> dict:
     """The tree the model takes under `plan`, inside a jitted step, of parameters that must
     be stored as `plan` says (transposed views; fused kernels stay fused); a clear error
     when they were not stored so (their rows would silently lose invariance)."""
-    products, fused = tuple(plan.transposed), plan.fused
-    held = (params.products, params.fused) if isinstance(params, Stored) else ((), False)
-    if held != (products, fused):
+    products, fused, packed = tuple(plan.transposed), plan.fused, plan.cpu_kernel
+    held = ((params.products, params.fused, params.packed) if isinstance(params, Stored)
+            else ((), False, False))
+    if held != (products, fused, packed):
         raise ValueError(f"the numerics plan stores {list(products)} transposed"
-                         f"{' and fused' if fused else ''} but the parameters hold "
-                         f"{list(held[0])}{' fused' if held[1] else ''}: pass "
-                         f"kvjax.model.layout.store(params, plan)")
-    if not products and not fused:
+                         f"{' and fused' if fused else ''}{' and packed' if packed else ''} "
+                         f"but the parameters hold {list(held[0])}"
+                         f"{' fused' if held[1] else ''}{' packed' if held[2] else ''}: "
+                         f"pass kvjax.model.layout.store(params, plan)")
+    if not products and not fused and not packed:
         return params
     with jax.named_scope(SCOPE):  # names what is left of the views in compiled HLO
         return _map_kernels(params.tree, products, from_stored)
@@ -165,4 +173,6 @@ def canonical(params: dict | Stored, config) -> dict:
     if not isinstance(params, Stored):
         return params
     tree = _map_kernels(params.tree, params.products, from_stored)
+    if params.packed:
+        tree = _map_kernels(tree, tuple(KERNELS), unpack)
     return unfuse(tree, config) if params.fused else tree
