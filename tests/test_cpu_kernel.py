@@ -4,6 +4,7 @@ no library can be built."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 
@@ -105,6 +106,42 @@ def test_the_library_is_cached_by_source_compiler_cpu_and_jaxlib(tmp_path, monke
     assert build.build(jax.ffi.include_dir(), "jaxlib-x", env).path not in (first.path,
                                                                            other.path)
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".so"] * 3  # no temporaries
+
+
+@needs_kernel
+def test_avx512_avx2_and_scalar_builds_give_the_same_bits(tmp_path):
+    """The order of each sum is fixed by I alone, not by the vector width: the library built
+    for 16-float, 8-float and no vectors (software fma) gives the same bits."""
+    env = {"KVJAX_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    widths = {"native": (), "avx2": ("-mno-avx512f",),
+              "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+    rng = np.random.default_rng(4)
+    outs, isas = {}, {}
+    for name, flags in widths.items():
+        made = build.build(jax.ffi.include_dir(), "jaxlib-x", env, flags)
+        assert made.path is not None, made.reason
+        lib = ctypes.CDLL(str(made.path))
+        lib.kvjax_product_isa.restype = ctypes.c_char_p
+        isas[name] = lib.kvjax_product_isa().decode()
+        for i, o, transposed in [(100, 130, False), (37, 10, True), (576, 64, True)]:
+            w = _weights(i, o, seed=5)
+            stored = np.ascontiguousarray(np.asarray(_stored(w, transposed)), np.float32)
+            x = np.ascontiguousarray(rng.standard_normal((7, i)), np.float32) if name == \
+                "native" else outs[("x", i, o)]
+            y = np.zeros((7, o), np.float32)
+            ptr = ctypes.POINTER(ctypes.c_float)
+            lib.kvjax_product_raw(x.ctypes.data_as(ptr), stored.ctypes.data_as(ptr),
+                                  y.ctypes.data_as(ptr), ctypes.c_int64(7), ctypes.c_int64(i),
+                                  ctypes.c_int64(o), ctypes.c_int(transposed))
+            outs[("x", i, o)] = x
+            outs[(name, i, o)] = y
+            if name == "native":  # the raw entry is the FFI product's arithmetic
+                np.testing.assert_array_equal(
+                    y, np.asarray(_product(jnp.asarray(x), jnp.asarray(stored), transposed)))
+            else:
+                np.testing.assert_array_equal(y, outs[("native", i, o)], err_msg=name)
+    assert isas["avx2"] in ("avx2", "scalar") and isas["scalar"] == "scalar"
+    assert isas["native"] == kernel().isa
 
 
 def test_no_compiler_or_a_failed_build_says_why_and_builds_nothing(tmp_path):

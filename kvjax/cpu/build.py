@@ -62,14 +62,17 @@ def _version(cxx: str) -> str:
         return ""
 
 
-def build(include_dir: str, jaxlib_version: str, environ=os.environ) -> Build:
+def build(include_dir: str, jaxlib_version: str, environ=os.environ,
+          extra_flags: tuple[str, ...] = ()) -> Build:
     """The kernel library for this machine, built or taken from the cache (module
-    docstring); `include_dir` holds XLA's FFI headers (`jax.ffi.include_dir()`)."""
+    docstring); `include_dir` holds XLA's FFI headers (`jax.ffi.include_dir()`);
+    `extra_flags` go after FLAGS (tests build narrower vector widths with them)."""
+    flags = (*FLAGS, *extra_flags)
     cxx = compiler(environ)
     if cxx is None:
         return Build(None, "no C++ compiler found ($CXX, c++, g++)")
     key = hashlib.sha256("\0".join([
-        SOURCE.read_text(), cxx, _version(cxx), " ".join(FLAGS), cpu_features(),
+        SOURCE.read_text(), cxx, _version(cxx), " ".join(flags), cpu_features(),
         jaxlib_version]).encode()).hexdigest()[:20]
     path = cache_dir(environ) / f"kvjax_product-{key}.so"
     if path.exists():
@@ -77,7 +80,7 @@ def build(include_dir: str, jaxlib_version: str, environ=os.environ) -> Build:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", include_dir, "-o", tmp, str(SOURCE)]
+    cmd = [cxx, *flags, "-I", include_dir, "-o", tmp, str(SOURCE)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_SECONDS)
     except (OSError, subprocess.SubprocessError) as e:

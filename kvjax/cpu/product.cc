@@ -250,3 +250,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProduct, Product, KVJAX_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProductT, ProductT, KVJAX_BIND);
 
 extern "C" const char* kvjax_product_isa() { return ISA; }
+
+// Both products on the calling thread, without XLA (tests compare builds for other vector
+// widths: tests/test_cpu_kernel.py). w as kvjax_product (packed) or kvjax_product_t takes it.
+extern "C" void kvjax_product_raw(const float* x, const float* w, float* y, int64_t rows,
+                                  int64_t in, int64_t out, int transposed) {
+  Dense d{x, w, y, rows, in, out};
+  if (transposed)
+    transposed_outputs(d, 0, out);
+  else
+    dense_outputs(d, 0, out / PANEL);
+}
