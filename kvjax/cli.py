@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(eagle) the head's folder (scripts/train_eagle); '' for none")
     eagle.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
                        help="(eagle) fast: speed; invariant: every answer checked bitwise")
+    eagle.add_argument("--cpu-kernel", choices=("off", "auto"), default="off",
+                       help="(eagle) the target's products by kvjax's CPU kernel where it "
+                            "runs (EngineConfig.cpu_kernel)")
     eagle.add_argument("--methods", default="",
                        help="(eagle) comma-separated methods beside plain decoding (default "
                             "all), e.g. 'n-gram tree,eagle tree 16'")

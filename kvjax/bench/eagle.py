@@ -17,6 +17,7 @@ the count says how often.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -138,11 +139,18 @@ COLUMNS = [
 def main(args) -> int:
     from kvjax import models
     from kvjax.bench.tree import verify_cost
+    from kvjax.cpu.product import kernel
+    from kvjax.model.layout import store
     from kvjax.speculative.eagle_file import load_head
 
     name = args.model or "smollm2-135m-instruct"
     plan = INVARIANT if args.numerics == "invariant" else FAST
+    if args.cpu_kernel == "auto" and kernel().available:
+        plan = dataclasses.replace(plan, cpu_kernel=True)
     model = models.load(name)
+    # the target's steps take the parameters as the plan stores them; drafters read the
+    # canonical tree (the EAGLE head: the embedding and the output head)
+    target = dataclasses.replace(model, params=store(model.params, plan))
     head = load_head(args.head, model.config, model.params) if args.head else None
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(wanted) - set(methods(model, head, {})))
@@ -151,24 +159,25 @@ def main(args) -> int:
                          f"{sorted(methods(model, head, {}))}")
     emit(f"bench eagle: {name}, {args.requests} MT-Bench questions x 2 turns x up to "
          f"{args.gen_tokens} greedy tokens, {plan.mode} numerics; head "
-         f"{args.head or '(none)'}")
-    cost = verify_cost(model, args.prompt_len, args.reps, nodes=POLICY_SIZES, plan=plan)
+         f"{args.head or '(none)'}; products: "
+         f"{kernel().describe() if plan.cpu_kernel else 'XLA'}")
+    cost = verify_cost(target, args.prompt_len, args.reps, nodes=POLICY_SIZES, plan=plan)
     costs = {n: cost[n] / cost[0] for n in POLICY_SIZES}
     cache = CacheConfig(page_size=16, num_pages=pages_for(4096, 16))
-    picked = turns(model, args.requests, args.gen_tokens, plan, cache)
+    picked = turns(target, args.requests, args.gen_tokens, plan, cache)
     table = methods(model, head, costs)
     if wanted:
         table = {m: table[m] for m in wanted}
     # untimed answers to the shortest and the longest prompt first: every shape (page
     # tables come in power-of-two widths) compiled before the clock runs
     by_length = sorted(picked, key=lambda p: len(p[1]))
-    run(model, [by_length[0], by_length[-1]], args.gen_tokens, plan, cache, table)
+    run(target, [by_length[0], by_length[-1]], args.gen_tokens, plan, cache, table)
     with Progress(len(picked), "answers") as bar:
-        rows = run(model, picked, args.gen_tokens, plan, cache, table, bar)
+        rows = run(target, picked, args.gen_tokens, plan, cache, table, bar)
     text = markdown_table(rows, COLUMNS) + (
         "\n\nverify cost per node count vs a decode step: "
         + ", ".join(f"{n}: {c:.2f}x" for n, c in costs.items()) + "\n")
     write_results(args.out, text, rows, model=name, head=args.head,
                   questions=args.requests, gen_tokens=args.gen_tokens, numerics=plan.mode,
-                  verify_cost=costs)
+                  cpu_kernel=plan.cpu_kernel, verify_cost=costs)
     return 0
