@@ -153,6 +153,10 @@ def test_no_compiler_or_a_failed_build_says_why_and_builds_nothing(tmp_path):
     made = build.build(jax.ffi.include_dir(), "jaxlib-x", env)
     assert made.path is None and "no such header" in made.reason
     assert list(tmp_path.glob("*.so")) == []
+    (tmp_path / "file").write_text("")  # a cache folder that cannot be made
+    made = build.build(jax.ffi.include_dir(), "jaxlib-x",
+                       {**env, "KVJAX_KERNEL_CACHE": str(tmp_path / "file" / "cache")})
+    assert made.path is None and made.reason.startswith("cannot write the kernel cache")
 
 
 @pytest.mark.parametrize(("env", "why"), [

@@ -77,8 +77,11 @@ def build(include_dir: str, jaxlib_version: str, environ=os.environ,
     path = cache_dir(environ) / f"kvjax_product-{key}.so"
     if path.exists():
         return Build(path, "cached")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    except OSError as e:
+        return Build(None, f"cannot write the kernel cache {path.parent}: {e}")
     os.close(fd)
     cmd = [cxx, *flags, "-I", include_dir, "-o", tmp, str(SOURCE)]
     try:
