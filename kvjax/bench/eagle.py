@@ -153,10 +153,10 @@ def main(args) -> int:
     target = dataclasses.replace(model, params=store(model.params, plan))
     head = load_head(args.head, model.config, model.params) if args.head else None
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(wanted) - set(methods(model, head, {})))
-    if unknown:
-        raise SystemExit(f"bench eagle: unknown methods {unknown}; known: "
-                         f"{sorted(methods(model, head, {}))}")
+    known = sorted(methods(model, head, {}))
+    if set(wanted) - set(known):
+        raise SystemExit(f"bench eagle: unknown methods {sorted(set(wanted) - set(known))}; "
+                         f"known: {known}")
     emit(f"bench eagle: {name}, {args.requests} MT-Bench questions x 2 turns x up to "
          f"{args.gen_tokens} greedy tokens, {plan.mode} numerics; head "
          f"{args.head or '(none)'}; products: "

@@ -32,7 +32,7 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
     names them). A plan is part of the cache identity."""
     base = NumericsPlan(ec.numerics, ec.row_block,
                         fused=ec.fused_projections and ec.mesh is None,
-                        cpu_kernel=uses_cpu_kernel(ec))
+                        cpu_kernel=cpu_kernel_choice(ec)[0])
     if not base.invariant:
         return [*(base for _ in configs), []]
     width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
@@ -48,9 +48,6 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
     for i, c in enumerate(configs):
         blocks, transposed, failed = choose_blocks(
             c, base, calls, transpose=ec.transposed_kernels and ec.mesh is None)
-        if base.cpu_kernel:  # the kernel runs every product: attention's block alone counts
-            blocks, transposed = tuple(b for b in blocks if b[0] == "attention"), ()
-            failed = [f for f in failed if f == "attention"]
         if i == 0 and lora_shapes:  # the target's adapters (the draft runs without)
             block = choose_block(lora_shapes, calls.rows, base.row_block)
             blocks += (("lora", base.row_block if block is None else block),)
@@ -65,24 +62,16 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
     return [*plans, problems]
 
 
-def uses_cpu_kernel(ec: EngineConfig) -> bool:
-    """Whether the engine's products run on kvjax's CPU kernel (`EngineConfig.cpu_kernel`)."""
-    if ec.cpu_kernel == "off" or ec.mesh is not None:
-        return False
-    from kvjax.cpu.product import kernel
-
-    return kernel().available
-
-
-def products_path(ec: EngineConfig) -> str:
-    """Which products the engine runs, in words (`Engine.products`)."""
+def cpu_kernel_choice(ec: EngineConfig) -> tuple[bool, str]:
+    """(whether the engine's products run on kvjax's CPU kernel, which products run and
+    why, in words: `Engine.products`), from `EngineConfig.cpu_kernel`."""
     if ec.cpu_kernel == "off":
-        return "XLA's products (cpu_kernel='off')"
+        return False, "XLA's products (cpu_kernel='off')"
     if ec.mesh is not None:
-        return "XLA's products (the CPU kernel is not used on a mesh)"
+        return False, "XLA's products (the CPU kernel is not used on a mesh)"
     from kvjax.cpu.product import kernel
 
-    return kernel().describe()
+    return kernel().available, kernel().describe()
 
 
 def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,

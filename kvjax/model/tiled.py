@@ -354,11 +354,14 @@ def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
     holds; else, with `transpose`, 0 with the kernel stored transposed when that holds
     (`kvjax.model.layout`; not the tied head, which is); else the largest of
     `plan.row_block` and `candidates` that does (attention falls back to tiles of
-    `row_block`, which the invariance tests check). Returns (`NumericsPlan.row_blocks`,
-    `NumericsPlan.transposed`, the products no block holds for)."""
+    `row_block`, which the invariance tests check). Under `plan.cpu_kernel` kvjax's kernel
+    runs every product (invariant by construction): attention alone is probed. Returns
+    (`NumericsPlan.row_blocks`, `NumericsPlan.transposed`, the products no block holds
+    for)."""
     backend_name = jax.default_backend()
     blocks, transposed, failed = [], [], []
-    for name, (shape, contract) in _dot_shapes(config, plan.fused).items():
+    products = {} if plan.cpu_kernel else _dot_shapes(config, plan.fused)
+    for name, (shape, contract) in products.items():
         rows = calls.of(name)
         if _whole(shape, contract, rows, backend_name):
             blocks.append((name, 0))

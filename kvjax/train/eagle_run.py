@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from kvjax.config import TrainConfig
+from kvjax.lab.report import emit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     out = args.out or f"checkpoints/eagle-{args.setting}"
     result = train_eagle(args.model, SETTINGS[args.setting], out, not args.no_resume)
     val = result["validation"]
-    print(f"done: step {result['step']}, validation loss {val['loss']:.4f}, top-1 "
+    emit(f"done: step {result['step']}, validation loss {val['loss']:.4f}, top-1 "
           f"{val['top1']:.3f} ({result['data_seconds']:.0f} s of features, "
           f"{result['train_seconds']:.0f} s of training, {result['total_seconds']:.0f} s "
           f"in all); head in {result['out']}")
