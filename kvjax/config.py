@@ -260,8 +260,8 @@ class EngineConfig:
     row_block: int = 32
     # q/k/v as one product, gate/up as one (NumericsPlan.fused; not on a mesh)
     fused_projections: bool = True
-    # "auto": the products by kvjax's CPU kernel where it runs (kvjax.cpu: a CPU backend, a
-    # C++ compiler, no mesh; NumericsPlan.cpu_kernel), else XLA's (`Engine.products` says)
+    # "auto": products and attention by kvjax's CPU kernel (kvjax.cpu) where it runs (a CPU
+    # backend, a C++ compiler, no mesh; `Engine.products` says), else XLA's; "products": those
     cpu_kernel: str = "off"
     # the context every compiled step covers at least, in tokens (page tables, the n-gram
     # drafter's history). 0: as wide as the longest row needs, in powers of two (a growing
@@ -278,7 +278,7 @@ class EngineConfig:
                  f"must be >= 0, got {self.prefill_calls_per_round}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
-        _choice(self.cpu_kernel, "cpu_kernel", ("off", "auto"))
+        _choice(self.cpu_kernel, "cpu_kernel", ("off", "products", "auto"))
         _choice(self.preemption, "preemption", ("resume", "recompute"))
         _choice(self.attention, "attention", ("auto", "reference", "pallas_gpu", "pallas_tpu"))
         if isinstance(self.mesh, str):

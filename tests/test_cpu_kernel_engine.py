@@ -1,7 +1,8 @@
-"""The engine on kvjax's CPU kernel (`EngineConfig(cpu_kernel="auto")`): a request's bits
-are the ones it gets alone across the engine's knobs, its values are XLA's path's to
-rounding, the kernel is part of the cache identity, and `Engine.products` says which path
-runs (the kernel itself: tests/test_cpu_kernel.py)."""
+"""The engine on kvjax's CPU kernel (`EngineConfig(cpu_kernel="auto")`: products and
+attention): a request's bits are the ones it gets alone across the engine's knobs, its
+values are XLA's path's to rounding, the kernel is part of the cache identity, and
+`Engine.products` says which path runs (the kernels themselves: tests/test_cpu_kernel.py,
+tests/test_cpu_attention.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def engine(p, **kw) -> Engine:
     kw.setdefault("max_slots", 8)
     kw.setdefault("decode_steps", 4)
     kw.setdefault("min_context", CONTEXT)
-    return Engine(p, CONFIG, EngineConfig(cache=kw.pop("cache", CACHE), cpu_kernel="auto",
-                                          **kw))
+    kw.setdefault("cpu_kernel", "auto")
+    return Engine(p, CONFIG, EngineConfig(cache=kw.pop("cache", CACHE), **kw))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,8 @@ def test_the_kernel_path_gives_xla_paths_values_to_rounding(p, alone):
     assert not xla.plan.cpu_kernel
     for r, got in zip(requests(), alone, strict=True):
         want = xla.generate([dataclasses.replace(r, max_new_tokens=1)])[0]
-        # the first token's logits (the same history on both paths; up to 8.4): measured 8.6e-6
+        # the first token's logits (the same history on both paths; up to 8.4): measured
+        # 1.2e-5 (products by the kernel, XLA's attention: 8.6e-6)
         np.testing.assert_allclose(got.logits[0], want.logits[0], atol=1e-4, rtol=0)
     greedy = [Request(tokens=r.tokens, max_new_tokens=10, return_logits=True)
               for r in requests()[::2]]
@@ -67,12 +69,41 @@ def test_the_kernel_path_gives_xla_paths_values_to_rounding(p, alone):
 def test_the_kernel_is_part_of_the_cache_identity_and_of_the_startup_line(p):
     on, off = engine(p), Engine(p, CONFIG, EngineConfig(cache=CACHE))
     assert on.plan.cpu_kernel and not off.plan.cpu_kernel
+    assert on.plan.cpu_attention and not off.plan.cpu_attention
     assert on.products.startswith("kvjax CPU product kernel (")
+    assert on.products.endswith("; attention by kvjax's CPU kernel")
     assert off.products == "XLA's products (cpu_kernel='off')"
     plan = dataclasses.replace(INVARIANT, cpu_kernel=True)
     assert model_fingerprint(CONFIG, p, plan) != model_fingerprint(CONFIG, p, INVARIANT)
     request = requests()[0]
     assert on.namespace(request) != off.namespace(request)
+
+
+@needs_kernel
+def test_products_alone_or_pages_the_attention_kernel_cannot_read_keep_xlas_attention(p):
+    products = engine(p, max_slots=2, cpu_kernel="products")
+    assert products.plan.cpu_kernel and not products.plan.cpu_attention
+    assert products.products.endswith("; XLA's attention (cpu_kernel='products')")
+    int8 = engine(p, max_slots=2, cache=with_cache(dtype="int8"))
+    assert int8.plan.cpu_kernel and not int8.plan.cpu_attention
+    assert int8.products.endswith(
+        "; XLA's attention (the CPU kernel does not read int8 pages)")
+    plan = dataclasses.replace(INVARIANT, cpu_kernel=True)
+    assert model_fingerprint(CONFIG, p, plan) != model_fingerprint(
+        CONFIG, p, dataclasses.replace(plan, cpu_attention=True))
+    # products on the kernel: a request's bits across batches as on the whole kernel path
+    alone = engine(p, max_slots=1, cpu_kernel="products", prefix_cache=False, min_context=0)
+    assert_same(products.generate(requests()[:3]),
+                [alone.generate([r])[0] for r in requests()[:3]])
+
+
+@needs_kernel
+def test_bfloat16_pages_keep_a_requests_alone_bits_on_the_attention_kernel(p):
+    cache = with_cache(dtype="bfloat16")
+    alone = engine(p, max_slots=1, cache=cache, prefix_cache=False, min_context=0)
+    assert alone.plan.cpu_attention
+    assert_same(engine(p, cache=cache).generate(requests()),
+                [alone.generate([r])[0] for r in requests()])
 
 
 def test_without_the_kernel_auto_runs_xlas_products_with_the_same_bits_and_says_why(

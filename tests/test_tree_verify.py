@@ -4,6 +4,7 @@ numerics, for trees that cross pages and attention blocks, beside a row of anoth
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -11,11 +12,14 @@ import pytest
 from engine_helpers import CACHE, CONFIG, params, with_cache
 
 from kvjax.cache.paged import BatchInfo, init_cache, move_slots
+from kvjax.cpu.product import kernel
 from kvjax.decode import steps
 from kvjax.model.plan import INVARIANT
 from kvjax.speculative.tree import greedy_path, tree_arrays
 
 PS = CACHE.page_size
+CPU_ATTENTION = dataclasses.replace(INVARIANT, cpu_attention=True)  # products: XLA's
+needs_kernel = pytest.mark.skipif(not kernel().available, reason=kernel().describe())
 TABLE = np.arange(3, 3 + 2 * 16, dtype=np.int32).reshape(2, 16)  # each row's pages
 # row 0: a branching tree after 21 cached tokens (its nodes cross a page and a block);
 # row 1: a chain of 4 after 9, padded to the width of 7 (blocks before both trees are read
@@ -33,14 +37,14 @@ def _tokens(seed, n):
     return np.random.default_rng(seed).integers(1, CONFIG.vocab_size, n).astype(np.int32)
 
 
-def _prefilled(fmt):
+def _prefilled(fmt, plan=INVARIANT):
     """Each row's prompt in the cache (one call per row, as plain decoding starts from)."""
     cache = init_cache(CONFIG, with_cache(dtype=fmt))
     for r, n in enumerate(LENGTHS):
         batch = BatchInfo(page_table=TABLE[r:r + 1], lengths=np.zeros(1, np.int32),
                           num_new=np.asarray([n], np.int32))
         _, cache = steps.extend(params(), CONFIG, cache, _tokens(r, n)[None], batch,
-                                plan=INVARIANT)
+                                plan=plan)
     return cache
 
 
@@ -60,13 +64,18 @@ def _trees():
     return width, nodes, arrays, batch
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16", "float8_e4m3fn"])
-def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
+@pytest.mark.parametrize(("fmt", "plan"), [
+    ("float32", INVARIANT), ("int8", INVARIANT), ("bfloat16", INVARIANT),
+    ("float8_e4m3fn", INVARIANT),
+    pytest.param("float32", CPU_ATTENTION, marks=needs_kernel, id="float32-cpu-attention"),
+    pytest.param("bfloat16", CPU_ATTENTION, marks=needs_kernel, id="bfloat16-cpu-attention")])
+def test_each_node_is_plain_decoding_of_its_root_path(p, fmt, plan):
     """Float32, int8 (scales read with the numbers), bfloat16 pages (bits on CPU) and
-    float8 pages (bits and scales)."""
+    float8 pages (bits and scales); XLA's attention, and kvjax's CPU attention kernel (a
+    tree's slots read through `ancestors` in the kernel)."""
     _, nodes, arrays, batch = _trees()
-    logits, cache = steps.extend(p, CONFIG, _prefilled(fmt), np.stack(nodes), batch,
-                                 plan=INVARIANT)
+    logits, cache = steps.extend(p, CONFIG, _prefilled(fmt, plan), np.stack(nodes), batch,
+                                 plan=plan)
     logits = np.asarray(logits)
     checked = 0
     for r, parents in enumerate(TREES):
@@ -74,13 +83,13 @@ def test_each_node_is_plain_decoding_of_its_root_path(p, fmt):
         leaves = [i for i in range(len(parents)) if i not in parents]
         for leaf in leaves:
             path = list(ancestors[leaf, :depth[leaf] + 1])
-            plain = _prefilled(fmt)
+            plain = _prefilled(fmt, plan)
             for j, node in enumerate(path):  # plain decoding: one token a call
                 one = BatchInfo(page_table=TABLE[r:r + 1],
                                 lengths=np.asarray([LENGTHS[r] + j], np.int32),
                                 num_new=np.ones(1, np.int32))
                 got, plain = steps.extend(p, CONFIG, plain, nodes[r][node][None, None], one,
-                                          plan=INVARIANT)
+                                          plan=plan)
                 np.testing.assert_array_equal(logits[r, node], np.asarray(got[0, 0]))
                 tree_page, tree_slot = _slot(r, LENGTHS[r] + node)
                 page, slot = _slot(r, LENGTHS[r] + j)

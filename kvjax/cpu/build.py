@@ -1,12 +1,13 @@
 """Builds kvjax's CPU kernel library with the system C++ compiler: plain Python, no JAX.
 
 The library is compiled for the CPU it runs on (`-march=native`) and cached under
-`KVJAX_KERNEL_CACHE` (default ~/.cache/kvjax/kernels) by a digest of the source, the
+`KVJAX_KERNEL_CACHE` (default ~/.cache/kvjax/kernels) by a digest of the sources, the
 compiler, its flags, the CPU's features and the jaxlib version whose FFI headers it was
 built against: any of them changed, a new library is built; the same, the cached one loads
 at once. Builds write a temporary file and rename it, so processes racing on a cold cache
 (pytest workers) each end with a whole library. Where no compiler is found, or it fails,
-`build` says why and kvjax runs its pure-JAX products (`kvjax.cpu.product.kernel`).
+`build` says why and kvjax runs its pure-JAX products and attention
+(`kvjax.cpu.product.kernel`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("product.cc")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("product.cc", "attention.cc"))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 COMPILE_SECONDS = 300
 
@@ -72,9 +73,10 @@ def build(include_dir: str, jaxlib_version: str, environ=os.environ,
     if cxx is None:
         return Build(None, "no C++ compiler found ($CXX, c++, g++)")
     key = hashlib.sha256("\0".join([
-        SOURCE.read_text(), cxx, _version(cxx), " ".join(flags), cpu_features(),
+        *(source.read_text() for source in SOURCES), cxx, _version(cxx), " ".join(flags),
+        cpu_features(),
         jaxlib_version]).encode()).hexdigest()[:20]
-    path = cache_dir(environ) / f"kvjax_product-{key}.so"
+    path = cache_dir(environ) / f"kvjax_cpu-{key}.so"
     if path.exists():
         return Build(path, "cached")
     try:
@@ -83,7 +85,7 @@ def build(include_dir: str, jaxlib_version: str, environ=os.environ,
     except OSError as e:
         return Build(None, f"cannot write the kernel cache {path.parent}: {e}")
     os.close(fd)
-    cmd = [cxx, *flags, "-I", include_dir, "-o", tmp, str(SOURCE)]
+    cmd = [cxx, *flags, "-I", include_dir, "-o", tmp, *map(str, SOURCES)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_SECONDS)
     except (OSError, subprocess.SubprocessError) as e:

@@ -1,11 +1,11 @@
 """The row-count-invariant product on XLA CPU (kvjax/cpu/product.cc) called from JAX.
 
 `kernel()` builds or loads the library once per process (`kvjax.cpu.build`) and registers
-its two products with XLA as FFI targets; it says whether the kernel is in use and, where
-not, why (no compiler, a failed build, a backend other than CPU, or `KVJAX_CPU_KERNEL=0`):
-then the pure-JAX products run. `product` takes a Dense kernel [I, O] packed once at load
-(`pack`: the same shape, another order; `kvjax.model.layout.store`) or a tied head's
-embedding [O, I] as it is.
+its two products and its paged attention (`kvjax.cpu.attention`) with XLA as FFI targets;
+it says whether the kernel is in use and, where not, why (no compiler, a failed build, a
+backend other than CPU, or `KVJAX_CPU_KERNEL=0`): then the pure-JAX products run.
+`product` takes a Dense kernel [I, O] packed once at load (`pack`: the same shape, another
+order; `kvjax.model.layout.store`) or a tied head's embedding [O, I] as it is.
 
 A row's bits from `product` depend on that row's values alone: the same for 1 row or 512,
 whatever rows sit beside it (the order of each output's sum is fixed by I alone:
@@ -57,7 +57,8 @@ def _load() -> Kernel:
     except OSError as e:
         return Kernel(False, f"{made.path} did not load: {e}")
     lib.kvjax_product_isa.restype = ctypes.c_char_p
-    for name, fn in ((TARGET, lib.KvjaxProduct), (TARGET_T, lib.KvjaxProductT)):
+    for name, fn in ((TARGET, lib.KvjaxProduct), (TARGET_T, lib.KvjaxProductT),
+                     ("kvjax_attention", lib.KvjaxAttention)):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     return Kernel(True, made.reason, lib.kvjax_product_isa().decode())
 

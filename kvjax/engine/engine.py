@@ -50,7 +50,7 @@ from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode.sampling import sequence_keys
 from kvjax.engine.engine_metrics import EngineMetrics, tier_metrics
-from kvjax.engine.plans import cpu_kernel_choice
+from kvjax.engine.plans import cpu_attention_choice, cpu_kernel_choice
 from kvjax.engine.plans import numerics_blocks as numerics_blocks  # the old name's home
 from kvjax.engine.plans import numerics_plans as numerics_plans
 from kvjax.engine.requests import (
@@ -100,7 +100,8 @@ class Engine:
         plan, *draft_plan, self.numerics_problems = numerics_plans(
             configs, ec, gamma, [] if lora is None else stacked_shapes(lora))
         self.config = config  # the architecture; how its steps run is `self.plan`
-        self.products = cpu_kernel_choice(ec)[1]  # XLA's or kvjax's CPU kernel, and why
+        on, words = cpu_kernel_choice(ec)  # XLA's or kvjax's CPU kernel, and why
+        self.products = f"{words}; {cpu_attention_choice(ec, config)[1]}" if on else words
         self.plan = plan.check(config)
         self.tokenizer = tokenizer
         self.chat_template = chat_template

@@ -33,8 +33,10 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
     base = NumericsPlan(ec.numerics, ec.row_block,
                         fused=ec.fused_projections and ec.mesh is None,
                         cpu_kernel=cpu_kernel_choice(ec)[0])
+    bases = [dataclasses.replace(base, cpu_attention=cpu_attention_choice(ec, c)[0])
+             for c in configs]
     if not base.invariant:
-        return [*(base for _ in configs), []]
+        return [*bases, []]
     width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
     # a packed decode step (`EngineConfig.packed_prefill`) holds a decode token per slot
     # beside up to `bucket(max_slots)` prompts' slices, and a head row for each
@@ -45,7 +47,7 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
                   queries=max(seqs * ec.cache.prefill_chunk, gamma + 1, PROBED.queries),
                   keys=ec.cache.block_pages * ec.cache.page_size)
     plans, problems = [], []
-    for i, c in enumerate(configs):
+    for i, (c, base) in enumerate(zip(configs, bases, strict=True)):
         blocks, transposed, failed = choose_blocks(
             c, base, calls, transpose=ec.transposed_kernels and ec.mesh is None)
         if i == 0 and lora_shapes:  # the target's adapters (the draft runs without)
@@ -64,7 +66,8 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
 
 def cpu_kernel_choice(ec: EngineConfig) -> tuple[bool, str]:
     """(whether the engine's products run on kvjax's CPU kernel, which products run and
-    why, in words: `Engine.products`), from `EngineConfig.cpu_kernel`."""
+    why, in words: `Engine.products`), from `EngineConfig.cpu_kernel` ("products" and
+    "auto" use it where it runs)."""
     if ec.cpu_kernel == "off":
         return False, "XLA's products (cpu_kernel='off')"
     if ec.mesh is not None:
@@ -72,6 +75,22 @@ def cpu_kernel_choice(ec: EngineConfig) -> tuple[bool, str]:
     from kvjax.cpu.product import kernel
 
     return kernel().available, kernel().describe()
+
+
+def cpu_attention_choice(ec: EngineConfig, config: ModelConfig) -> tuple[bool, str]:
+    """(whether `config`'s paged attention runs on kvjax's CPU kernel, and in words), from
+    `EngineConfig.cpu_kernel`: "auto" where the kernel runs the products and reads the
+    engine's pages (`kvjax.cpu.attention.unsupported`)."""
+    if ec.cpu_kernel != "auto":
+        return False, f"XLA's attention (cpu_kernel={ec.cpu_kernel!r})"
+    if not cpu_kernel_choice(ec)[0]:
+        return False, "XLA's attention (no CPU kernel)"
+    from kvjax.cpu.attention import unsupported
+
+    why = unsupported(ec.cache.dtype, config.attn_softcap)
+    if why:
+        return False, f"XLA's attention (the CPU kernel does not read {why})"
+    return True, "attention by kvjax's CPU kernel"
 
 
 def numerics_blocks(configs: list[ModelConfig], ec: EngineConfig, gamma: int,

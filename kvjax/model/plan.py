@@ -48,6 +48,11 @@ class NumericsPlan:
     # It reads the kernels as Flax stores them (nothing `transposed`); LoRA deltas, norms and
     # attention run as the mode says
     cpu_kernel: bool = False
+    # paged attention by kvjax's CPU kernel (`kvjax.cpu.attention`): each query alone, its
+    # keys read in place in ascending position, so its bits are its own whatever the mode
+    # (not XLA's bits); float32 and bfloat16 pages, no soft cap (the engine chooses it
+    # only there). int4_kivi steps keep XLA's attention
+    cpu_attention: bool = False
 
     def __post_init__(self):
         _require(self.mode in ("fast", "invariant"), "mode",

@@ -355,7 +355,8 @@ def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
     (`kvjax.model.layout`; not the tied head, which is); else the largest of
     `plan.row_block` and `candidates` that does (attention falls back to tiles of
     `row_block`, which the invariance tests check). Under `plan.cpu_kernel` kvjax's kernel
-    runs every product (invariant by construction): attention alone is probed. Returns
+    runs every product (invariant by construction): attention alone is probed, and under
+    `plan.cpu_attention` (kvjax's attention, invariant too) nothing. Returns
     (`NumericsPlan.row_blocks`, `NumericsPlan.transposed`, the products no block holds
     for)."""
     backend_name = jax.default_backend()
@@ -375,8 +376,9 @@ def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
         good = [b for b in tried if _probe_dot(shape, contract, b, backend_name)][:1]
         blocks.append((name, good[0] if good else plan.row_block))
         failed += [] if good else [name]
-    whole = _attention_whole(config, calls, backend_name)
-    blocks.append(("attention", 0 if whole else plan.row_block))
+    if not plan.cpu_attention:
+        whole = _attention_whole(config, calls, backend_name)
+        blocks.append(("attention", 0 if whole else plan.row_block))
     return tuple(blocks), tuple(transposed), failed
 
 

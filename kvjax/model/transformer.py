@@ -129,8 +129,14 @@ class Attention(nn.Module):
               fresh: kivi.Fresh | None = None) -> jax.Array:
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
         if one is chosen (under shard_map on a mesh), everything else by the reference;
-        invariant numerics and int4_kivi pages (`fresh`) always by the reference."""
+        invariant numerics and int4_kivi pages (`fresh`) always by the reference; under
+        `plan.cpu_attention` every step by kvjax's CPU kernel (`kvjax.cpu.attention`)."""
         kernel, window, plan = self.kernel, self.config.window(self.layer), self.plan
+        if plan.cpu_attention and fresh is None:
+            from kvjax.cpu.attention import paged_attention
+
+            return paged_attention(q, cache, self.layer, batch, window,
+                                   self.config.query_scale).astype(q.dtype)
         if (kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or plan.invariant
                 or fresh is not None):
             return paged_attention_reference(q, cache, self.layer, batch, window,
