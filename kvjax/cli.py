@@ -304,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
                       help="(peer, with --model) also llama.cpp at batch 1, built into "
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")
+    peer.add_argument("--cpu-kernel", default="off",
+                      help="(peer, eagle) EngineConfig.cpu_kernel: off, products or auto "
+                           "(kvjax's CPU kernel where it runs); peer: several side by side, "
+                           "comma-separated, e.g. off,auto")
     peer.add_argument("--formats", default=None,
                       help="(kv_format) page formats, comma-separated, float32 first "
                            "(default float32,bfloat16,int8,float8_e4m3fn)")
@@ -327,9 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(eagle) the head's folder (scripts/train_eagle); '' for none")
     eagle.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
                        help="(eagle) fast: speed; invariant: every answer checked bitwise")
-    eagle.add_argument("--cpu-kernel", choices=("off", "auto"), default="off",
-                       help="(eagle) the target's products by kvjax's CPU kernel where it "
-                            "runs (EngineConfig.cpu_kernel)")
     eagle.add_argument("--methods", default="",
                        help="(eagle) comma-separated methods beside plain decoding (default "
                             "all), e.g. 'n-gram tree,eagle tree 16'")

@@ -235,7 +235,12 @@ def test_every_field_of_the_numerics_plan_is_in_the_fingerprint(p):
         dataclasses.replace(base, row_blocks=(("q", 0), ("o", 16))),
         dataclasses.replace(base, transposed=()),
         NumericsPlan("invariant", row_blocks=(("qkv", 0),), transposed=("qkv",), fused=True),
+        NumericsPlan("invariant", row_blocks=(("q", 0),), cpu_kernel=True),
+        dataclasses.replace(base, cpu_attention=True),
     ]
+    changed = {f.name for plan in variants for f in dataclasses.fields(plan)
+               if getattr(plan, f.name) != getattr(base, f.name)}
+    assert changed == {f.name for f in dataclasses.fields(base)}  # each field varied once
     prints = {model_fingerprint(CONFIG, p, plan) for plan in [base, *variants]}
     assert len(prints) == 1 + len(variants)
     assert model_fingerprint(CONFIG, p, dataclasses.replace(base)) in prints

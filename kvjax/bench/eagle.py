@@ -139,15 +139,21 @@ COLUMNS = [
 def main(args) -> int:
     from kvjax import models
     from kvjax.bench.tree import verify_cost
+    from kvjax.cpu.attention import unsupported
     from kvjax.cpu.product import kernel
     from kvjax.model.layout import store
     from kvjax.speculative.eagle_file import load_head
 
     name = args.model or "smollm2-135m-instruct"
     plan = INVARIANT if args.numerics == "invariant" else FAST
-    if args.cpu_kernel == "auto" and kernel().available:
-        plan = dataclasses.replace(plan, cpu_kernel=True)
+    if args.cpu_kernel not in ("off", "products", "auto"):
+        raise SystemExit(f"bench eagle: --cpu-kernel is off, products or auto, not "
+                         f"{args.cpu_kernel!r}")
     model = models.load(name)
+    if args.cpu_kernel != "off" and kernel().available:  # as EngineConfig.cpu_kernel
+        plan = dataclasses.replace(plan, cpu_kernel=True, cpu_attention=(
+            args.cpu_kernel == "auto" and unsupported("float32", model.config.attn_softcap)
+            is None))
     # the target's steps take the parameters as the plan stores them; drafters read the
     # canonical tree (the EAGLE head: the embedding and the output head)
     target = dataclasses.replace(model, params=store(model.params, plan))
@@ -160,7 +166,8 @@ def main(args) -> int:
     emit(f"bench eagle: {name}, {args.requests} MT-Bench questions x 2 turns x up to "
          f"{args.gen_tokens} greedy tokens, {plan.mode} numerics; head "
          f"{args.head or '(none)'}; products: "
-         f"{kernel().describe() if plan.cpu_kernel else 'XLA'}")
+         f"{kernel().describe() if plan.cpu_kernel else 'XLA'}; attention: "
+         f"{'kvjax CPU kernel' if plan.cpu_attention else 'XLA'}")
     cost = verify_cost(target, args.prompt_len, args.reps, nodes=POLICY_SIZES, plan=plan)
     costs = {n: cost[n] / cost[0] for n in POLICY_SIZES}
     cache = CacheConfig(page_size=16, num_pages=pages_for(4096, 16))
@@ -179,5 +186,6 @@ def main(args) -> int:
         + ", ".join(f"{n}: {c:.2f}x" for n, c in costs.items()) + "\n")
     write_results(args.out, text, rows, model=name, head=args.head,
                   questions=args.requests, gen_tokens=args.gen_tokens, numerics=plan.mode,
-                  cpu_kernel=plan.cpu_kernel, verify_cost=costs)
+                  cpu_kernel=plan.cpu_kernel, cpu_attention=plan.cpu_attention,
+                  verify_cost=costs)
     return 0

@@ -18,6 +18,7 @@ requests (`kvjax.bench.peer_engine`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -81,16 +82,21 @@ def main(args) -> int:
             hf = _hf_model(cfg.model, Path(tmp), seed=0)
             config, params = load_hf(tmp)
     cache = CacheConfig(page_size=16, num_pages=1, prefill_chunk=256, attn_block=256)
-    # the engine's numerics (default invariant: the prompts share prefill calls), its forms
-    ec = dataclasses.replace(cfg.engine, cache=cache)
+    # the engine's numerics (default invariant: the prompts share prefill calls), its forms,
+    # for each --cpu-kernel setting
+    settings = [k.strip() for k in args.cpu_kernel.split(",") if k.strip()]
     loaded_config, loaded_params = config, params  # the Engine chooses its own forms
-    plan, problems = numerics_plans([config], ec, 0)
-    params = jax.device_put(store(params, plan))
+    runs = {}  # setting -> (its plan, the parameters stored for it)
+    for setting in settings:
+        ec = dataclasses.replace(cfg.engine, cache=cache, cpu_kernel=setting)
+        plan, problems = numerics_plans([config], ec, 0)
+        runs[setting] = plan, jax.device_put(store(params, plan))
     emit(f"bench peer: {args.model or 'random bench model'}, {config.num_layers} layers, "
          f"d_model {config.d_model}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, float32, "
-          f"numerics {plan.mode}{' ' + str(problems) if problems else ''}; "
-          f"torch {torch.__version__} ({args.threads} threads), jax {jax.__version__}")
+          f"numerics {plan.mode}{' ' + str(problems) if problems else ''}; cpu_kernel "
+          f"{', '.join(settings)}; torch {torch.__version__} ({args.threads} threads), "
+          f"jax {jax.__version__}")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, config.vocab_size, size=(batch, args.prompt_len))
@@ -98,51 +104,59 @@ def main(args) -> int:
         pool = KVPool(config, dataclasses.replace(cache, num_pages=pages))
         lists = [list(map(int, p)) for p in prompts]
 
-        def kv_run(n, lists=lists, pool=pool):
-            return generate(params, config, lists, n, cache=pool, plan=plan)
+        def kv_run(n, setting, lists=lists, pool=pool):
+            plan, stored = runs[setting]
+            return generate(stored, config, lists, n, cache=pool, plan=plan)
 
         def hf_run(n, prompts=prompts):
             with torch.no_grad():
                 return hf.generate(torch.tensor(prompts), max_new_tokens=n, min_new_tokens=n,
                                    do_sample=False, pad_token_id=0)
 
-        for fn in (kv_run, hf_run):  # warm-up (compilation for kvjax)
-            fn(2)
+        for fn in [functools.partial(kv_run, setting=k) for k in settings] + [hf_run]:
+            fn(2)  # warm-up (compilation for kvjax)
             fn(args.gen_tokens)
-        kv_prefill, _ = median_timed(lambda: kv_run(1), args.reps)
-        kv_total, kv_out = median_timed(lambda: kv_run(args.gen_tokens), args.reps)
         hf_prefill, _ = median_timed(lambda: hf_run(1), args.reps)
         hf_total, hf_out = median_timed(lambda: hf_run(args.gen_tokens), args.reps)
         hf_tokens = hf_out[:, args.prompt_len:].numpy()
-        kv_tokens = np.array(kv_out.tokens)
-        same = (kv_tokens == hf_tokens).all(axis=1)
-        first_diff = [int(np.argmax(a != b)) if not s else None
-                      for a, b, s in zip(kv_tokens, hf_tokens, same, strict=True)]
         decode_n = batch * (args.gen_tokens - 1)
-        row = {
-            "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.gen_tokens,
-            "kvjax_prefill_s": kv_prefill, "hf_prefill_s": hf_prefill,
-            "kvjax_decode_tok_s": decode_n / max(kv_total - kv_prefill, 1e-9),
-            "hf_decode_tok_s": decode_n / max(hf_total - hf_prefill, 1e-9),
-            "kvjax_total_s": kv_total, "hf_total_s": hf_total,
-            "speedup_end_to_end": hf_total / kv_total,
-            "identical_sequences": int(same.sum()), "first_divergence": first_diff,
-        }
+        extra = {}
         if args.with_peer and batch == 1:
             prefix = peer_engine.prefix_workload(config.vocab_size)
-            row |= _llamacpp(args, lists, hf_tokens, prefix, loaded_params, loaded_config)
-            row |= peer_engine.engine_figures(loaded_params, loaded_config, args.prompt_len,
-                                              args.gen_tokens, args.reps, prefix)
-            gigabytes = peer_engine.weight_bytes(loaded_params) / 1e9
-            emit("\n" + peer_engine.table(row, gigabytes))
-        rows.append(row)
-        emit(f"batch {batch}: kvjax {kv_total:.2f} s, transformers {hf_total:.2f} s "
-              f"({row['speedup_end_to_end']:.2f}x); identical greedy sequences "
-              f"{row['identical_sequences']}/{batch}"
-             + (f"; llama.cpp {row['llamacpp_total_s']:.2f} s" if "llamacpp_total_s" in row
-                else ""))
+            extra = _llamacpp(args, lists, hf_tokens, prefix, loaded_params, loaded_config)
+        for setting in settings:
+            kv_prefill, _ = median_timed(lambda k=setting: kv_run(1, k), args.reps)
+            kv_total, kv_out = median_timed(lambda k=setting: kv_run(args.gen_tokens, k),
+                                            args.reps)
+            kv_tokens = np.array(kv_out.tokens)
+            same = (kv_tokens == hf_tokens).all(axis=1)
+            first_diff = [int(np.argmax(a != b)) if not s else None
+                          for a, b, s in zip(kv_tokens, hf_tokens, same, strict=True)]
+            row = {
+                "batch": batch, "cpu_kernel": setting, "prompt_len": args.prompt_len,
+                "new_tokens": args.gen_tokens,
+                "kvjax_prefill_s": kv_prefill, "hf_prefill_s": hf_prefill,
+                "kvjax_decode_tok_s": decode_n / max(kv_total - kv_prefill, 1e-9),
+                "hf_decode_tok_s": decode_n / max(hf_total - hf_prefill, 1e-9),
+                "kvjax_total_s": kv_total, "hf_total_s": hf_total,
+                "speedup_end_to_end": hf_total / kv_total,
+                "identical_sequences": int(same.sum()), "first_divergence": first_diff,
+            } | extra
+            if extra:
+                row |= peer_engine.engine_figures(loaded_params, loaded_config,
+                                                  args.prompt_len, args.gen_tokens,
+                                                  args.reps, prefix, setting)
+                gigabytes = peer_engine.weight_bytes(loaded_params) / 1e9
+                emit("\n" + peer_engine.table(row, gigabytes))
+            rows.append(row)
+            emit(f"batch {batch}, cpu_kernel {setting}: kvjax {kv_total:.2f} s, transformers "
+                 f"{hf_total:.2f} s ({row['speedup_end_to_end']:.2f}x); identical greedy "
+                 f"sequences {row['identical_sequences']}/{batch}"
+                 + (f"; llama.cpp {row['llamacpp_total_s']:.2f} s" if "llamacpp_total_s" in row
+                    else ""))
     write_results(args.out, markdown_table(rows, COLUMNS), rows, config=args.config,
-                  torch=torch.__version__, threads=args.threads, numerics=plan.mode)
+                  torch=torch.__version__, threads=args.threads, numerics=plan.mode,
+                  cpu_kernel=settings)
     return 0
 
 
@@ -182,6 +196,7 @@ def _llamacpp_cell(key: str, fmt: str):
 
 COLUMNS = [
     ("batch", lambda r: str(r["batch"])),
+    ("cpu_kernel", lambda r: r.get("cpu_kernel", "off")),
     ("prefill s kvjax / transformers",
      lambda r: f"{r['kvjax_prefill_s']:.2f} / {r['hf_prefill_s']:.2f}"),
     ("decode tok/s kvjax / transformers",

@@ -40,10 +40,12 @@ def prefix_workload(vocab: int, seed: int = 1) -> dict:
 
 
 def engine_figures(params, config, prompt_len: int, new_tokens: int, reps: int,
-                   prefix: dict) -> dict:
-    """The Engine's figures (see the module docstring), in seconds and tokens/s."""
+                   prefix: dict, cpu_kernel: str = "off") -> dict:
+    """The Engine's figures (see the module docstring), in seconds and tokens/s, with
+    `EngineConfig.cpu_kernel` set to `cpu_kernel`."""
     rng = np.random.default_rng(2)
-    engine = Engine(params, config, EngineConfig(cache=CacheConfig(num_pages=1024)))
+    engine = Engine(params, config, EngineConfig(cache=CacheConfig(num_pages=1024),
+                                                 cpu_kernel=cpu_kernel))
 
     def request(tokens, n):
         return Request(tokens=list(map(int, tokens)), max_new_tokens=n, ignore_eos=True)
@@ -96,6 +98,9 @@ def table(row: dict, gigabytes: float) -> str:
     systems = [("llama.cpp (llama-cpp-python), f32 GGUF", "llamacpp"),
                ("transformers, f32", "hf"), ("`kvjax.generate`, f32", "kvjax"),
                ("`kvjax.Engine` (defaults), f32", "engine")]
+    if row.get("cpu_kernel", "off") != "off":  # a setting other than the default's
+        systems = [(name.replace(", f32", f", cpu_kernel={row['cpu_kernel']}, f32")
+                    if key in ("kvjax", "engine") else name, key) for name, key in systems]
     for name, key in systems:
         warm, cold = row.get(f"{key}_warm_s"), row.get(f"{key}_cold_s")
         lines.append(
