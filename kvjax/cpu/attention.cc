@@ -35,23 +35,39 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
 
 constexpr int64_t LANES = 16;
 
-float tree16(float* f) {
+// The 16 floats at f added in one fixed tree: f[l] + f[l + 8], then + 4, + 2, + 1.
+inline float tree16(const float* f) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  __m256 a = _mm256_add_ps(_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));
+  return _mm_cvtss_f32(b);
+#else
+  float t[LANES];
+  std::copy(f, f + LANES, t);
   for (int64_t step = LANES / 2; step > 0; step /= 2)
-    for (int64_t l = 0; l < step; ++l) f[l] = f[l] + f[l + step];
-  return f[0];
+    for (int64_t l = 0; l < step; ++l) t[l] = t[l] + t[l + step];
+  return t[0];
+#endif
 }
 
 // e^x for x <= 0 in float32, ~2 ulp: Cody-Waite range reduction x = n ln2 + r and a degree
 // 7 polynomial (Cephes' expf), each operation rounded on its own. Below -87 it is 0, so
 // the result is never subnormal (whether a thread flushes subnormals cannot matter).
 inline float expf_(float x) {
-  if (!(x >= -87.0f)) return 0.0f;
+  float under = x >= -87.0f ? 1.0f : 0.0f;  // a select, not a branch: the loop vectorizes
+  x = x >= -87.0f ? x : -87.0f;
   float n = std::nearbyint(x * 1.44269504088896341f);
   float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -64,7 +80,7 @@ inline float expf_(float x) {
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two;
   std::memcpy(&two, &bits, sizeof two);
-  return p * two;
+  return under > 0.0f ? p * two : 0.0f;
 }
 
 // A stored element as float32: float32 as it is, bfloat16 (its bits, uint16) widened.
@@ -166,12 +182,13 @@ void query(const Paged<E>& a, int64_t b, int64_t t, int64_t kv, Scratch& w) {
   }
 }
 
-// Queries [begin, end) of the B * T * K (sequence, query, KV head) tasks.
+// Tasks [begin, end) of the B * K * T (sequence, KV head, query): a thread's queries of
+// one KV head follow each other, so a chunk's keys and values stay in its cache.
 template <typename E>
 void queries(const Paged<E>& a, int64_t begin, int64_t end) {
   Scratch w;
   for (int64_t task = begin; task < end; ++task)
-    query(a, task / (a.t * a.k_heads), task / a.k_heads % a.t, task % a.k_heads, w);
+    query(a, task / (a.k_heads * a.t), task % a.t, task / a.t % a.k_heads, w);
 }
 
 // fn(begin, end) over `units` split in one range per thread; a unit's result does not
