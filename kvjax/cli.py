@@ -304,10 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
                       help="(peer, with --model) also llama.cpp at batch 1, built into "
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")
-    peer.add_argument("--cpu-kernel", default="off",
+    peer.add_argument("--cpu-kernel", default=None,
                       help="(peer, eagle) EngineConfig.cpu_kernel: off, products or auto "
-                           "(kvjax's CPU kernel where it runs); peer: several side by side, "
-                           "comma-separated, e.g. off,auto")
+                           "(kvjax's CPU kernel where it runs; default: the config's, auto); "
+                           "peer: several side by side, comma-separated, e.g. off,auto")
     peer.add_argument("--formats", default=None,
                       help="(kv_format) page formats, comma-separated, float32 first "
                            "(default float32,bfloat16,int8,float8_e4m3fn)")

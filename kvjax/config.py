@@ -262,7 +262,7 @@ class EngineConfig:
     fused_projections: bool = True
     # "auto": products and attention by kvjax's CPU kernel (kvjax.cpu) where it runs (a CPU
     # backend, a C++ compiler, no mesh; `Engine.products` says), else XLA's; "products": those
-    cpu_kernel: str = "off"
+    cpu_kernel: str = "auto"
     # the context every compiled step covers at least, in tokens (page tables, the n-gram
     # drafter's history). 0: as wide as the longest row needs, in powers of two (a growing
     # sequence compiles a few shapes); max_seq_len: one shape for every length. Attention

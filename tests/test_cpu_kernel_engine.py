@@ -1,7 +1,9 @@
-"""The engine on kvjax's CPU kernel (`EngineConfig(cpu_kernel="auto")`: products and
-attention): a request's bits are the ones it gets alone across the engine's knobs, its
-values are XLA's path's to rounding, the kernel is part of the cache identity, and
-`Engine.products` says which path runs (the kernels themselves: tests/test_cpu_kernel.py,
+"""The engine on kvjax's CPU kernel (`EngineConfig(cpu_kernel="auto")`, the default:
+products and attention) and on XLA's path ("off", and what "auto" falls back to): a
+request's bits are the ones it gets alone across the engine's knobs on XLA's path (on the
+kernel's: tests/test_invariance.py, which runs the default engine), the kernel's values are
+XLA's path's to rounding, the kernel is part of the cache identity, and `Engine.products`
+says which path runs (the kernels themselves: tests/test_cpu_kernel.py,
 tests/test_cpu_attention.py)."""
 
 from __future__ import annotations
@@ -42,17 +44,33 @@ def alone(p):
     return [e.generate([r])[0] for r in requests()]
 
 
+@pytest.fixture(scope="module")
+def alone_xla(p):
+    e = engine(p, max_slots=1, prefix_cache=False, min_context=0, cpu_kernel="off")
+    assert not e.plan.cpu_kernel and not e.plan.cpu_attention
+    return [e.generate([r])[0] for r in requests()]
+
+
 @needs_kernel
+def test_the_default_engine_runs_the_kernel_path(p):
+    """tests/test_invariance.py's matrix runs the default engine: the kernel's path."""
+    e = Engine(p, CONFIG, EngineConfig(cache=CACHE))
+    assert e.plan.cpu_kernel and e.plan.cpu_attention
+
+
 @pytest.mark.parametrize("knobs", [
     dict(max_slots=8), dict(max_slots=2), dict(cache=with_cache(prefill_chunk=8)),
     dict(decode_steps=1), dict(decode_steps=16), dict(packed_prefill=True)], ids=str)
-def test_a_request_gets_its_alone_bits_on_the_kernel_path(p, alone, knobs):
-    assert_same(engine(p, **knobs).generate(requests()), alone)
+def test_a_request_gets_its_alone_bits_on_xlas_path(p, alone_xla, knobs):
+    """XLA's products and attention (`cpu_kernel="off"`, and "auto" where the kernel cannot
+    run): the invariance matrix's knobs (the default engine's: tests/test_invariance.py)."""
+    assert_same(engine(p, cpu_kernel="off", **knobs).generate(requests()), alone_xla)
 
 
 @needs_kernel
 def test_the_kernel_path_gives_xla_paths_values_to_rounding(p, alone):
-    xla = Engine(p, CONFIG, EngineConfig(cache=CACHE, max_slots=1, prefix_cache=False))
+    xla = Engine(p, CONFIG, EngineConfig(cache=CACHE, max_slots=1, prefix_cache=False,
+                                         cpu_kernel="off"))
     assert not xla.plan.cpu_kernel
     for r, got in zip(requests(), alone, strict=True):
         want = xla.generate([dataclasses.replace(r, max_new_tokens=1)])[0]
@@ -67,7 +85,7 @@ def test_the_kernel_path_gives_xla_paths_values_to_rounding(p, alone):
 
 @needs_kernel
 def test_the_kernel_is_part_of_the_cache_identity_and_of_the_startup_line(p):
-    on, off = engine(p), Engine(p, CONFIG, EngineConfig(cache=CACHE))
+    on, off = engine(p), Engine(p, CONFIG, EngineConfig(cache=CACHE, cpu_kernel="off"))
     assert on.plan.cpu_kernel and not off.plan.cpu_kernel
     assert on.plan.cpu_attention and not off.plan.cpu_attention
     assert on.products.startswith("kvjax CPU product kernel (")
@@ -108,7 +126,7 @@ def test_bfloat16_pages_keep_a_requests_alone_bits_on_the_attention_kernel(p):
 
 def test_without_the_kernel_auto_runs_xlas_products_with_the_same_bits_and_says_why(
         p, monkeypatch):
-    off = Engine(p, CONFIG, EngineConfig(cache=CACHE, max_slots=4))
+    off = Engine(p, CONFIG, EngineConfig(cache=CACHE, max_slots=4, cpu_kernel="off"))
     monkeypatch.setattr(product, "_KERNEL", Kernel(False, "no C++ compiler found"))
     auto = engine(p, max_slots=4, min_context=0)
     assert not auto.plan.cpu_kernel and auto.plan == off.plan

@@ -225,10 +225,13 @@ def test_page_size_at_one_attention_block(p):
 
 
 def test_fast_numerics_do_change_with_the_batch(p, alone):
-    """What invariance fixes, seen on this backend: under numerics="fast" the same requests
-    get other bits in a batch of 8 than alone (the logits still agree to ~1e-5)."""
-    alone_fast = [engine(p, max_slots=1, numerics="fast").generate([r])[0] for r in requests()]
-    batched = engine(p, numerics="fast").generate(requests())
+    """What invariance fixes, seen on this backend: under numerics="fast" on XLA's products
+    and attention the same requests get other bits in a batch of 8 than alone (the logits
+    still agree to ~1e-5). kvjax's CPU kernel gives every row its own bits whatever the
+    mode."""
+    alone_fast = [engine(p, max_slots=1, numerics="fast", cpu_kernel="off").generate([r])[0]
+                  for r in requests()]
+    batched = engine(p, numerics="fast", cpu_kernel="off").generate(requests())
     diff = max(np.abs(np.asarray(a.logits) - np.asarray(b.logits)).max()
                for a, b in zip(alone_fast, batched, strict=True))
     assert 0 < diff < 1e-4  # measured 8.1e-6

@@ -30,6 +30,7 @@ from kvjax.cache.paged import (
     quantize,
     write_kv,
 )
+from kvjax.cpu.product import kernel
 from kvjax.memory.calculator import KV_FORMATS, kv_bytes, kv_bytes_per_scalar
 from kvjax.model.attention import paged_attention_reference
 from kvjax.model.kernels import kernel_limits, resolve_backend
@@ -183,11 +184,16 @@ def test_poisoned_freed_int8_pages_are_never_read(p):
 
 def test_the_format_is_part_of_the_cache_identity(p):
     r = _requests()[0]
-    assert engine(p, cache=INT8).namespace(r).differing_fields(engine(p).namespace(r)) == [
-        "kv_dtype"]
+    # XLA's attention for every format ("products"): the format alone differs
+    same = dict(cpu_kernel="products")
+    assert engine(p, cache=INT8, **same).namespace(r).differing_fields(
+        engine(p, **same).namespace(r)) == ["kv_dtype"]
     float8 = engine(p, cache=with_cache(dtype="float8_e4m3fn"))
     assert float8.namespace(r).differing_fields(engine(p, cache=INT8).namespace(r)) == [
         "kv_dtype"]  # the same bytes per number, other numbers
+    if kernel().available:  # by default float32 pages take the attention kernel, int8 not
+        assert engine(p, cache=INT8).namespace(r).differing_fields(
+            engine(p).namespace(r)) == ["model", "kv_dtype"]
 
 
 def test_the_calculator_counts_the_bytes_the_pool_allocates():

@@ -195,13 +195,18 @@ def test_stored_kernels_give_the_plain_layouts_values():
     assert set(KERNELS) == set(EVERY) | set(FUSED)
 
 
-def test_the_engine_shows_the_weights_as_loaded():
+@pytest.mark.parametrize("cpu_kernel", ["off", "auto"])
+def test_the_engine_shows_the_weights_as_loaded(cpu_kernel):
     from kvjax import Engine, EngineConfig
+    from kvjax.cpu.product import kernel
 
     config = small_model()
     params = sharp_params(config)
-    engine = Engine(params, config, EngineConfig())
-    assert engine.plan.transposed  # this backend stores some kernels transposed
+    engine = Engine(params, config, EngineConfig(cpu_kernel=cpu_kernel))
+    if cpu_kernel == "off":
+        assert engine.plan.transposed  # this backend stores some kernels transposed
+    else:  # kvjax's CPU kernel reads them packed
+        assert engine.model.params.packed == kernel().available
     assert engine.plan.fused
     assert isinstance(engine.model.params, Stored)
     jax.tree_util.tree_map(np.testing.assert_array_equal, engine.params, params)

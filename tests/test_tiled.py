@@ -163,7 +163,7 @@ def test_the_engine_takes_the_cheapest_form_the_backend_keeps_invariant():
         warnings.simplefilter("error")  # no warning: a form that holds was found
         for transposed in (True, False):
             engines[transposed] = Engine(init_params(wide), wide, EngineConfig(
-                transposed_kernels=transposed, row_block=64))
+                transposed_kernels=transposed, row_block=64, cpu_kernel="off"))
     stored, blocks = engines[True].plan, engines[False].plan
     assert stored.fused and blocks.fused  # q, k and v as one product ("qkv")
     assert "qkv" in stored.transposed and stored.block("qkv") == 0

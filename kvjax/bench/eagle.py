@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvjax.config import CacheConfig
+from kvjax.config import CacheConfig, EngineConfig
 from kvjax.decode.batching import pages_for
 from kvjax.decode.generate import generate
 from kvjax.lab.progress import Progress
@@ -146,14 +146,14 @@ def main(args) -> int:
 
     name = args.model or "smollm2-135m-instruct"
     plan = INVARIANT if args.numerics == "invariant" else FAST
-    if args.cpu_kernel not in ("off", "products", "auto"):
+    setting = args.cpu_kernel or EngineConfig().cpu_kernel
+    if setting not in ("off", "products", "auto"):
         raise SystemExit(f"bench eagle: --cpu-kernel is off, products or auto, not "
-                         f"{args.cpu_kernel!r}")
+                         f"{setting!r}")
     model = models.load(name)
-    if args.cpu_kernel != "off" and kernel().available:  # as EngineConfig.cpu_kernel
+    if setting != "off" and kernel().available:  # as EngineConfig.cpu_kernel
         plan = dataclasses.replace(plan, cpu_kernel=True, cpu_attention=(
-            args.cpu_kernel == "auto" and unsupported("float32", model.config.attn_softcap)
-            is None))
+            setting == "auto" and unsupported("float32", model.config.attn_softcap) is None))
     # the target's steps take the parameters as the plan stores them; drafters read the
     # canonical tree (the EAGLE head: the embedding and the output head)
     target = dataclasses.replace(model, params=store(model.params, plan))

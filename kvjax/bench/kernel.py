@@ -1,12 +1,14 @@
 """The row-count-invariant CPU product against XLA's (`kvjax bench kernel`).
 
 Side by side in one run, calls interleaved, medians: (1) a SmolLM2-shaped chain of the 30
-layers' products (q, k, v, o, gate, up, down) and the tied head, float32, at 1, 2, 8 and 256
-rows (the gates: what a decode step, a verify and a prefill chunk pay); (2) each product of
-SmolLM2 and of the bench config's model alone. Each shape's rows are checked bitwise across
-row counts (gate a). The gates for the kernel to become invariant numerics' default
-(issue 36): (b) one row at >= 0.95x the speed of XLA's one-row product, (c) 8 rows at
-<= 1.2x the kernel's one-row time, (d) 256 rows at <= 1.3x XLA's time.
+layers' products (q, k, v, o, gate, up, down) and the tied head, float32, at 1, 2, 8 and
+256 rows (the gates: what a decode step, a verify and a prefill chunk pay); (2) each
+product of SmolLM2 and of the bench config's model alone; (3) SmolLM2's attention on
+kvjax's CPU kernel and on XLA's (`kvjax.bench.kernel_attention`), and the CPU's peak FMA
+rate, the floor under gate (c). Each shape's rows are checked bitwise across row counts
+(gate a). The gates for the kernel to become invariant numerics' default (issue 36): (b)
+one row at >= 0.95x the speed of XLA's one-row product, (c) 8 rows at <= 1.2x the kernel's
+one-row time, (d) 256 rows at <= 1.3x XLA's time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.bench import kernel_attention
 from kvjax.config_files import load_config
 from kvjax.cpu.product import kernel, pack, product
 from kvjax.lab.report import emit, markdown_table, write_results
@@ -152,10 +155,19 @@ def main(args) -> int:
               **{f"bench {n}": (d, f, n == "head" and model.tie_embeddings)
                  for n, (d, f) in model_shapes(model).items()}}
     rows = chain_rows(args.reps, rng) + product_rows(shapes, args.reps, rng)
+    rows += kernel_attention.attention_rows(args.reps, rng, side_by_side)
     verdict = gates(rows[:len(ROWS)])
+    rate = kernel_attention.fma_rate()
+    one = rows[0]["kernel_ms"]
+    floor = kernel_attention.floor_ms(SMOLLM2, 8, rate)
+    peak = (f"this CPU's peak: {rate / 1e9:.2f} G 16-lane FMAs a second; 8 rows of the chain "
+            f"take at least {floor:.1f} ms there = {floor / one:.2f}x the kernel's one row "
+            f"(gate c's floor)")
+    emit(peak)
     text = markdown_table(rows, COLUMNS) + "\n\n" + "\n".join(
         f"- gate {name}: {v:.2f} (bound {bound}): {'passed' if ok else 'FAILED'}"
-        for name, (v, bound, ok) in verdict.items()) + "\n"
+        for name, (v, bound, ok) in verdict.items()) + f"\n- {peak}\n"
     write_results(args.out, text, rows, config=args.config, kernel=k.describe(),
-                  gates={n: list(v) for n, v in verdict.items()})
+                  gates={n: list(v) for n, v in verdict.items()}, fma_rate=rate,
+                  floor_8_rows_ms=floor)
     return 0

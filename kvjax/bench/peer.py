@@ -84,7 +84,8 @@ def main(args) -> int:
     cache = CacheConfig(page_size=16, num_pages=1, prefill_chunk=256, attn_block=256)
     # the engine's numerics (default invariant: the prompts share prefill calls), its forms,
     # for each --cpu-kernel setting
-    settings = [k.strip() for k in args.cpu_kernel.split(",") if k.strip()]
+    settings = [k.strip() for k in (args.cpu_kernel or cfg.engine.cpu_kernel).split(",")
+                if k.strip()]
     loaded_config, loaded_params = config, params  # the Engine chooses its own forms
     runs = {}  # setting -> (its plan, the parameters stored for it)
     for setting in settings:

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <thread>
@@ -260,4 +261,25 @@ extern "C" void kvjax_product_raw(const float* x, const float* w, float* y, int6
     transposed_outputs(d, 0, out);
   else
     dense_outputs(d, 0, out / PANEL);
+}
+
+// Sixteen-lane fused multiply-adds a second on the calling thread (12 independent chains,
+// `iters` rounds): the arithmetic rate no product can pass (kvjax bench kernel).
+extern "C" double kvjax_fma_rate(int64_t iters) {
+  constexpr int CHAINS = 12;
+  Vec acc[CHAINS];
+  for (int i = 0; i < CHAINS; ++i) acc[i] = splat(1.0f + i * 1e-3f);
+  Vec b = splat(0.999999f), c = splat(1e-7f);
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < CHAINS; ++i) acc[i] = fma(acc[i], b, c);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float lanes[LANES], total = 0.0f;
+  for (int i = 0; i < CHAINS; ++i) {
+    store(lanes, acc[i]);
+    total += lanes[0];
+  }
+  volatile float keep = total;  // the chains' results are used: the loop stays
+  (void)keep;
+  return CHAINS * static_cast<double>(iters) / seconds;
 }

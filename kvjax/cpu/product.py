@@ -30,6 +30,7 @@ class Kernel:
     available: bool
     reason: str  # how it was loaded, or why it is not in use
     isa: str = ""  # the vector instructions it was built for: avx512, avx2 or scalar
+    library: str = ""  # the loaded library's path
 
     def describe(self) -> str:
         if self.available:
@@ -60,7 +61,7 @@ def _load() -> Kernel:
     for name, fn in ((TARGET, lib.KvjaxProduct), (TARGET_T, lib.KvjaxProductT),
                      ("kvjax_attention", lib.KvjaxAttention)):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
-    return Kernel(True, made.reason, lib.kvjax_product_isa().decode())
+    return Kernel(True, made.reason, lib.kvjax_product_isa().decode(), str(made.path))
 
 
 def kernel() -> Kernel:
