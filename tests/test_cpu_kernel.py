@@ -108,10 +108,39 @@ def test_the_library_is_cached_by_source_compiler_cpu_and_jaxlib(tmp_path, monke
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".so"] * 3  # no temporaries
 
 
+def _raw_attention(lib, case) -> np.ndarray:
+    """kvjax_attention_raw on `case` (the arrays and dims of `_attention_case`)."""
+    q, k, v, table, lengths, num_new, dims = case
+    out = np.zeros_like(q)
+    f, i32 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32)
+    lib.kvjax_attention_raw(q.ctypes.data_as(f), k.ctypes.data_as(f), v.ctypes.data_as(f),
+                            table.ctypes.data_as(i32), lengths.ctypes.data_as(i32),
+                            num_new.ctypes.data_as(i32), out.ctypes.data_as(f),
+                            dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+    return out
+
+
+def _attention_case(h: int):
+    """Two sequences (21 cached + 4 new, 37 + 2) over float32 pages of 4, 6 query heads
+    over 2 KV heads of `h`, window 9, layer 1 of 2."""
+    rng = np.random.default_rng(h)
+    k, v = (np.ascontiguousarray(rng.standard_normal((2, 2, 24, 4, h)), np.float32)
+            for _ in range(2))
+    q = np.ascontiguousarray(rng.standard_normal((2, 4, 6, h)) / 2, np.float32)
+    table = np.arange(24, dtype=np.int32).reshape(2, 12)
+    lengths, num_new = np.array([21, 37], np.int32), np.array([4, 2], np.int32)
+    dims = np.array([1, 2, 4, 6, 2, h, 24, 4, 12, 9], np.int64)
+    return q, k, v, table, lengths, num_new, dims
+
+
 @needs_kernel
 def test_avx512_avx2_and_scalar_builds_give_the_same_bits(tmp_path):
     """The order of each sum is fixed by I alone, not by the vector width: the library built
-    for 16-float, 8-float and no vectors (software fma) gives the same bits."""
+    for 16-float, 8-float and no vectors (software fma) gives the same bits; its attention
+    too (the numpy reference's bits, kvjax.cpu.attention), whose 16-lane tree takes vector
+    instructions where there are some."""
+    from kvjax.cpu.attention import reference
+
     env = {"KVJAX_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
     widths = {"native": (), "avx2": ("-mno-avx512f",),
               "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
@@ -140,6 +169,12 @@ def test_avx512_avx2_and_scalar_builds_give_the_same_bits(tmp_path):
                     y, np.asarray(_product(jnp.asarray(x), jnp.asarray(stored), transposed)))
             else:
                 np.testing.assert_array_equal(y, outs[("native", i, o)], err_msg=name)
+        for h in (64, 20):
+            case = _attention_case(h)
+            q, k, v, table, lengths, num_new, _ = case
+            want = reference(q, k, v, 1, table, lengths, num_new, 9, 1.0)
+            # the raw entry takes queries already scaled (scale 1.0 in the reference)
+            np.testing.assert_array_equal(_raw_attention(lib, case), want, err_msg=name)
     assert isas["avx2"] in ("avx2", "scalar") and isas["scalar"] == "scalar"
     assert isas["native"] == kernel().isa
 

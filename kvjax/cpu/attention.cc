@@ -15,7 +15,8 @@
 // - acc[h] = the running sum of e_p * v_p[h] over the keys in ascending position;
 // - out[h] = acc[h] / l.
 // Only elementwise loops over lanes are left to the compiler to vectorize, which without
-// -ffast-math keeps each lane's operations as written: every build gives the same bits.
+// -ffast-math keeps each lane's operations as written, and tree16's vector form adds the
+// same pairs as its scalar one: every build gives the same bits.
 //
 // Which keys a query sees: query t of sequence b sits at position pos = lengths[b] + t (a
 // tree verify: lengths[b] + depth[b, t]) and sees positions max(0, pos - window + 1) .. pos
@@ -272,3 +273,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttention, Attention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window")
                                   .Attr<bool>("tree"));
+
+// Float32 pages, a chain (no tree), on the calling thread, without XLA (tests compare
+// builds for other vector widths: tests/test_cpu_kernel.py). dims: layer, B, T, N, K, H,
+// pages, page_size, pages a sequence, window.
+extern "C" void kvjax_attention_raw(const float* q, const float* k, const float* v,
+                                    const int32_t* table, const int32_t* lengths,
+                                    const int32_t* num_new, float* out, const int64_t* dims) {
+  Paged<float> a{q,       k,       v,       table,   lengths, num_new, nullptr,
+                 nullptr, out,     dims[0], dims[1], dims[2], dims[3], dims[4],
+                 dims[5], dims[6], dims[7], dims[8], dims[9]};
+  queries(a, 0, a.b * a.t * a.k_heads);
+}
