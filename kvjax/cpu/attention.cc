@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "split.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -192,22 +193,6 @@ void queries(const Paged<E>& a, int64_t begin, int64_t end) {
     query(a, task / (a.k_heads * a.t), task % a.t, task / a.t % a.k_heads, w);
 }
 
-// fn(begin, end) over `units` split in one range per thread; a unit's result does not
-// depend on the thread that runs it.
-template <typename Fn>
-void split(ffi::ThreadPool& pool, int64_t units, Fn fn) {
-  int64_t tasks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1),
-                                    std::max<int64_t>(units, 1));
-  std::atomic<int64_t> done{0};
-  for (int64_t i = 1; i < tasks; ++i)
-    pool.Schedule([&done, fn, b = units * i / tasks, e = units * (i + 1) / tasks] {
-      fn(b, e);
-      done.fetch_add(1, std::memory_order_release);
-    });
-  fn(0, units / tasks);
-  while (done.load(std::memory_order_acquire) < tasks - 1) std::this_thread::yield();
-}
-
 template <typename E>
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table,
@@ -221,7 +206,10 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
              tree ? depth.typed_data() : nullptr, tree ? anc.typed_data() : nullptr,
              out->typed_data(), layer.typed_data()[0], qd[0], qd[1], qd[2], kd[1], qd[3],
              kd[2], kd[3], td[1], window};
-  split(pool, a.b * a.t * a.k_heads, [&a](int64_t b, int64_t e) { queries(a, b, e); });
+  // ranges of queries several per thread: their costs differ with their keys
+  int64_t units = a.b * a.t * a.k_heads;
+  kvjax::split(pool, units, 4 * std::max<int64_t>(pool.num_threads(), 1),
+               [&a](int64_t b, int64_t e) { queries(a, b, e); });
   return ffi::Error::Success();
 }
 

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("product.cc", "attention.cc"))
+HEADERS = (Path(__file__).with_name("split.h"),)  # part of the digest, not compiled alone
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 COMPILE_SECONDS = 300
 
@@ -73,8 +74,8 @@ def build(include_dir: str, jaxlib_version: str, environ=os.environ,
     if cxx is None:
         return Build(None, "no C++ compiler found ($CXX, c++, g++)")
     key = hashlib.sha256("\0".join([
-        *(source.read_text() for source in SOURCES), cxx, _version(cxx), " ".join(flags),
-        cpu_features(),
+        *(source.read_text() for source in SOURCES + HEADERS), cxx, _version(cxx),
+        " ".join(flags), cpu_features(),
         jaxlib_version]).encode()).hexdigest()[:20]
     path = cache_dir(environ) / f"kvjax_cpu-{key}.so"
     if path.exists():

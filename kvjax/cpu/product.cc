@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <thread>
 
+#include "split.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -188,28 +189,6 @@ void transposed_outputs(const Dense& d, int64_t o_begin, int64_t o_end) {
 
 // ---- the FFI handlers ------------------------------------------------------------------
 
-// fn(d, begin, end) over `units` split in ranges, one per thread; each unit's work is the
-// same whichever thread runs it.
-template <typename Fn>
-void split(ffi::ThreadPool& pool, const Dense& d, int64_t units, Fn fn) {
-  int64_t tasks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1),
-                                    std::max<int64_t>(units, 1));
-  auto range = [&](int64_t t) {
-    return std::pair<int64_t, int64_t>{units * t / tasks, units * (t + 1) / tasks};
-  };
-  std::atomic<int64_t> done{0};
-  for (int64_t t = 1; t < tasks; ++t) {
-    auto [b, e] = range(t);
-    pool.Schedule([&d, &done, fn, b = b, e = e] {
-      fn(d, b, e);
-      done.fetch_add(1, std::memory_order_release);
-    });
-  }
-  auto [b, e] = range(0);
-  fn(d, b, e);
-  while (done.load(std::memory_order_acquire) < tasks - 1) std::this_thread::yield();
-}
-
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                ffi::ResultBuffer<ffi::F32> y, bool transposed) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -221,10 +200,16 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
                    : "kvjax_product: want x[R, I], w[I, O] -> y[R, O]");
   Dense d{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
   if (d.rows == 0 || d.out == 0) return ffi::Error::Success();
+  // one range of outputs per thread: each streams its own weights front to back
+  int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (transposed)
-    split(pool, d, d.out, transposed_outputs);
+    kvjax::split(pool, d.out, threads,
+                 [&d](int64_t b, int64_t e) { transposed_outputs(d, b, e); });
+  else if (d.out < PANEL)  // the tail alone
+    dense_outputs(d, 0, 0);
   else
-    split(pool, d, d.out / PANEL, dense_outputs);
+    kvjax::split(pool, d.out / PANEL, threads,
+                 [&d](int64_t b, int64_t e) { dense_outputs(d, b, e); });
   return ffi::Error::Success();
 }
 
