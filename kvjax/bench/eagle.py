@@ -139,21 +139,18 @@ COLUMNS = [
 def main(args) -> int:
     from kvjax import models
     from kvjax.bench.tree import verify_cost
-    from kvjax.cpu.attention import unsupported
     from kvjax.cpu.product import kernel
+    from kvjax.engine.plans import cpu_attention_choice, cpu_kernel_choice
     from kvjax.model.layout import store
     from kvjax.speculative.eagle_file import load_head
 
     name = args.model or "smollm2-135m-instruct"
     plan = INVARIANT if args.numerics == "invariant" else FAST
-    setting = args.cpu_kernel or EngineConfig().cpu_kernel
-    if setting not in ("off", "products", "auto"):
-        raise SystemExit(f"bench eagle: --cpu-kernel is off, products or auto, not "
-                         f"{setting!r}")
+    ec = EngineConfig(**({"cpu_kernel": args.cpu_kernel} if args.cpu_kernel else {}))
     model = models.load(name)
-    if setting != "off" and kernel().available:  # as EngineConfig.cpu_kernel
-        plan = dataclasses.replace(plan, cpu_kernel=True, cpu_attention=(
-            setting == "auto" and unsupported("float32", model.config.attn_softcap) is None))
+    # what an engine with that setting would run (float32 pages, no mesh)
+    plan = dataclasses.replace(plan, cpu_kernel=cpu_kernel_choice(ec)[0],
+                               cpu_attention=cpu_attention_choice(ec, model.config)[0])
     # the target's steps take the parameters as the plan stores them; drafters read the
     # canonical tree (the EAGLE head: the embedding and the output head)
     target = dataclasses.replace(model, params=store(model.params, plan))
