@@ -205,3 +205,40 @@ def test_a_process_without_the_kernel_says_so(tmp_path, env, why):
                          env={"KVJAX_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin",
                               "JAX_PLATFORMS": "cpu", **env}, check=True).stdout.split("\n")
     assert out[0] == "False" and out[1].startswith("pure-JAX products") and why in out[1]
+
+
+# Eight attention calls and an XLA dot with no data between them: XLA runs such ops on its
+# pool's threads at once, and the dot's own pool tasks wait behind them.
+_CONCURRENT_CALLS = """
+import jax, jax.numpy as jnp, numpy as np
+B, N, H, K, P, S = 4, 9, 64, 3, 64, 16
+rng = np.random.default_rng(0)
+k, v = (jnp.asarray(rng.standard_normal((2, K, P, S, H)), jnp.float32) for _ in range(2))
+table = jnp.asarray(np.arange(B * 16).reshape(B, 16) % P, jnp.int32)
+lengths, one = jnp.full((B,), 200, jnp.int32), jnp.ones((B,), jnp.int32)
+q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
+big = jnp.asarray(rng.standard_normal((512, 512)), jnp.float32)
+from kvjax.cpu.product import kernel
+assert kernel().available, kernel().describe()
+call = jax.ffi.ffi_call("kvjax_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+
+def body(j, q):
+    outs = [call(q + i, k, v, jnp.array([i % 2], jnp.int32), table, lengths, one,
+                 jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1, 1), jnp.int32),
+                 window=np.int64(0), tree=False) for i in range(8)]
+    return sum(outs) * 1e-3 + jnp.dot(big + j, big)[0, 0]
+
+f = jax.jit(lambda q: jax.lax.fori_loop(0, 4, body, q))
+for _ in range(40):
+    jax.block_until_ready(f(q))
+print("finished")
+"""
+
+
+@needs_kernel
+def test_kernel_calls_that_xla_runs_at_once_finish():
+    """Seen hanging every time (timeout) when a kernel call waited for its own pool tasks
+    to start, before kvjax/cpu/split.h; about 5 seconds with it."""
+    out = subprocess.run([sys.executable, "-c", _CONCURRENT_CALLS], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "finished", out.stderr[-2000:]
