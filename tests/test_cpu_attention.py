@@ -91,6 +91,26 @@ def test_a_tree_verifys_bits_are_the_numpy_references():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_longer_chunks_and_trees_keep_the_numpy_references_bits(window):
+    """Chunks of 13 and 11 new queries (the second padded to 13) and a tree of 11 nodes
+    on both rows, with and without a window shorter than the chunk."""
+    k, v, cache = _pools(64, 3)
+    rng = np.random.default_rng(4)
+    lengths, num_new = np.array([10, 20], np.int32), np.array([13, 11], np.int32)
+    q = rng.standard_normal((2, 13, 9, 64)).astype(np.float32)
+    got = _call(q, cache, 1, TABLE, lengths, num_new, window)
+    np.testing.assert_array_equal(
+        got, attention.reference(q, k, v, 1, TABLE, lengths, num_new, window))
+    tree = [-1, 0, 0, 1, 1, 2, 4, 4, 5, 6, 8]
+    depth, ancestors = (np.stack([a, a]) for a in tree_arrays(tree, len(tree)))
+    lengths, num_new = np.array([6, 9], np.int32), np.array([len(tree), 9], np.int32)
+    q = rng.standard_normal((2, len(tree), 9, 64)).astype(np.float32)
+    got = _call(q, cache, 0, TABLE, lengths, num_new, window, depth, ancestors)
+    np.testing.assert_array_equal(got, attention.reference(
+        q, k, v, 0, TABLE, lengths, num_new, window, None, depth, ancestors))
+
+
 def test_a_querys_bits_are_its_own_alone_in_a_chunk_or_beside_other_rows():
     """Each query of sequence 0's chunk computed alone (a decode step at its position, one
     row, its page table cut to its pages) has the bits it gets in the chunk beside row 1."""
