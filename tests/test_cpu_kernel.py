@@ -218,9 +218,10 @@ table = jnp.asarray(np.arange(B * 16).reshape(B, 16) % P, jnp.int32)
 lengths, one = jnp.full((B,), 200, jnp.int32), jnp.ones((B,), jnp.int32)
 q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
 big = jnp.asarray(rng.standard_normal((512, 512)), jnp.float32)
+from kvjax.cpu.attention import TARGET
 from kvjax.cpu.product import kernel
 assert kernel().available, kernel().describe()
-call = jax.ffi.ffi_call("kvjax_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
 
 def body(j, q):
     outs = [call(q + i, k, v, jnp.array([i % 2], jnp.int32), table, lengths, one,

@@ -26,11 +26,9 @@
 // page_table[b, s / page_size]. Queries t >= num_new[b] are padding: their output is 0.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <type_traits>
 #include <vector>
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.paged import BatchInfo, PagedKVCache
+from kvjax.cpu.product import TARGET_ATTENTION as TARGET
 from kvjax.cpu.product import kernel
 
-TARGET = "kvjax_attention"
 LANES = 16
 
 

@@ -19,11 +19,9 @@
 // need, and the weights pass once per call for a handful of rows.
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <thread>
 
 #include "split.h"
 #include "xla/ffi/api/ffi.h"

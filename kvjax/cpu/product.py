@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 TARGET, TARGET_T = "kvjax_product", "kvjax_product_t"  # w [I, O]; w [O, I]
+TARGET_ATTENTION = "kvjax_attention"  # kvjax.cpu.attention's (_load registers all three)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ def _load() -> Kernel:
         return Kernel(False, f"{made.path} did not load: {e}")
     lib.kvjax_product_isa.restype = ctypes.c_char_p
     for name, fn in ((TARGET, lib.KvjaxProduct), (TARGET_T, lib.KvjaxProductT),
-                     ("kvjax_attention", lib.KvjaxAttention)):
+                     (TARGET_ATTENTION, lib.KvjaxAttention)):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     return Kernel(True, made.reason, lib.kvjax_product_isa().decode(), str(made.path))
 
