@@ -270,15 +270,15 @@ def _compile_key(step: str, bound: inspect.BoundArguments) -> tuple:
     fill = a.get("fill")
     return (step, a["tokens"].shape if step == "extend" else a["max_steps"], table.shape,
             offsets is None, a.get("lora") is None, a.get("last_only", a.get("return_logits")),
-            None if fill is None else (fill.tokens.shape, fill.page_table.shape))
+            a.get("sampled"), None if fill is None else (fill.tokens.shape, fill.page_table.shape))
 
 
 def test_compiles_stay_bounded(p, monkeypatch):
     """Every knob value of a cache shape compiles `extend` once per (rows, chunk width,
     page-table bucket, offsets, adapters) and `decode_loop` once per (rows, decode steps,
-    bucket, logits or not), each within the sets docs/numerics.md states (rows and buckets
-    powers of two; widths the chunk or min(chunk, 16) times a power of two); a second pass
-    over every knob compiles nothing."""
+    bucket, logits or not, sampled or greedy-only), each within the sets docs/numerics.md
+    states (rows and buckets powers of two; widths the chunk or min(chunk, 16) times a
+    power of two); a second pass over every knob compiles nothing."""
     calls = []  # (max_slots, compile key) of every step call
     for name in ("extend", "decode_loop"):
         step = getattr(steps, name)

@@ -88,6 +88,19 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return row_softmax(adjusted).reshape(shape)
 
 
+def greedy(logits: jax.Array) -> jax.Array:
+    """int32[B]: each row's argmax of logits float32[B, V] (a temperature 0 row's token)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def any_sampled(temperature) -> bool:
+    """Whether any row of a host array float32[B] of temperatures samples. The device loops
+    take it as a static flag: without sampled rows they take `greedy` and compile no
+    sampler (threefry and the top-k/top-p sort are most of a small model's loop program),
+    with the same tokens."""
+    return bool(np.any(np.asarray(temperature) > 0))
+
+
 def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
            top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Samples int32[B] tokens; temperature 0 rows are greedy (argmax).
@@ -96,15 +109,24 @@ def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature
       logits: float32[B, V]; keys: uint32[B, 2] sequence keys; positions: int32[B], the
       position each sampled token will occupy.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    argmax = greedy(logits)
 
     def stochastic() -> jax.Array:
         step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
         filtered = adjusted_logits(logits, temperature, top_k, top_p)
         drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
+        return jnp.where(temperature > 0, drawn, argmax)
 
-    return jax.lax.cond(jnp.all(temperature == 0), lambda: greedy, stochastic)
+    return jax.lax.cond(jnp.all(temperature == 0), lambda: argmax, stochastic)
 
 
-sample_jit = jax.jit(sample)  # the one jitted sampler the host calls (first tokens)
+_sample = jax.jit(sample)
+_greedy = jax.jit(greedy)
+
+
+def sample_jit(logits, keys, positions, temperature, top_k, top_p) -> jax.Array:
+    """The one jitted sampler the host calls (first tokens): `sample`, or `greedy` when no
+    row of the host array `temperature` samples (`any_sampled`)."""
+    if not any_sampled(temperature):
+        return _greedy(logits)
+    return _sample(logits, keys, positions, temperature, top_k, top_p)

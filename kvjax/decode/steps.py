@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
-from kvjax.decode.sampling import sample
+from kvjax.decode.sampling import any_sampled, greedy, sample
 from kvjax.decode.state import DecodeState
 from kvjax.model.kernels import AttentionKernel
 from kvjax.model.layout import unstored
@@ -141,12 +141,12 @@ class _Carry:
 
 @partial(jax.jit,
          static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel",
-                          "plan"),
+                          "plan", "sampled"),
          donate_argnames=("cache",))
 def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeState,
                 max_steps: int, return_logits: bool = False, lora: dict | None = None,
                 sharding: StepShardings | None = None, kernel: AttentionKernel | None = None,
-                fill: Fill | None = None, plan: NumericsPlan = FAST
+                fill: Fill | None = None, plan: NumericsPlan = FAST, sampled: bool = True
                 ) -> tuple[DecodeResult, Cache]:
     """Decodes up to `max_steps` tokens per sequence on device, sampling inside the loop.
 
@@ -155,7 +155,8 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
     or sampled one of its `state.stop_ids`. The loop ends as soon as every row is done (and
     `fill` is written). `lora` (stacked adapters) serves `state.adapter_ids`; `sharding`:
     see `extend`; `kernel`: the decode-attention kernel (None: the reference); `plan`: see
-    `extend`.
+    `extend`; `sampled`: False when no row samples (every temperature 0): the loop takes
+    the argmax and compiles no sampler, with the same tokens (`decode` decides it).
 
     `fill` (see `Fill`) prefills prompts in the same steps: each step is one packed call of
     the decode tokens and every prompt's next slice (`Transformer`'s `groups`). Under
@@ -196,7 +197,8 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
             logits = logits[:b]
         logits = logits[:, 0]  # [B, V]
         offset = 0 if state.position_offset is None else state.position_offset
-        nxt = sample(logits, state.keys, offset + c.lengths + 1, *state.knobs)
+        nxt = (sample(logits, state.keys, offset + c.lengths + 1, *state.knobs) if sampled
+               else greedy(logits))
         stopped = jnp.any(nxt[:, None] == state.stops, axis=1)
         return _Carry(
             step=c.step + 1, cache=maybe_constrain_cache(sharding, cache),
@@ -226,6 +228,8 @@ def decode(holder, params: dict, config: ModelConfig, state: DecodeState, max_st
     `kvjax.cache.pool.PagePool`, the engine's `KVCacheManager` or a
     `kvjax.cache.paged.CacheHolder`), which keeps the new cache. `kwargs`: decode_loop's
     (return_logits, lora, sharding, kernel, fill, plan). The engine's runner, `generate()`, the
-    model drafter and the benchmarks decode through it."""
+    model drafter and the benchmarks decode through it; it compiles the sampler only when a
+    row of `state` samples (`sampled`)."""
+    sampled = any_sampled(state.temperature)
     return holder.run(lambda cache: decode_loop(params, config, cache, state, max_steps,
-                                                **kwargs))
+                                                sampled=sampled, **kwargs))

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.sampling import DRAFT_TAG, probabilities, sample
+from kvjax.decode.sampling import DRAFT_TAG, greedy, probabilities, sample
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
@@ -96,7 +96,7 @@ class _Carry:
 
 
 def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeState, lengths,
-                 last, active, gamma, sharding=None):
+                 last, active, gamma, sharding=None, sampled=True):
     """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft lengths)."""
     model = Transformer(config, sharding, plan=plan)
     variables = partial(steps.model_variables, params, None, plan)  # called in the loop
@@ -120,6 +120,9 @@ def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeSt
     all_greedy = jnp.all(temperature == 0)
 
     def draw(i, logits, drafts, q):
+        if not sampled:  # every row greedy: q is the draft's one-hot
+            tok = greedy(logits)
+            return drafts.at[:, i].set(tok), q.at[:, i].set(jax.nn.one_hot(tok, vocab))
         tok = sample(logits, draft_keys, base + lengths + 1 + i, temperature, top_k, top_p)
         one_hot = jax.nn.one_hot(tok, vocab)
 
@@ -152,21 +155,22 @@ def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeSt
 
 @partial(jax.jit, static_argnames=("config", "draft_config", "drafter", "gamma", "max_out",
                                    "ngram_max", "return_logits", "sharding", "plan",
-                                   "draft_plan"),
+                                   "draft_plan", "sampled"),
          donate_argnames=("cache", "draft_cache"))
 def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter: str,
               gamma: int, max_out: int, draft_params=None,
               draft_config: ModelConfig | None = None, draft_cache=None,
               draft: DraftState | None = None, history=None, ngram_max: int = 3,
               return_logits: bool = False, lora=None, sharding=None,
-              plan: NumericsPlan = FAST, draft_plan: NumericsPlan = FAST):
+              plan: NumericsPlan = FAST, draft_plan: NumericsPlan = FAST,
+              sampled: bool = True):
     """Emits up to `state.budget[b]` tokens per row by speculative rounds on device.
 
     Donates `cache` and `draft_cache`. `drafter` is "model" (draft_params, draft_config,
     draft_cache and `draft`, its rows) or "ngram" (history int32[B, H]: each row's tokens
     including `state.last`, H >= lengths + budget + 1). `state`, `lora`, `sharding` and
-    `plan` (the draft's: `draft_plan`) as in `steps.decode_loop`; rows with budget 0 do
-    nothing.
+    `plan` (the draft's: `draft_plan`) and `sampled` (False: no row samples, no sampler
+    compiled) as in `steps.decode_loop`; rows with budget 0 do nothing.
 
     Returns (SpecLoopResult, the cache, the draft cache): the result's logits only with
     `return_logits`, its draft only with the model drafter.
@@ -204,7 +208,7 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
         if drafter == "model":
             drafts, q, draft_cache, draft_len = _draft_model(
                 draft_params, draft_config, draft_plan, draft_cache, draft_state, state,
-                lengths, last, active, gamma, sharding)
+                lengths, last, active, gamma, sharding, sampled)
             num_draft = jnp.where(active, jnp.minimum(gamma, room), 0)
         else:
             drafts, found = ngram_propose(history, lengths + 1, gamma, ngram_max)
@@ -235,7 +239,8 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
             return (jnp.where(pick, greedy_n, n), jnp.where(pick, greedy_next, nxt),
                     jnp.sum(jnp.minimum(p_eff, q), axis=-1))
 
-        accepted, nxt, alpha_terms = jax.lax.cond(all_greedy, greedy_only, mixed)
+        accepted, nxt, alpha_terms = (jax.lax.cond(all_greedy, greedy_only, mixed) if sampled
+                                      else greedy_only())
 
         # Emit d_1 .. d_accepted then nxt, within the budget, up to the first stop token.
         out = jnp.where(cols < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)

@@ -17,6 +17,7 @@ from kvjax.cache.identity import model_fingerprint
 from kvjax.cache.manager import KVCacheManager
 from kvjax.config import ConfigError, ModelConfig, SpecConfig
 from kvjax.decode.batching import bucket, page_table, pages_for
+from kvjax.decode.sampling import any_sampled
 from kvjax.decode.state import DecodeState
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.layout import store
@@ -105,7 +106,8 @@ class Speculator:
         out = kv.run_both(lambda cache, draft_cache: spec_loop(
             model.params, model.config, cache, state, drafter=self.spec.drafter, gamma=gamma,
             max_out=decode_steps, return_logits=want_logits, lora=model.lora,
-            sharding=model.shardings, plan=model.plan, draft_cache=draft_cache, **kwargs))
+            sharding=model.shardings, plan=model.plan, draft_cache=draft_cache,
+            sampled=any_sampled(state.temperature), **kwargs))
         out = jax.tree.map(np.asarray, out)
         if out.draft_lengths is not None:
             for seq in live:
