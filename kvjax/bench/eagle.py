@@ -29,7 +29,7 @@ from kvjax.lab.progress import Progress
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.model.plan import FAST, INVARIANT
 from kvjax.speculative.tree import NGramTreeDrafter
-from kvjax.speculative.tree_host import tree_generate
+from kvjax.speculative.tree_host import device_tree_generate, tree_generate
 from kvjax.speculative.tree_policy import TreeSizePolicy
 
 POLICY_SIZES = (1, 2, 4, 8, 16)
@@ -59,20 +59,24 @@ def turns(model, count: int, gen_tokens: int, plan, cache) -> list[tuple[str, li
 
 
 def methods(model, head, policy_costs: dict[int, float] | None) -> dict:
-    """name -> (a fresh drafter, max_nodes, max_depth, size policy or None)."""
+    """name -> (a fresh drafter, max_nodes, max_depth, size policy or None, on device): the
+    host's rounds (`tree_generate`) or the device loop's (`device_tree_generate`, n-gram
+    trees only)."""
     from kvjax.speculative.eagle_drafter import EagleTreeDrafter
 
-    out = {"n-gram chain": (lambda: NGramTreeDrafter(branches=1), 6, 5, None),
-           "n-gram tree": (lambda: NGramTreeDrafter(branches=4), 8, 5, None)}
+    out = {"n-gram chain": (lambda: NGramTreeDrafter(branches=1), 6, 5, None, False),
+           "n-gram tree": (lambda: NGramTreeDrafter(branches=4), 8, 5, None, False),
+           "n-gram chain on device": (lambda: NGramTreeDrafter(branches=1), 6, 5, None, True),
+           "n-gram tree on device": (lambda: NGramTreeDrafter(branches=4), 8, 5, None, True)}
     if head is not None:
         def eagle(top_k, width):
             return lambda: EagleTreeDrafter(head, model.params, model.config, top_k=top_k,
                                             width=width)
-        out["eagle chain"] = (eagle(1, 6), 6, 5, None)
-        out["eagle tree"] = (eagle(2, 8), 8, 5, None)
-        out["eagle tree 16"] = (eagle(4, 16), 16, 6, None)
+        out["eagle chain"] = (eagle(1, 6), 6, 5, None, False)
+        out["eagle tree"] = (eagle(2, 8), 8, 5, None, False)
+        out["eagle tree 16"] = (eagle(4, 16), 16, 6, None, False)
         if policy_costs is not None:
-            out["eagle tree 16 + policy"] = (eagle(4, 16), 16, 6, policy_costs)
+            out["eagle tree 16 + policy"] = (eagle(4, 16), 16, 6, policy_costs, False)
     return out
 
 
@@ -101,12 +105,13 @@ def run(model, picked, gen_tokens: int, plan, cache, table: dict, progress=None
         seconds = time.perf_counter() - t0
         want = plain.tokens[0]
         add(category, "plain", seconds, len(want), len(want), 0, 1)
-        for name, (drafter, nodes, depth, costs) in table.items():
-            policy = None if costs is None else TreeSizePolicy(costs, sizes=POLICY_SIZES)
+        for name, (drafter, nodes, depth, costs, device) in table.items():
+            policy = None if costs is None else {"size_policy": TreeSizePolicy(
+                costs, sizes=POLICY_SIZES)}
             t0 = time.perf_counter()
-            got = tree_generate(model.params, model.config, [prompt], gen_tokens, drafter(),
-                                max_nodes=nodes, max_depth=depth, cache=cache, plan=plan,
-                                stop_tokens=(stop,), size_policy=policy)
+            got = (device_tree_generate if device else tree_generate)(
+                model.params, model.config, [prompt], gen_tokens, drafter(), max_nodes=nodes,
+                max_depth=depth, cache=cache, plan=plan, stop_tokens=(stop,), **(policy or {}))
             seconds = time.perf_counter() - t0
             same = got.tokens[0] == want
             if plan.invariant and not (same and np.array_equal(

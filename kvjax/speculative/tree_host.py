@@ -12,18 +12,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from kvjax.cache.paged import BatchInfo, move_slots
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
 from kvjax.decode import steps
-from kvjax.decode.batching import page_table, pages_for
+from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sampling_rows
+from kvjax.decode.state import decode_state
 from kvjax.model.plan import INVARIANT, NumericsPlan
 from kvjax.speculative.tree import greedy_path, sampled_path, tree_arrays
+from kvjax.speculative.tree_loop import tree_loop
 
 
 @dataclasses.dataclass
@@ -121,6 +124,52 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
             drafter.release(i)
     result.logits = [np.stack(lg) for lg in logits]
     return result
+
+
+def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int,
+                         drafter, max_nodes: int = 8, max_depth: int | None = None,
+                         cache: CacheConfig | None = None, plan: NumericsPlan = INVARIANT,
+                         stop_tokens: Sequence[int] = ()) -> TreeResult:
+    """`tree_generate`, greedy, with every round of every sequence on device
+    (`kvjax.speculative.tree_loop`): an `NGramTreeDrafter`'s trees, the same tokens and
+    logits as `tree_generate` and plain decoding. `target_calls` counts a call per
+    sequence verified, as `tree_generate`'s one-sequence calls do."""
+    prompts = validate_prompts(config, prompts, max_new_tokens)
+    plan.check(config)
+    depth = max_nodes - 1 if max_depth is None else max_depth
+    cache = cache or CacheConfig(page_size=16, num_pages=sum(
+        pages_for(len(p) + max_new_tokens + max_nodes, 16) for p in prompts))
+    pool = KVPool(config, cache)
+    n = len(prompts)
+    rows = [pool.allocate(pages_for(len(p) + max_new_tokens + max_nodes, cache.page_size))
+            for p in prompts]
+    try:
+        first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
+        last = first.argmax(-1).astype(np.int32)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        history = np.zeros((n, bucket(int(lengths.max()) + max_new_tokens + 1, 64)), np.int32)
+        for i, p in enumerate(prompts):
+            history[i, :len(p) + 1] = [*p, last[i]]
+        stops = np.asarray(list(stop_tokens) or [-1], np.int32)
+        budget = np.where(np.isin(last, stops), 0, max_new_tokens - 1).astype(np.int32)
+        state = decode_state(page_table(rows, n, cache.block_pages), lengths, last, budget,
+                             np.zeros((n, 2), np.uint32), stop_ids=np.tile(stops, (n, 1)))
+        out = pool.run(lambda c: tree_loop(
+            params, config, c, state, history, max_nodes=max_nodes, depth=depth,
+            branches=drafter.branches, max_out=max(max_new_tokens - 1, 1),
+            ngram_max=drafter.max_ngram, ngram_min=drafter.min_ngram, return_logits=True,
+            plan=plan))
+        out = jax.tree.map(np.asarray, out)
+    finally:
+        for row in rows:
+            pool.release(row)
+    tokens, logits = [], []
+    for i in range(n):
+        k = int(np.sum(out.tokens[i] >= 0))
+        tokens.append([int(last[i]), *out.tokens[i, :k].tolist()])
+        logits.append(np.concatenate([first[i:i + 1], out.logits[i, :k]]))
+    return TreeResult(tokens, logits, int(out.verifications.sum()), int(out.drafted.sum()),
+                      int(out.accepted.sum()))
 
 
 def tree_batch(table: np.ndarray, length: int, parents: Sequence[int], tokens: Sequence[int],

@@ -1,0 +1,191 @@
+"""Tree speculation on device: draft, verify, accept and compact inside one while_loop.
+
+`kvjax.speculative.tree_host` runs a round per sequence from the host (a drafter in Python,
+one extend call, the path moved into place, back to Python); here every round of every
+sequence stays on device, as `kvjax.speculative.loop.spec_loop` does for chains:
+  1. draft: each row's n-gram tree (`ngram_tree_device.ngram_tree`: the host
+     `NGramTreeDrafter`'s trees), root = the newest token;
+  2. verify: the target extends every row by its tree's nodes in one [B, N] call, each node
+     seeing the cache and its ancestors only, at the position plain decoding gives it
+     (`BatchInfo.depth` / `ancestors`);
+  3. accept (greedy): the longest root path whose every child is the target's argmax at
+     its parent, then the target's own token; emitted within the budget, cut at a stop id;
+  4. compact: the path's K/V move to the slots plain decoding writes (`move_slots`), the
+     length drops to the kept history; the other nodes' K/V sit past it, where nothing
+     reads them and the next round overwrites them.
+Under invariant numerics every kept K/V and emitted logit equals plain decoding's, bitwise
+(tests/test_tree_loop.py). Greedy rows only: sampled trees verify on the host
+(`tree_host.tree_generate`, SpecInfer's rule).
+
+Legend: B rows, N tree nodes (max_nodes), D depth, S tokens out per call, H history width.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.paged import BatchInfo, model_positions, move_slots
+from kvjax.config import ModelConfig
+from kvjax.decode import steps
+from kvjax.decode.state import DecodeState
+from kvjax.model.plan import FAST, NumericsPlan
+from kvjax.model.transformer import Cache, Transformer
+from kvjax.speculative.ngram_tree_device import ngram_tree
+
+
+@flax.struct.dataclass
+class TreeLoopResult:
+    """What a tree call returns besides the cache."""
+
+    tokens: jax.Array  # int32[B, S] (-1 past the end)
+    logits: jax.Array | None  # float32[B, S, V] the target logits of each token
+    lengths: jax.Array  # int32[B] tokens the target has cached
+    rounds: jax.Array  # int32 target calls
+    verifications: jax.Array  # int32[B] target calls that verified the row
+    drafted: jax.Array  # int32[B] draft nodes verified
+    accepted: jax.Array  # int32[B] drafts emitted
+
+
+@flax.struct.dataclass
+class _Carry:
+    round: jax.Array  # int32
+    count: jax.Array  # int32[B] tokens emitted
+    done: jax.Array  # bool[B]
+    cache: Cache
+    lengths: jax.Array  # int32[B]
+    last: jax.Array  # int32[B]
+    history: jax.Array  # int32[B, H]
+    tokens: jax.Array  # int32[B, S]
+    logits: jax.Array  # float32[B, S, V], or [0]
+    verifications: jax.Array  # int32[B]
+    drafted: jax.Array  # int32[B]
+    accepted: jax.Array  # int32[B]
+
+
+def tree_layout(parents: jax.Array, nodes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(depth int32[B, N], ancestors int32[B, N, N]) of each row's tree, as
+    `kvjax.speculative.tree.tree_arrays` gives them: nodes past `nodes[b]` are roots of
+    their own."""
+    b, n = parents.shape
+    rows = jnp.arange(b)
+    cols = jnp.arange(n, dtype=jnp.int32)
+    depth = jnp.zeros((b, n), jnp.int32)
+    ancestors = jnp.broadcast_to(cols[None, :, None], (b, n, n))
+    for i in range(1, n):
+        real = i < nodes
+        parent = jnp.maximum(parents[:, i], 0)
+        d = depth[rows, parent] + 1
+        depth = depth.at[:, i].set(jnp.where(real, d, 0))
+        line = jnp.where(cols[None, :] < d[:, None], ancestors[rows, parent], i)
+        ancestors = ancestors.at[:, i].set(jnp.where(real[:, None], line, ancestors[:, i]))
+    return depth, ancestors
+
+
+def greedy_tree_path(parents: jax.Array, tokens: jax.Array, nodes: jax.Array,
+                     choice: jax.Array, depth: int) -> tuple[jax.Array, jax.Array]:
+    """(path int32[B, D + 1] (node 0 first; 0 past its end), its node count int32[B]) of
+    `kvjax.speculative.tree.greedy_path` for each row: `choice` int32[B, N] is the target's
+    argmax at each node."""
+    b, n = parents.shape
+    rows = jnp.arange(b)
+    ids = jnp.arange(n, dtype=jnp.int32)[None, :]
+    at = jnp.zeros((b,), jnp.int32)
+    going = jnp.ones((b,), bool)
+    path = [at]
+    for _ in range(depth):
+        want = choice[rows, at]
+        child = ((parents == at[:, None]) & (tokens == want[:, None]) & (ids > 0)
+                 & (ids < nodes[:, None]))
+        going &= jnp.any(child, axis=1)
+        at = jnp.where(going, jnp.argmax(child, axis=1).astype(jnp.int32), at)
+        path.append(jnp.where(going, at, 0))
+    path = jnp.stack(path, 1)
+    return path, 1 + jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
+                                   "ngram_max", "ngram_min", "return_logits", "plan"),
+         donate_argnames=("cache",))
+def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: jax.Array, *,
+              max_nodes: int, depth: int, branches: int, max_out: int, ngram_max: int = 3,
+              ngram_min: int = 1, return_logits: bool = False, plan: NumericsPlan = FAST
+              ) -> tuple[TreeLoopResult, Cache]:
+    """Emits up to `state.budget[b]` tokens per row by greedy n-gram tree rounds on device.
+
+    Donates `cache`. `history` int32[B, H]: each row's tokens including `state.last`, H >=
+    lengths + budget + 1. Each round verifies a tree of up to `max_nodes` nodes (paths of
+    up to `depth` drafts, `branches` continuations: `NGramTreeDrafter`'s), so a row's pages
+    must hold lengths + budget + max_nodes slots. Every row greedy (temperature 0; the
+    knobs are not read). Returns (TreeLoopResult, the cache)."""
+    steps.note_trace("tree_loop")
+    b, vocab = state.last.shape[0], config.vocab_size
+    rows = jnp.arange(b)
+    cols = jnp.arange(depth + 1)[None, :]
+    model = Transformer(config, plan=plan)
+    variables = partial(steps.model_variables, params, None, plan)  # called in the loop
+    budget, stops = state.budget, state.stops
+    zeros = jnp.zeros((b,), jnp.int32)
+    carry = _Carry(
+        round=jnp.int32(0), count=zeros, done=budget <= 0, cache=cache,
+        lengths=state.lengths, last=state.last, history=history,
+        tokens=jnp.full((b, max_out), -1, jnp.int32),
+        logits=jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
+        verifications=zeros, drafted=zeros, accepted=zeros)
+
+    def body(s: _Carry) -> _Carry:
+        active = ~s.done
+        reach = jnp.maximum(budget - s.count - 1, 0)  # drafts that could still be emitted
+        parents, fed, nodes = ngram_tree(s.history, s.lengths + 1, reach, max_nodes, depth,
+                                         branches, ngram_max, ngram_min)
+        nodes = jnp.where(active, nodes, 0)
+        tree_depth, ancestors = tree_layout(parents, nodes)
+        batch = BatchInfo(state.page_table, s.lengths, nodes, state.position_offset,
+                          depth=tree_depth, ancestors=ancestors)
+        logits, cache = model.apply(variables(), fed, model_positions(batch, max_nodes),
+                                    s.cache, batch, state.adapter_ids)  # [B, N, V]
+        choice = jnp.argmax(logits, -1).astype(jnp.int32)
+        path, on_path = greedy_tree_path(parents, fed, nodes, choice, depth)
+        end = jnp.take_along_axis(path, (on_path - 1)[:, None], 1)[:, 0]
+        nxt = choice[rows, end]
+
+        # Emit the path's drafts then nxt, within the budget, up to the first stop token.
+        drafts = jnp.take_along_axis(fed, path, 1)  # [B, D + 1]; [:, 0] is the root
+        out = jnp.where(cols < on_path[:, None] - 1, jnp.roll(drafts, -1, 1), 0)
+        out = jnp.where(cols == on_path[:, None] - 1, nxt[:, None], out)
+        n_emit = jnp.minimum(on_path, budget - s.count)
+        is_stop = jnp.any(out[:, :, None] == stops[:, None, :], axis=2) & \
+            (cols < n_emit[:, None])
+        first_stop = jnp.min(jnp.where(is_stop, cols, depth + 1), axis=1)
+        n_emit = jnp.where(active, jnp.minimum(n_emit, first_stop + 1), 0)
+        keep = cols < n_emit[:, None]
+        at = jnp.where(keep, s.count[:, None] + cols, max_out)
+        tokens = s.tokens.at[rows[:, None], at].set(out, mode="drop")
+        out_logits = s.logits
+        if return_logits:
+            path_logits = jnp.take_along_axis(logits, path[:, :, None], 1)  # [B, D + 1, V]
+            out_logits = s.logits.at[rows[:, None], at].set(path_logits, mode="drop")
+        # the root and the emitted drafts are cached: their K/V to plain decoding's slots
+        cache = move_slots(cache, state.page_table, s.lengths, path, n_emit)
+
+        new_last = jnp.take_along_axis(out, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
+        hist_at = jnp.where(keep, s.lengths[:, None] + 1 + cols, s.history.shape[1])
+        history = s.history.at[rows[:, None], hist_at].set(out, mode="drop")
+        count = s.count + n_emit
+        stopped = jnp.any(is_stop & keep, axis=1)
+        return _Carry(
+            round=s.round + 1, count=count, done=s.done | (count >= budget) | stopped,
+            cache=cache, lengths=s.lengths + n_emit,
+            last=jnp.where(n_emit > 0, new_last, s.last), history=history, tokens=tokens,
+            logits=out_logits, verifications=s.verifications + active,
+            drafted=s.drafted + jnp.maximum(nodes - 1, 0),
+            accepted=s.accepted + jnp.maximum(n_emit - 1, 0))
+
+    end = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, carry)
+    return TreeLoopResult(
+        tokens=end.tokens, logits=end.logits if return_logits else None, lengths=end.lengths,
+        rounds=end.round, verifications=end.verifications, drafted=end.drafted,
+        accepted=end.accepted), end.cache

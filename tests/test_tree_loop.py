@@ -1,0 +1,104 @@
+"""Tree speculation on device (`kvjax.speculative.tree_loop`): the n-gram trees are the host
+drafter's, the layout and the greedy path are `tree_arrays`' and `greedy_path`'s, and
+`device_tree_generate` emits plain greedy decoding's tokens with its logits bitwise under
+invariant numerics, with the host tree loop's acceptance, call for call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import CACHE, CONFIG, params
+
+from kvjax.decode.generate import generate
+from kvjax.model.plan import INVARIANT
+from kvjax.speculative.ngram_tree_device import ngram_tree
+from kvjax.speculative.tree import NGramTreeDrafter, greedy_path, tree_arrays
+from kvjax.speculative.tree_host import device_tree_generate, tree_generate
+from kvjax.speculative.tree_loop import greedy_tree_path, tree_layout
+
+
+@pytest.fixture(scope="module")
+def p():
+    return params()
+
+
+def _histories(seed: int, rows: int = 24) -> list[list[int]]:
+    """Repetitive histories over a few tokens (many matches, shared prefixes), and short
+    ones (no match, a lone token)."""
+    rng = np.random.default_rng(seed)
+    out = [[int(t) for t in rng.integers(1, 6, int(rng.integers(2, 40)))]
+           for _ in range(rows - 2)]
+    return out + [[3], [4, 5]]
+
+
+@pytest.mark.parametrize(("max_nodes", "depth", "branches", "ngrams"),
+                         [(8, 7, 4, (3, 1)), (6, 3, 3, (2, 1)), (10, 5, 6, (3, 2)),
+                          (3, 2, 1, (1, 1))])
+def test_device_trees_are_the_host_drafter_s(max_nodes, depth, branches, ngrams):
+    histories = _histories(max_nodes)
+    reach = np.random.default_rng(1).integers(0, depth + 2, len(histories)).astype(np.int32)
+    width = 48
+    table = np.zeros((len(histories), width), np.int32)
+    for i, h in enumerate(histories):
+        table[i, :len(h)] = h
+    lengths = np.array([len(h) for h in histories], np.int32)
+    parents, tokens, nodes = (np.asarray(x) for x in ngram_tree(
+        table, lengths, reach, max_nodes, depth, branches, *ngrams))
+    drafter = NGramTreeDrafter(max_ngram=ngrams[0], min_ngram=ngrams[1], branches=branches)
+    sizes = set()
+    for i, h in enumerate(histories):
+        want_parents, want_tokens = drafter.propose_tree(h, max_nodes, min(depth, reach[i]))
+        n = int(nodes[i])
+        assert parents[i, :n].tolist() == want_parents, i
+        assert tokens[i, :n].tolist() == want_tokens, i
+        sizes.add(n)
+    assert 1 in sizes and max_nodes in sizes and len(sizes) > 2  # lone roots, full trees
+
+
+def test_layout_and_greedy_path_are_the_host_s():
+    rng = np.random.default_rng(0)
+    n, depth = 9, 8
+    trees = [[-1], [-1, 0, 1, 2, 3, 4, 5, 6, 7], [-1] + [0] * 8]  # root, chain, star
+    trees += [[-1] + [int(rng.integers(0, i)) for i in range(1, int(rng.integers(2, n + 1)))]
+              for _ in range(20)]
+    parents = np.full((len(trees), n), -1, np.int32)
+    tokens = rng.integers(0, 3, (len(trees), n)).astype(np.int32)  # siblings share tokens
+    choice = rng.integers(0, 3, (len(trees), n)).astype(np.int32)
+    nodes = np.array([len(t) for t in trees], np.int32)
+    for i, t in enumerate(trees):
+        parents[i, :len(t)] = t
+    got_depth, got_anc = (np.asarray(x) for x in tree_layout(parents, nodes))
+    path, on_path = (np.asarray(x) for x in greedy_tree_path(parents, tokens, nodes, choice,
+                                                             depth))
+    lengths = set()
+    for i, t in enumerate(trees):
+        want_depth, want_anc = tree_arrays(t, n)
+        np.testing.assert_array_equal(got_depth[i], want_depth)
+        np.testing.assert_array_equal(got_anc[i], want_anc)
+        want = greedy_path(t, tokens[i, :len(t)].tolist(), choice[i].tolist())
+        assert path[i, :on_path[i]].tolist() == want, i
+        lengths.add(len(want))
+    assert len(lengths) > 2
+
+
+def test_device_tree_speculation_is_plain_greedy_decoding_and_the_host_loop_s(p):
+    """Tokens and logits bitwise plain decoding's (a stop id too), and the host tree loop's
+    calls, drafts and acceptances: the same trees, verified the same way."""
+    base = [int(t) for t in np.random.default_rng(7).integers(1, CONFIG.vocab_size, 6)]
+    prompts = [base * 4 + base[:2], [int(t) for t in np.random.default_rng(8).integers(
+        1, CONFIG.vocab_size, 11)], base * 2]
+    want = generate(p, CONFIG, prompts, 24, cache=CACHE, return_logits=True, plan=INVARIANT)
+    drafter = NGramTreeDrafter(branches=3)
+    got = device_tree_generate(p, CONFIG, prompts, 24, drafter, max_nodes=8, cache=CACHE)
+    host = tree_generate(p, CONFIG, prompts, 24, drafter, max_nodes=8, cache=CACHE)
+    assert got.tokens == want.tokens == host.tokens
+    for a, b in zip(got.logits, want.logits, strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert (got.target_calls, got.drafted, got.accepted) == (
+        host.target_calls, host.drafted, host.accepted)
+    assert got.accepted > 0 and got.drafted > got.target_calls
+    stop = want.tokens[0][9]
+    cut = generate(p, CONFIG, prompts, 24, cache=CACHE, stop_token=stop, plan=INVARIANT)
+    got_cut = device_tree_generate(p, CONFIG, prompts, 24, drafter, max_nodes=8, cache=CACHE,
+                                   stop_tokens=(stop,))
+    assert got_cut.tokens == cut.tokens and len(cut.tokens[0]) <= 10
