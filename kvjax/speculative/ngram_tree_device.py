@@ -48,19 +48,21 @@ def _distinct(tokens: jax.Array, lengths: jax.Array, branches: int
               ) -> tuple[jax.Array, jax.Array]:
     """The first `branches` different continuations in order: (tokens int32[B, K, D],
     lengths int32[B, K], 0 where there are fewer)."""
-    b = tokens.shape[0]
-    taken = lengths == 0
-    picked, picked_len = [], []
-    for _ in range(branches):
+    b, _, depth = tokens.shape
+    rows = jnp.arange(b)
+
+    def pick(k, carry):  # a loop, not K unrolled copies: compiled once
+        taken, picked, picked_len = carry
         first = jnp.argmax(~taken, axis=1)  # [B] the first continuation not yet taken
-        has = jnp.any(~taken, axis=1)
-        seq = tokens[jnp.arange(b), first]  # [B, D]
-        n = jnp.where(has, lengths[jnp.arange(b), first], 0)
-        picked.append(seq)
-        picked_len.append(n)
-        same = jnp.all(tokens == seq[:, None, :], axis=2) & (lengths == n[:, None])
-        taken |= same
-    return jnp.stack(picked, 1), jnp.stack(picked_len, 1)
+        seq = tokens[rows, first]  # [B, D]
+        n = jnp.where(jnp.any(~taken, axis=1), lengths[rows, first], 0)
+        taken |= jnp.all(tokens == seq[:, None, :], axis=2) & (lengths == n[:, None])
+        return taken, picked.at[:, k].set(seq), picked_len.at[:, k].set(n)
+
+    _, picked, picked_len = jax.lax.fori_loop(0, branches, pick, (
+        lengths == 0, jnp.zeros((b, branches, depth), jnp.int32),
+        jnp.zeros((b, branches), jnp.int32)))
+    return picked, picked_len
 
 
 def ngram_tree(history: jax.Array, hist_len: jax.Array, reach: jax.Array, max_nodes: int,
@@ -69,29 +71,34 @@ def ngram_tree(history: jax.Array, hist_len: jax.Array, reach: jax.Array, max_no
     """(parents int32[B, N] (-1: the root and padding), tokens int32[B, N], nodes int32[B])
     of each row's tree; row b's history is history[b, :hist_len[b]], its root token the
     last of it; its paths hold at most min(depth, reach[b]) drafts."""
+    history = jnp.asarray(history)
     b = history.shape[0]
     rows = jnp.arange(b)
     cand, cand_len = _candidates(history, hist_len, reach, depth, max_ngram, min_ngram)
     chains, chain_len = _distinct(cand, cand_len, branches)
+    chains = chains.reshape(b, branches * depth)
     node_ids = jnp.arange(max_nodes, dtype=jnp.int32)[None, :]
     root = jnp.take_along_axis(history, jnp.maximum(hist_len - 1, 0)[:, None], axis=1)[:, 0]
-    parents = jnp.full((b, max_nodes), -1, jnp.int32)
-    tokens = jnp.zeros((b, max_nodes), jnp.int32).at[:, 0].set(root)
-    nodes = jnp.ones((b,), jnp.int32)
-    for k in range(branches):
-        at = jnp.zeros((b,), jnp.int32)  # the chain's node so far (the root)
-        going = jnp.ones((b,), bool)
-        for d in range(depth):
-            t = chains[:, k, d]
-            going &= d < chain_len[:, k]
-            child = ((parents == at[:, None]) & (tokens == t[:, None]) & (node_ids > 0)
-                     & (node_ids < nodes[:, None]))
-            exists = jnp.any(child, axis=1)
-            new = going & ~exists & (nodes < max_nodes)
-            slot = jnp.where(new, nodes, max_nodes)  # out of range: dropped
-            parents = parents.at[rows, slot].set(at, mode="drop")
-            tokens = tokens.at[rows, slot].set(t, mode="drop")
-            going &= exists | new  # past the budget the chain stops
-            at = jnp.where(exists, jnp.argmax(child, axis=1).astype(jnp.int32), nodes)
-            nodes = nodes + new.astype(jnp.int32)
+
+    def add(step, carry):  # token d of chain k, step = k * depth + d, in order
+        parents, tokens, nodes, at, going = carry
+        k, d = step // depth, step % depth
+        at = jnp.where(d == 0, 0, at)  # a chain starts at the root
+        going = ((d == 0) | going) & (d < chain_len[:, k])
+        t = chains[:, step]
+        child = ((parents == at[:, None]) & (tokens == t[:, None]) & (node_ids > 0)
+                 & (node_ids < nodes[:, None]))
+        exists = jnp.any(child, axis=1)
+        new = going & ~exists & (nodes < max_nodes)
+        slot = jnp.where(new, nodes, max_nodes)  # out of range: dropped
+        parents = parents.at[rows, slot].set(at, mode="drop")
+        tokens = tokens.at[rows, slot].set(t, mode="drop")
+        going &= exists | new  # past the budget the chain stops
+        at = jnp.where(exists, jnp.argmax(child, axis=1).astype(jnp.int32), nodes)
+        return parents, tokens, nodes + new.astype(jnp.int32), at, going
+
+    parents, tokens, nodes, _, _ = jax.lax.fori_loop(0, branches * depth, add, (
+        jnp.full((b, max_nodes), -1, jnp.int32),
+        jnp.zeros((b, max_nodes), jnp.int32).at[:, 0].set(root), jnp.ones((b,), jnp.int32),
+        jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)))
     return parents, tokens, nodes

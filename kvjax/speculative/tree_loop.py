@@ -70,19 +70,22 @@ def tree_layout(parents: jax.Array, nodes: jax.Array) -> tuple[jax.Array, jax.Ar
     """(depth int32[B, N], ancestors int32[B, N, N]) of each row's tree, as
     `kvjax.speculative.tree.tree_arrays` gives them: nodes past `nodes[b]` are roots of
     their own."""
+    parents = jnp.asarray(parents)
     b, n = parents.shape
     rows = jnp.arange(b)
     cols = jnp.arange(n, dtype=jnp.int32)
-    depth = jnp.zeros((b, n), jnp.int32)
-    ancestors = jnp.broadcast_to(cols[None, :, None], (b, n, n))
-    for i in range(1, n):
+
+    def node(i, carry):  # parents come first: a loop over the nodes, compiled once
+        depth, ancestors = carry
         real = i < nodes
         parent = jnp.maximum(parents[:, i], 0)
         d = depth[rows, parent] + 1
-        depth = depth.at[:, i].set(jnp.where(real, d, 0))
         line = jnp.where(cols[None, :] < d[:, None], ancestors[rows, parent], i)
-        ancestors = ancestors.at[:, i].set(jnp.where(real[:, None], line, ancestors[:, i]))
-    return depth, ancestors
+        return (depth.at[:, i].set(jnp.where(real, d, 0)),
+                ancestors.at[:, i].set(jnp.where(real[:, None], line, ancestors[:, i])))
+
+    return jax.lax.fori_loop(1, n, node, (jnp.zeros((b, n), jnp.int32), jnp.broadcast_to(
+        cols[None, :, None], (b, n, n))))
 
 
 def greedy_tree_path(parents: jax.Array, tokens: jax.Array, nodes: jax.Array,
@@ -90,20 +93,21 @@ def greedy_tree_path(parents: jax.Array, tokens: jax.Array, nodes: jax.Array,
     """(path int32[B, D + 1] (node 0 first; 0 past its end), its node count int32[B]) of
     `kvjax.speculative.tree.greedy_path` for each row: `choice` int32[B, N] is the target's
     argmax at each node."""
+    parents, tokens, choice = jnp.asarray(parents), jnp.asarray(tokens), jnp.asarray(choice)
     b, n = parents.shape
     rows = jnp.arange(b)
     ids = jnp.arange(n, dtype=jnp.int32)[None, :]
-    at = jnp.zeros((b,), jnp.int32)
-    going = jnp.ones((b,), bool)
-    path = [at]
-    for _ in range(depth):
-        want = choice[rows, at]
-        child = ((parents == at[:, None]) & (tokens == want[:, None]) & (ids > 0)
+
+    def down(j, carry):  # one level deeper per step
+        path, at, going = carry
+        child = ((parents == at[:, None]) & (tokens == choice[rows, at][:, None]) & (ids > 0)
                  & (ids < nodes[:, None]))
         going &= jnp.any(child, axis=1)
         at = jnp.where(going, jnp.argmax(child, axis=1).astype(jnp.int32), at)
-        path.append(jnp.where(going, at, 0))
-    path = jnp.stack(path, 1)
+        return path.at[:, j].set(jnp.where(going, at, 0)), at, going
+
+    path, _, _ = jax.lax.fori_loop(1, depth + 1, down, (
+        jnp.zeros((b, depth + 1), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)))
     return path, 1 + jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
 
 
