@@ -12,12 +12,13 @@ from helpers import random_tokens, small_model
 import kvjax
 from kvjax import Engine, EngineConfig
 from kvjax.config import SpecConfig
-from kvjax.decode import steps
+from kvjax.decode import sampling, steps
 from kvjax.decode.state import decode_state
 from kvjax.engine.requests import Request
 from kvjax.model.layout import store
 from kvjax.model.plan import FAST, INVARIANT
 from kvjax.speculative import plugin
+from kvjax.speculative.loop import DraftState, spec_loop
 
 PROMPTS = random_tokens(4, [5, 9, 14], CONFIG.vocab_size)
 DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
@@ -30,7 +31,9 @@ def p():
 
 
 def _force_sampling(monkeypatch, module) -> None:
-    monkeypatch.setattr(module, "any_sampled", lambda temperature: True)
+    """The sampling programs for greedy rows: in `module`'s loop and the first token's."""
+    for m in (module, sampling):
+        monkeypatch.setattr(m, "any_sampled", lambda temperature: True)
 
 
 @pytest.mark.parametrize("plan", [FAST, INVARIANT], ids=["fast", "invariant"])
@@ -67,12 +70,28 @@ def test_speculative_greedy_program_equals_the_sampling_program(p, drafter, monk
     assert sum(r.stats["spec"]["accepted"] for r in greedy) > 0
 
 
-def test_only_the_sampling_program_holds_the_sampler(p):
-    state = decode_state(np.zeros((2, 4), np.int32), np.zeros(2, np.int32),
-                         np.ones(2, np.int32), np.full(2, 3, np.int32),
-                         np.zeros((2, 2), np.uint32))
+def test_only_the_sampling_programs_hold_the_sampler(p):
+    """The greedy `decode_loop` and `spec_loop` (both drafters) lower without threefry or a
+    sort; their sampling programs have both (the check can see them)."""
+    rows = 2
+    state = decode_state(np.zeros((rows, 4), np.int32), np.zeros(rows, np.int32),
+                         np.ones(rows, np.int32), np.full(rows, 3, np.int32),
+                         np.zeros((rows, 2), np.uint32))
     cache = kvjax.init_cache(CONFIG, CACHE)
-    text = {sampled: steps.decode_loop.lower(p, CONFIG, cache, state, 4, sampled=sampled)
-            .as_text() for sampled in (True, False)}
-    assert "threefry" in text[True] and "stablehlo.sort" in text[True]
-    assert "threefry" not in text[False] and "stablehlo.sort" not in text[False]
+    draft = kvjax.init_params(DRAFT, seed=5)
+    programs = {
+        "decode": lambda sampled: steps.decode_loop.lower(p, CONFIG, cache, state, 4,
+                                                          sampled=sampled),
+        "ngram": lambda sampled: spec_loop.lower(
+            p, CONFIG, cache, state, drafter="ngram", gamma=2, max_out=4,
+            history=np.zeros((rows, 64), np.int32), sampled=sampled),
+        "model": lambda sampled: spec_loop.lower(
+            p, CONFIG, cache, state, drafter="model", gamma=2, max_out=4, draft_params=draft,
+            draft_config=DRAFT, draft_cache=kvjax.init_cache(DRAFT, CACHE),
+            draft=DraftState(page_table=np.zeros((rows, 4), np.int32),
+                             lengths=np.zeros(rows, np.int32), prev=np.zeros(rows, np.int32)),
+            sampled=sampled)}
+    for name, lower in programs.items():
+        sampling_text, greedy_text = (lower(sampled).as_text() for sampled in (True, False))
+        assert "threefry" in sampling_text and "stablehlo.sort" in sampling_text, name
+        assert "threefry" not in greedy_text and "stablehlo.sort" not in greedy_text, name

@@ -81,24 +81,56 @@ def test_layout_and_greedy_path_are_the_host_s():
     assert len(lengths) > 2
 
 
-def test_device_tree_speculation_is_plain_greedy_decoding_and_the_host_loop_s(p):
-    """Tokens and logits bitwise plain decoding's (a stop id too), and the host tree loop's
-    calls, drafts and acceptances: the same trees, verified the same way."""
+def _prompts() -> list[list[int]]:
     base = [int(t) for t in np.random.default_rng(7).integers(1, CONFIG.vocab_size, 6)]
-    prompts = [base * 4 + base[:2], [int(t) for t in np.random.default_rng(8).integers(
+    return [base * 4 + base[:2], [int(t) for t in np.random.default_rng(8).integers(
         1, CONFIG.vocab_size, 11)], base * 2]
-    want = generate(p, CONFIG, prompts, 24, cache=CACHE, return_logits=True, plan=INVARIANT)
-    drafter = NGramTreeDrafter(branches=3)
-    got = device_tree_generate(p, CONFIG, prompts, 24, drafter, max_nodes=8, cache=CACHE)
-    host = tree_generate(p, CONFIG, prompts, 24, drafter, max_nodes=8, cache=CACHE)
+
+
+def _same(got, want, host) -> None:
+    """Tokens and logits bitwise `generate`'s; calls, drafts and acceptances the host's."""
     assert got.tokens == want.tokens == host.tokens
     for a, b in zip(got.logits, want.logits, strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     assert (got.target_calls, got.drafted, got.accepted) == (
         host.target_calls, host.drafted, host.accepted)
+
+
+@pytest.mark.parametrize(("max_nodes", "max_depth"), [(8, None), (6, 3)])
+def test_device_tree_speculation_is_plain_greedy_decoding_and_the_host_loop_s(
+        p, max_nodes, max_depth):
+    """The same trees, verified the same way, with every path length the depth allows."""
+    prompts = _prompts()
+    drafter = NGramTreeDrafter(branches=3)
+    kw = dict(max_nodes=max_nodes, max_depth=max_depth, cache=CACHE)
+    want = generate(p, CONFIG, prompts, 24, cache=CACHE, return_logits=True, plan=INVARIANT)
+    got = device_tree_generate(p, CONFIG, prompts, 24, drafter, **kw)
+    _same(got, want, tree_generate(p, CONFIG, prompts, 24, drafter, **kw))
     assert got.accepted > 0 and got.drafted > got.target_calls
-    stop = want.tokens[0][9]
-    cut = generate(p, CONFIG, prompts, 24, cache=CACHE, stop_token=stop, plan=INVARIANT)
-    got_cut = device_tree_generate(p, CONFIG, prompts, 24, drafter, max_nodes=8, cache=CACHE,
-                                   stop_tokens=(stop,))
-    assert got_cut.tokens == cut.tokens and len(cut.tokens[0]) <= 10
+
+
+def test_stop_ids_and_budgets_cut_a_round_as_the_host_loop_does(p):
+    """A stop id inside an accepted path (the copying prompt's 10th token, first seen
+    there), a stop id that is one prompt's first token (that row never runs a round), and
+    one token per prompt (no round at all)."""
+    prompts = _prompts()
+    drafter = NGramTreeDrafter(branches=3)
+    free = generate(p, CONFIG, prompts, 24, cache=CACHE, plan=INVARIANT)
+    stop = free.tokens[0][9]
+    assert stop not in free.tokens[0][:9]
+    for stops, new in (((stop,), 24), ((free.tokens[1][0],), 24), ((), 1)):
+        want = generate(p, CONFIG, prompts, new, cache=CACHE, return_logits=True,
+                        plan=INVARIANT, stop_token=stops[0] if stops else None)
+        got = device_tree_generate(p, CONFIG, prompts, new, drafter, cache=CACHE,
+                                   stop_tokens=stops)
+        _same(got, want, tree_generate(p, CONFIG, prompts, new, drafter, cache=CACHE,
+                                       stop_tokens=stops))
+        if stops == (stop,):
+            assert len(got.tokens[0]) == 10 and got.accepted > 0
+        else:
+            assert min(len(t) for t in got.tokens) == 1
+
+
+def test_the_device_loop_takes_n_gram_trees_only(p):
+    with pytest.raises(ValueError, match="NGramTreeDrafter"):
+        device_tree_generate(p, CONFIG, [[1, 2, 3]], 4, object(), cache=CACHE)

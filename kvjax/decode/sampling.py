@@ -97,7 +97,7 @@ def any_sampled(temperature) -> bool:
     """Whether any row of a host array float32[B] of temperatures samples. The device loops
     take it as a static flag: without sampled rows they take `greedy` and compile no
     sampler (threefry and the top-k/top-p sort are most of a small model's loop program),
-    with the same tokens."""
+    with the same tokens. (A device array is read back to the host first.)"""
     return bool(np.any(np.asarray(temperature) > 0))
 
 

@@ -230,6 +230,6 @@ def decode(holder, params: dict, config: ModelConfig, state: DecodeState, max_st
     (return_logits, lora, sharding, kernel, fill, plan). The engine's runner, `generate()`, the
     model drafter and the benchmarks decode through it; it compiles the sampler only when a
     row of `state` samples (`sampled`)."""
-    sampled = any_sampled(state.temperature)
+    kwargs.setdefault("sampled", any_sampled(state.temperature))
     return holder.run(lambda cache: decode_loop(params, config, cache, state, max_steps,
-                                                sampled=sampled, **kwargs))
+                                                **kwargs))

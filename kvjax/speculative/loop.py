@@ -95,6 +95,21 @@ class _Carry:
     stats: RowStats
 
 
+def emitted(out: jax.Array, available: jax.Array, left: jax.Array, stops: jax.Array,
+            active: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What a round emits of `out` int32[B, W] (its first `available[b]` tokens are the
+    round's): (count int32[B], bool[B, W] the emitted slots, bool[B] stopped): at most
+    `left[b]` (the budget), up to and including the first of a row's `stops` [B, K]; none
+    for rows not `active`. The chain and tree loops' one rule."""
+    cols = jnp.arange(out.shape[1])[None, :]
+    n = jnp.minimum(available, left)
+    is_stop = jnp.any(out[:, :, None] == stops[:, None, :], axis=2) & (cols < n[:, None])
+    first_stop = jnp.min(jnp.where(is_stop, cols, out.shape[1]), axis=1)
+    n = jnp.where(active, jnp.minimum(n, first_stop + 1), 0)
+    keep = cols < n[:, None]
+    return n, keep, jnp.any(is_stop & keep, axis=1)
+
+
 def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeState, lengths,
                  last, active, gamma, sharding=None, sampled=True):
     """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft lengths)."""
@@ -112,7 +127,8 @@ def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeSt
                                 jnp.maximum(num_new - 1, 0))
     draft_lengths = draft_lengths + num_new
     base = 0 if offset is None else offset
-    draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_TAG))(keys)
+    draft_keys = (jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_TAG))(keys) if sampled
+                  else None)
     vocab = config.vocab_size
     drafts = jnp.zeros((last.shape[0], gamma), jnp.int32)
     q = jnp.zeros((last.shape[0], gamma, vocab), jnp.float32)
@@ -245,12 +261,7 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
         # Emit d_1 .. d_accepted then nxt, within the budget, up to the first stop token.
         out = jnp.where(cols < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         out = jnp.where(cols == accepted[:, None], nxt[:, None], out)  # [B, G + 1]
-        n_emit = jnp.minimum(accepted + 1, budget - s.count)
-        is_stop = jnp.any(out[:, :, None] == stops[:, None, :], axis=2) & \
-            (cols < n_emit[:, None])
-        first_stop = jnp.min(jnp.where(is_stop, cols, g1), axis=1)
-        n_emit = jnp.where(active, jnp.minimum(n_emit, first_stop + 1), 0)
-        keep = cols < n_emit[:, None]
+        n_emit, keep, stopped = emitted(out, accepted + 1, budget - s.count, stops, active)
         at = jnp.where(keep, s.count[:, None] + cols, max_out)
         tokens = s.tokens.at[rows[:, None], at].set(out, mode="drop")
         out_logits = (s.logits.at[rows[:, None], at].set(logits, mode="drop")
@@ -280,7 +291,6 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
             accepted_by_position=st.accepted_by_position
             + (cols[:, :gamma] < accepted[:, None]).astype(jnp.int32))
         count = s.count + n_emit
-        stopped = jnp.any(is_stop & keep, axis=1)
         return _Carry(round=s.round + 1, count=count,
                       done=s.done | (count >= budget) | stopped, cache=cache,
                       lengths=lengths + n_emit, last=jnp.where(n_emit > 0, new_last, last),

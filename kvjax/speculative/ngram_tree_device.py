@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.speculative.ngram_device import ngram_matches
+
 
 def _candidates(history: jax.Array, hist_len: jax.Array, reach: jax.Array, depth: int,
                 max_ngram: int, min_ngram: int) -> tuple[jax.Array, jax.Array]:
@@ -27,12 +29,7 @@ def _candidates(history: jax.Array, hist_len: jax.Array, reach: jax.Array, depth
     at_d = jnp.arange(depth, dtype=jnp.int32)
     tokens, lengths = [], []
     for n in range(max_ngram, min_ngram - 1, -1):
-        tail_at = jnp.clip(hist_len[:, None] - n + jnp.arange(n)[None, :], 0, h - 1)
-        tail = jnp.take_along_axis(history, tail_at, axis=1)  # [B, n]
-        match = (idx[None, :] + n < hist_len[:, None]) & (hist_len[:, None] > n)
-        for i in range(n):
-            shifted = jnp.pad(history[:, i:], ((0, 0), (0, i)), constant_values=-1)
-            match &= shifted == tail[:, i:i + 1]
+        match = ngram_matches(history, hist_len, n)
         follow = jnp.broadcast_to(idx + n, (b, h))  # where each continuation starts
         length = jnp.minimum(jnp.minimum(hist_len[:, None] - follow, reach[:, None]), depth)
         length = jnp.where(match, jnp.maximum(length, 0), 0)

@@ -25,7 +25,7 @@ from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import probabilities, sampling_rows
 from kvjax.decode.state import decode_state
 from kvjax.model.plan import INVARIANT, NumericsPlan
-from kvjax.speculative.tree import greedy_path, sampled_path, tree_arrays
+from kvjax.speculative.tree import NGramTreeDrafter, greedy_path, sampled_path, tree_arrays
 from kvjax.speculative.tree_loop import tree_loop
 
 
@@ -134,6 +134,10 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     (`kvjax.speculative.tree_loop`): an `NGramTreeDrafter`'s trees, the same tokens and
     logits as `tree_generate` and plain decoding. `target_calls` counts a call per
     sequence verified, as `tree_generate`'s one-sequence calls do."""
+    if not isinstance(drafter, NGramTreeDrafter):
+        raise ValueError(f"device_tree_generate drafts n-gram trees on device: it takes an "
+                         f"NGramTreeDrafter's settings, not a {type(drafter).__name__} "
+                         f"(tree_generate runs any drafter from the host)")
     prompts = validate_prompts(config, prompts, max_new_tokens)
     plan.check(config)
     depth = max_nodes - 1 if max_depth is None else max_depth
@@ -141,9 +145,11 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         pages_for(len(p) + max_new_tokens + max_nodes, 16) for p in prompts))
     pool = KVPool(config, cache)
     n = len(prompts)
-    rows = [pool.allocate(pages_for(len(p) + max_new_tokens + max_nodes, cache.page_size))
-            for p in prompts]
+    rows = []
     try:
+        for p in prompts:  # room for the answer and one tree past it
+            rows.append(pool.allocate(pages_for(len(p) + max_new_tokens + max_nodes,
+                                                cache.page_size)))
         first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
         last = first.argmax(-1).astype(np.int32)
         lengths = np.array([len(p) for p in prompts], np.int32)

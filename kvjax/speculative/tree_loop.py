@@ -12,7 +12,7 @@ sequence stays on device, as `kvjax.speculative.loop.spec_loop` does for chains:
      its parent, then the target's own token; emitted within the budget, cut at a stop id;
   4. compact: the path's K/V move to the slots plain decoding writes (`move_slots`), the
      length drops to the kept history; the other nodes' K/V sit past it, where nothing
-     reads them and the next round overwrites them.
+     reads them (a later write replaces them before any read).
 Under invariant numerics every kept K/V and emitted logit equals plain decoding's, bitwise
 (tests/test_tree_loop.py). Greedy rows only: sampled trees verify on the host
 (`tree_host.tree_generate`, SpecInfer's rule).
@@ -31,9 +31,11 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions, move_slots
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
+from kvjax.decode.sampling import greedy
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
+from kvjax.speculative.loop import emitted
 from kvjax.speculative.ngram_tree_device import ngram_tree
 
 
@@ -124,7 +126,9 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
     lengths + budget + 1. Each round verifies a tree of up to `max_nodes` nodes (paths of
     up to `depth` drafts, `branches` continuations: `NGramTreeDrafter`'s), so a row's pages
     must hold lengths + budget + max_nodes slots. Every row greedy (temperature 0; the
-    knobs are not read). Returns (TreeLoopResult, the cache)."""
+    knobs are not read); no adapters. Returns (TreeLoopResult, the cache)."""
+    if state.adapter_ids is not None:
+        raise ValueError("tree_loop serves no LoRA adapters (state.adapter_ids is set)")
     steps.note_trace("tree_loop")
     b, vocab = state.last.shape[0], config.vocab_size
     rows = jnp.arange(b)
@@ -151,7 +155,7 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
                           depth=tree_depth, ancestors=ancestors)
         logits, cache = model.apply(variables(), fed, model_positions(batch, max_nodes),
                                     s.cache, batch, state.adapter_ids)  # [B, N, V]
-        choice = jnp.argmax(logits, -1).astype(jnp.int32)
+        choice = greedy(logits.reshape(-1, vocab)).reshape(b, max_nodes)
         path, on_path = greedy_tree_path(parents, fed, nodes, choice, depth)
         end = jnp.take_along_axis(path, (on_path - 1)[:, None], 1)[:, 0]
         nxt = choice[rows, end]
@@ -160,12 +164,7 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         drafts = jnp.take_along_axis(fed, path, 1)  # [B, D + 1]; [:, 0] is the root
         out = jnp.where(cols < on_path[:, None] - 1, jnp.roll(drafts, -1, 1), 0)
         out = jnp.where(cols == on_path[:, None] - 1, nxt[:, None], out)
-        n_emit = jnp.minimum(on_path, budget - s.count)
-        is_stop = jnp.any(out[:, :, None] == stops[:, None, :], axis=2) & \
-            (cols < n_emit[:, None])
-        first_stop = jnp.min(jnp.where(is_stop, cols, depth + 1), axis=1)
-        n_emit = jnp.where(active, jnp.minimum(n_emit, first_stop + 1), 0)
-        keep = cols < n_emit[:, None]
+        n_emit, keep, stopped = emitted(out, on_path, budget - s.count, stops, active)
         at = jnp.where(keep, s.count[:, None] + cols, max_out)
         tokens = s.tokens.at[rows[:, None], at].set(out, mode="drop")
         out_logits = s.logits
@@ -179,7 +178,6 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         hist_at = jnp.where(keep, s.lengths[:, None] + 1 + cols, s.history.shape[1])
         history = s.history.at[rows[:, None], hist_at].set(out, mode="drop")
         count = s.count + n_emit
-        stopped = jnp.any(is_stop & keep, axis=1)
         return _Carry(
             round=s.round + 1, count=count, done=s.done | (count >= budget) | stopped,
             cache=cache, lengths=s.lengths + n_emit,
