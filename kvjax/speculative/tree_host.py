@@ -66,12 +66,8 @@ def tree_generate(params, config: ModelConfig, prompts, max_new_tokens: int, dra
     if size_policy is not None and not hasattr(drafter, "last_path_probs"):
         raise ValueError("a size policy needs a drafter that scores its trees "
                          "(last_path_probs)")
-    prompts = validate_prompts(config, prompts, max_new_tokens)
-    plan.check(config)
-    depth = max_nodes - 1 if max_depth is None else max_depth
-    cache = cache or CacheConfig(page_size=16, num_pages=sum(
-        pages_for(len(p) + max_new_tokens + max_nodes, 16) for p in prompts))
-    pool = KVPool(config, cache)
+    prompts, depth, cache, pool = _start(config, prompts, max_new_tokens, max_nodes, max_depth,
+                                         cache, plan)
     rows = [pool.allocate(pages_for(len(p), cache.page_size)) for p in prompts]
     if reads:
         done = [_prefill_features(params, config, pool, p, r, plan)
@@ -138,12 +134,8 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         raise ValueError(f"device_tree_generate drafts n-gram trees on device: it takes an "
                          f"NGramTreeDrafter's settings, not a {type(drafter).__name__} "
                          f"(tree_generate runs any drafter from the host)")
-    prompts = validate_prompts(config, prompts, max_new_tokens)
-    plan.check(config)
-    depth = max_nodes - 1 if max_depth is None else max_depth
-    cache = cache or CacheConfig(page_size=16, num_pages=sum(
-        pages_for(len(p) + max_new_tokens + max_nodes, 16) for p in prompts))
-    pool = KVPool(config, cache)
+    prompts, depth, cache, pool = _start(config, prompts, max_new_tokens, max_nodes, max_depth,
+                                         cache, plan)
     n = len(prompts)
     rows = []
     try:
@@ -176,6 +168,18 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         logits.append(np.concatenate([first[i:i + 1], out.logits[i, :k]]))
     return TreeResult(tokens, logits, int(out.verifications.sum()), int(out.drafted.sum()),
                       int(out.accepted.sum()))
+
+
+def _start(config: ModelConfig, prompts, max_new_tokens: int, max_nodes: int,
+           max_depth: int | None, cache: CacheConfig | None, plan: NumericsPlan):
+    """(the validated prompts, the paths' depth, the cache config, its pool) of a tree
+    generation: by default pages for every prompt, its answer and one tree past it."""
+    prompts = validate_prompts(config, prompts, max_new_tokens)
+    plan.check(config)
+    depth = max_nodes - 1 if max_depth is None else max_depth
+    cache = cache or CacheConfig(page_size=16, num_pages=sum(
+        pages_for(len(p) + max_new_tokens + max_nodes, 16) for p in prompts))
+    return prompts, depth, cache, KVPool(config, cache)
 
 
 def tree_batch(table: np.ndarray, length: int, parents: Sequence[int], tokens: Sequence[int],
