@@ -110,7 +110,7 @@ def test_device_tree_speculation_is_plain_greedy_decoding_and_the_host_loop_s(
 
 
 def test_stop_ids_and_budgets_cut_a_round_as_the_host_loop_does(p):
-    """A stop id inside an accepted path (the copying prompt's 10th token, first seen
+    """A stop id the copying prompt first emits at its 10th token (mostly accepted drafts
     there), a stop id that is one prompt's first token (that row never runs a round), and
     one token per prompt (no round at all)."""
     prompts = _prompts()

@@ -89,7 +89,7 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 
 def greedy(logits: jax.Array) -> jax.Array:
-    """int32[B]: each row's argmax of logits float32[B, V] (a temperature 0 row's token)."""
+    """int32[...]: the argmax of logits float32[..., V] (a temperature 0 row's token)."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

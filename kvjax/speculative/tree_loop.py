@@ -155,7 +155,7 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
                           depth=tree_depth, ancestors=ancestors)
         logits, cache = model.apply(variables(), fed, model_positions(batch, max_nodes),
                                     s.cache, batch, state.adapter_ids)  # [B, N, V]
-        choice = greedy(logits.reshape(-1, vocab)).reshape(b, max_nodes)
+        choice = greedy(logits)  # [B, N]
         path, on_path = greedy_tree_path(parents, fed, nodes, choice, depth)
         end = jnp.take_along_axis(path, (on_path - 1)[:, None], 1)[:, 0]
         nxt = choice[rows, end]
