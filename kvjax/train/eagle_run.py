@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +32,9 @@ class EagleSetting:
     seq_len: int
     draft_vocab: int
     train: TrainConfig
+    # "recorded": ShareGPT's answers, teacher-forced; "own": the target's greedy answers to
+    # the first user turns (`kvjax.train.own_answers`)
+    answers: str = "recorded"
 
 
 SETTINGS = {
@@ -78,11 +82,22 @@ def train_eagle(model_name: str, setting: EagleSetting, out_dir: str, resume: bo
 
     t0 = time.perf_counter()
     model = models.load(model_name)
-    picked = sharegpt(setting.conversations + setting.validation, seed=setting.train.seed)
-    # the loss counts on every real token (module docstring)
-    tokens, mask, answers = windows(model, picked.conversations, setting.seq_len)
-    n = setting.conversations
-    log(f"eagle: {model_name}, {n} + {setting.validation} ShareGPT windows of "
+    n, want = setting.conversations, setting.conversations + setting.validation
+    if setting.answers == "own":
+        from kvjax.cache.identity import model_fingerprint
+        from kvjax.train.own_answers import own_windows
+
+        # a prompt past its share of the window is left out: pick more, keep the first
+        picked = sharegpt(2 * want, max_turns=1, seed=setting.train.seed)
+        tokens, mask, answers = own_windows(
+            model, picked.conversations, setting.seq_len,
+            model_fingerprint(model.config, model.params), Path(out_dir), limit=want, log=log)
+    else:
+        picked = sharegpt(want, seed=setting.train.seed)
+        # the loss counts on every real token (module docstring)
+        tokens, mask, answers = windows(model, picked.conversations, setting.seq_len)
+    log(f"eagle: {model_name}, {n} + {setting.validation} ShareGPT windows ({setting.answers} "
+        f"answers) of "
         f"{setting.seq_len + 1} tokens ({int(mask[:n].sum()):,} tokens to learn, "
         f"{int(answers[:n].sum()):,} of them answers'), "
         f"draft vocabulary {setting.draft_vocab}, {setting.train.steps} steps of "
@@ -101,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="full")
     parser.add_argument("--out", help="output folder (default: checkpoints/eagle-SETTING)")
+    parser.add_argument("--answers", choices=("recorded", "own"),
+                        help="the windows' answers: ShareGPT's recorded ones or the target's "
+                             "own greedy ones (default: the setting's)")
     parser.add_argument("--no-resume", action="store_true", help="start over")
     return parser
 
@@ -108,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = args.out or f"checkpoints/eagle-{args.setting}"
-    result = train_eagle(args.model, SETTINGS[args.setting], out, not args.no_resume)
+    setting = SETTINGS[args.setting]
+    if args.answers:
+        setting = dataclasses.replace(setting, answers=args.answers)
+    result = train_eagle(args.model, setting, out, not args.no_resume)
     val = result["validation"]
     emit(f"done: step {result['step']}, validation loss {val['loss']:.4f}, top-1 "
           f"{val['top1']:.3f} ({result['data_seconds']:.0f} s of features, "
