@@ -159,3 +159,43 @@ def test_eagle_tree_speculation_emits_plain_greedy_decodings_tokens_and_logits(t
         np.testing.assert_array_equal(a, np.asarray(b))
     assert got.accepted > 0  # measured 10 drafts accepted in 48 calls
     assert drafter.pool.num_free == 64  # every page back
+
+
+@pytest.mark.parametrize(("max_nodes", "max_depth", "stop"), [(8, None, ()), (6, 2, (11,))])
+def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, stop):
+    """`device_tree_generate` (the head drafting inside `tree_loop`: its cache caught up
+    with the target's features from every verify, EAGLE-2's growth as fori loops) against
+    the host loop with the same head and settings, invariant numerics: the same tokens and
+    logits, bitwise, and the same verify calls, drafts and acceptances (the same trees, node
+    for node, or the counts would part); the tokens plain decoding's."""
+    from kvjax.decode.generate import generate
+    from kvjax.model.plan import INVARIANT
+    from kvjax.speculative.eagle_drafter import EagleTreeDrafter
+    from kvjax.speculative.tree_host import device_tree_generate, tree_generate
+
+    config = small_model()
+    target = init_params(config, seed=1)
+    prompts = [_markov(1, n, config.vocab_size, 5 + n)[0].tolist() for n in (7, 40, 19)]
+    cache = CacheConfig(page_size=4, num_pages=96)
+
+    def drafter():
+        return EagleTreeDrafter(trained["head"], target, config,
+                                CacheConfig(page_size=4, num_pages=96), top_k=3, width=8,
+                                chunk=8, plan=INVARIANT)
+
+    want = generate(target, config, prompts, 30, cache=cache, return_logits=True,
+                    plan=INVARIANT)
+    kw = dict(max_nodes=max_nodes, max_depth=max_depth, cache=cache, stop_tokens=stop)
+    host = tree_generate(target, config, prompts, 30, drafter(), **kw)
+    on_device = drafter()
+    got = device_tree_generate(target, config, prompts, 30, on_device, **kw)
+    assert got.tokens == host.tokens
+    for a, b in zip(got.logits, host.logits, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert (got.target_calls, got.drafted, got.accepted) == (
+        host.target_calls, host.drafted, host.accepted)
+    assert got.accepted > 0
+    for tokens, plain in zip(got.tokens, want.tokens, strict=True):
+        cut = next((i + 1 for i, t in enumerate(plain) if t in stop), len(plain))
+        assert tokens == plain[:cut]
+    assert on_device.pool.num_free == 96  # every head page back

@@ -60,8 +60,8 @@ def turns(model, count: int, gen_tokens: int, plan, cache) -> list[tuple[str, li
 
 def methods(model, head, policy_costs: dict[int, float] | None) -> dict:
     """name -> (a fresh drafter, max_nodes, max_depth, size policy or None, on device): the
-    host's rounds (`tree_generate`) or the device loop's (`device_tree_generate`, n-gram
-    trees only)."""
+    host's rounds (`tree_generate`) or the device loop's (`device_tree_generate`; no size
+    policy there)."""
     from kvjax.speculative.eagle_drafter import EagleTreeDrafter
 
     out = {"n-gram chain": (lambda: NGramTreeDrafter(branches=1), 6, 5, None, False),
@@ -72,9 +72,11 @@ def methods(model, head, policy_costs: dict[int, float] | None) -> dict:
         def eagle(top_k, width):
             return lambda: EagleTreeDrafter(head, model.params, model.config, top_k=top_k,
                                             width=width)
-        out["eagle chain"] = (eagle(1, 6), 6, 5, None, False)
-        out["eagle tree"] = (eagle(2, 8), 8, 5, None, False)
-        out["eagle tree 16"] = (eagle(4, 16), 16, 6, None, False)
+        for device in (False, True):
+            where = " on device" if device else ""
+            out["eagle chain" + where] = (eagle(1, 6), 6, 5, None, device)
+            out["eagle tree" + where] = (eagle(2, 8), 8, 5, None, device)
+            out["eagle tree 16" + where] = (eagle(4, 16), 16, 6, None, device)
         if policy_costs is not None:
             out["eagle tree 16 + policy"] = (eagle(4, 16), 16, 6, policy_costs, False)
     return out

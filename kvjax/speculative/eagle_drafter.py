@@ -24,6 +24,7 @@ from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.speculative.drafters import common_prefix
 from kvjax.speculative.eagle import draft_head, head_config, head_extend
 from kvjax.speculative.eagle_file import HeadFile
+from kvjax.speculative.eagle_tree_device import HeadDraft
 from kvjax.speculative.tree_host import tree_batch
 from kvjax.speculative.tree_model import grow_tree
 
@@ -84,6 +85,31 @@ class EagleTreeDrafter:
         parents, tokens, self.last_path_probs = grow_tree(history[-1], logp_of, max_nodes,
                                                           depth, self.top_k)
         return parents, tokens
+
+    def device_draft(self, history: np.ndarray, lengths: np.ndarray, features, room: int,
+                     depth: int) -> HeadDraft:
+        """The head's side of a device tree loop (`eagle_tree_device`) for rows b with
+        `lengths[b]` tokens cached, history[b, :lengths[b] + 1] their tokens and
+        `features[b]` [lengths[b], D] the target's: each row's head cache caught up (pairs
+        but the root's, as `propose_tree` leaves it, sequence id b) in pages with room for
+        `room` more pairs. `release(b)` frees them."""
+        cc = self.pool.cache_config
+        rows = []
+        for b, n in enumerate(lengths):
+            self.release(b)
+            self._state[b] = ([], self.pool.allocate(pages_for(int(n) + room, cc.page_size)))
+            rows.append(self._catch_up(history[b, :n + 1].tolist(),
+                                       np.asarray(features[b], np.float32), b))
+        width, d = depth + 1, self.config.d_model
+        return HeadDraft(
+            head=self.head, embedding=self.target_params["embed"]["embedding"],
+            head_w=self.head_w, vocab=np.asarray(self.vocab, np.int32), cache=None,
+            page_table=page_table(rows, len(rows), cc.block_pages),
+            cached=np.asarray(lengths, np.int32) - 1,
+            feature=np.stack([np.asarray(f[-1], np.float32) for f in features]),
+            pending_features=np.zeros((len(rows), width, d), np.float32),
+            pending_tokens=np.zeros((len(rows), width), np.int32),
+            pending=np.zeros(len(rows), np.int32), plan=self.plan)
 
     def _run(self, features: np.ndarray, tokens: np.ndarray, batch: BatchInfo):
         out = self.pool.run(lambda c: head_extend(

@@ -127,13 +127,15 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
                          cache: CacheConfig | None = None, plan: NumericsPlan = INVARIANT,
                          stop_tokens: Sequence[int] = ()) -> TreeResult:
     """`tree_generate`, greedy, with every round of every sequence on device
-    (`kvjax.speculative.tree_loop`): an `NGramTreeDrafter`'s trees, the same tokens and
-    logits as `tree_generate` and plain decoding. `target_calls` counts a call per
-    sequence verified, as `tree_generate`'s one-sequence calls do."""
-    if not isinstance(drafter, NGramTreeDrafter):
-        raise ValueError(f"device_tree_generate drafts n-gram trees on device: it takes an "
-                         f"NGramTreeDrafter's settings, not a {type(drafter).__name__} "
-                         f"(tree_generate runs any drafter from the host)")
+    (`kvjax.speculative.tree_loop`): an `NGramTreeDrafter`'s or an `EagleTreeDrafter`'s
+    trees, the same tokens and logits as `tree_generate` and plain decoding. `target_calls`
+    counts a call per sequence verified, as `tree_generate`'s one-sequence calls do."""
+    eagle = getattr(drafter, "reads_features", False)
+    if not eagle and not isinstance(drafter, NGramTreeDrafter):
+        raise ValueError(f"device_tree_generate drafts n-gram or EAGLE-style trees on "
+                         f"device: it takes an NGramTreeDrafter's or an EagleTreeDrafter's "
+                         f"settings, not a {type(drafter).__name__} (tree_generate runs any "
+                         f"drafter from the host)")
     prompts, depth, cache, pool = _start(config, prompts, max_new_tokens, max_nodes, max_depth,
                                          cache, plan)
     n = len(prompts)
@@ -142,7 +144,12 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         for p in prompts:  # room for the answer and one tree past it
             rows.append(pool.allocate(pages_for(len(p) + max_new_tokens + max_nodes,
                                                 cache.page_size)))
-        first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
+        if eagle:
+            done = [_prefill_features(params, config, pool, p, r, plan)
+                    for p, r in zip(prompts, rows, strict=True)]
+            first = np.stack([d[0] for d in done])
+        else:
+            first = np.asarray(prefill_prompts(params, config, pool, prompts, rows, plan))
         last = first.argmax(-1).astype(np.int32)
         lengths = np.array([len(p) for p in prompts], np.int32)
         history = np.zeros((n, bucket(int(lengths.max()) + max_new_tokens + 1, 64)), np.int32)
@@ -152,15 +159,29 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         budget = np.where(np.isin(last, stops), 0, max_new_tokens - 1).astype(np.int32)
         state = decode_state(page_table(rows, n, cache.block_pages), lengths, last, budget,
                              np.zeros((n, 2), np.uint32), stop_ids=np.tile(stops, (n, 1)))
-        out = pool.run(lambda c: tree_loop(
-            params, config, c, state, history, max_nodes=max_nodes, depth=depth,
-            branches=drafter.branches, max_out=max(max_new_tokens - 1, 1),
-            ngram_max=drafter.max_ngram, ngram_min=drafter.min_ngram, return_logits=True,
-            plan=plan))
+        kw = dict(max_nodes=max_nodes, depth=depth, max_out=max(max_new_tokens - 1, 1),
+                  return_logits=True, plan=plan)
+        if eagle:
+            head = drafter.device_draft(history, lengths, [d[1] for d in done],
+                                        max_new_tokens + max_nodes, depth)
+
+            def run(c):
+                def inner(hc):
+                    res, c2 = tree_loop(params, config, c, state, history, head=head,
+                                        head_cache=hc, top_k=drafter.top_k, **kw)
+                    return (res, c2), res.head.cache
+                return drafter.pool.run(inner)
+        else:
+            def run(c):
+                return tree_loop(params, config, c, state, history, branches=drafter.branches,
+                                 ngram_max=drafter.max_ngram, ngram_min=drafter.min_ngram, **kw)
+        out = pool.run(run).replace(head=None)
         out = jax.tree.map(np.asarray, out)
     finally:
         for row in rows:
             pool.release(row)
+        for i in range(n) if eagle else ():
+            drafter.release(i)
     tokens, logits = [], []
     for i in range(n):
         k = int(np.sum(out.tokens[i] >= 0))

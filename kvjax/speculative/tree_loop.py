@@ -35,6 +35,7 @@ from kvjax.decode.sampling import greedy
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
+from kvjax.speculative.eagle_tree_device import HeadDraft, absorb, catch_up, grow
 from kvjax.speculative.loop import emitted
 from kvjax.speculative.ngram_tree_device import ngram_tree
 
@@ -50,6 +51,7 @@ class TreeLoopResult:
     verifications: jax.Array  # int32[B] target calls that verified the row
     drafted: jax.Array  # int32[B] draft nodes verified
     accepted: jax.Array  # int32[B] drafts emitted
+    head: HeadDraft | None = None  # the EAGLE head's side, where it drafted
 
 
 @flax.struct.dataclass
@@ -66,6 +68,7 @@ class _Carry:
     verifications: jax.Array  # int32[B]
     drafted: jax.Array  # int32[B]
     accepted: jax.Array  # int32[B]
+    head: HeadDraft | None
 
 
 def tree_layout(parents: jax.Array, nodes: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -114,26 +117,32 @@ def greedy_tree_path(parents: jax.Array, tokens: jax.Array, nodes: jax.Array,
 
 
 @partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
-                                   "ngram_max", "ngram_min", "return_logits", "plan"),
-         donate_argnames=("cache",))
+                                   "ngram_max", "ngram_min", "top_k", "return_logits",
+                                   "plan"),
+         donate_argnames=("cache", "head_cache"))
 def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: jax.Array, *,
-              max_nodes: int, depth: int, branches: int, max_out: int, ngram_max: int = 3,
-              ngram_min: int = 1, return_logits: bool = False, plan: NumericsPlan = FAST
+              max_nodes: int, depth: int, branches: int = 1, max_out: int, ngram_max: int = 3,
+              ngram_min: int = 1, head: HeadDraft | None = None, head_cache=None,
+              top_k: int = 4, return_logits: bool = False, plan: NumericsPlan = FAST
               ) -> tuple[TreeLoopResult, Cache]:
-    """Emits up to `state.budget[b]` tokens per row by greedy n-gram tree rounds on device.
+    """Emits up to `state.budget[b]` tokens per row by greedy tree rounds on device.
 
-    Donates `cache`. `history` int32[B, H]: each row's tokens including `state.last`, H >=
-    lengths + budget + 1. Each round verifies a tree of up to `max_nodes` nodes (paths of
-    up to `depth` drafts, `branches` continuations: `NGramTreeDrafter`'s), so a row's pages
-    must hold lengths + budget + max_nodes slots. Every row greedy (temperature 0; the
-    knobs are not read); no adapters. Returns (TreeLoopResult, the cache)."""
+    Donates `cache` and `head_cache` (the head's cache; `head.cache` is not read).
+    `history` int32[B, H]: each row's tokens including `state.last`, H >= lengths +
+    budget + 1. Each round verifies a tree of up to
+    `max_nodes` nodes with paths of up to `depth` drafts: an n-gram tree (`branches`
+    continuations: `NGramTreeDrafter`'s), or with `head` an EAGLE-style head's tree
+    (`top_k` offers a level: `EagleTreeDrafter`'s, see `eagle_tree_device`). A row's pages
+    must hold lengths + budget + max_nodes slots (and its head pages as many pairs). Every
+    row greedy (temperature 0; the knobs are not read); no adapters. Returns
+    (TreeLoopResult (with the head's side after the loop), the cache)."""
     if state.adapter_ids is not None:
         raise ValueError("tree_loop serves no LoRA adapters (state.adapter_ids is set)")
     steps.note_trace("tree_loop")
     b, vocab = state.last.shape[0], config.vocab_size
     rows = jnp.arange(b)
     cols = jnp.arange(depth + 1)[None, :]
-    model = Transformer(config, plan=plan)
+    model = Transformer(config, plan=plan, features=head is not None)
     variables = partial(steps.model_variables, params, None, plan)  # called in the loop
     budget, stops = state.budget, state.stops
     zeros = jnp.zeros((b,), jnp.int32)
@@ -142,19 +151,28 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         lengths=state.lengths, last=state.last, history=history,
         tokens=jnp.full((b, max_out), -1, jnp.int32),
         logits=jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
-        verifications=zeros, drafted=zeros, accepted=zeros)
+        verifications=zeros, drafted=zeros, accepted=zeros,
+        head=None if head is None else head.replace(cache=head_cache))
 
     def body(s: _Carry) -> _Carry:
         active = ~s.done
         reach = jnp.maximum(budget - s.count - 1, 0)  # drafts that could still be emitted
-        parents, fed, nodes = ngram_tree(s.history, s.lengths + 1, reach, max_nodes, depth,
-                                         branches, ngram_max, ngram_min)
+        hd = s.head
+        if hd is None:
+            parents, fed, nodes = ngram_tree(s.history, s.lengths + 1, reach, max_nodes,
+                                             depth, branches, ngram_max, ngram_min)
+        else:
+            hd = catch_up(hd, config)
+            parents, fed, nodes, hd = grow(hd, s.last, jnp.where(active, reach, 0),
+                                           max_nodes, depth, top_k, config, tree_layout)
         nodes = jnp.where(active, nodes, 0)
         tree_depth, ancestors = tree_layout(parents, nodes)
         batch = BatchInfo(state.page_table, s.lengths, nodes, state.position_offset,
                           depth=tree_depth, ancestors=ancestors)
         logits, cache = model.apply(variables(), fed, model_positions(batch, max_nodes),
                                     s.cache, batch, state.adapter_ids)  # [B, N, V]
+        if hd is not None:
+            logits, features = logits  # and the final norm's output [B, N, D]
         choice = greedy(logits)  # [B, N]
         path, on_path = greedy_tree_path(parents, fed, nodes, choice, depth)
         end = jnp.take_along_axis(path, (on_path - 1)[:, None], 1)[:, 0]
@@ -178,16 +196,18 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         hist_at = jnp.where(keep, s.lengths[:, None] + 1 + cols, s.history.shape[1])
         history = s.history.at[rows[:, None], hist_at].set(out, mode="drop")
         count = s.count + n_emit
+        if hd is not None:
+            hd = absorb(hd, path, n_emit, fed, features)
         return _Carry(
             round=s.round + 1, count=count, done=s.done | (count >= budget) | stopped,
             cache=cache, lengths=s.lengths + n_emit,
             last=jnp.where(n_emit > 0, new_last, s.last), history=history, tokens=tokens,
             logits=out_logits, verifications=s.verifications + active,
             drafted=s.drafted + jnp.maximum(nodes - 1, 0),
-            accepted=s.accepted + jnp.maximum(n_emit - 1, 0))
+            accepted=s.accepted + jnp.maximum(n_emit - 1, 0), head=hd)
 
     end = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, carry)
     return TreeLoopResult(
         tokens=end.tokens, logits=end.logits if return_logits else None, lengths=end.lengths,
         rounds=end.round, verifications=end.verifications, drafted=end.drafted,
-        accepted=end.accepted), end.cache
+        accepted=end.accepted, head=end.head), end.cache

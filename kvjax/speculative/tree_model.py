@@ -31,13 +31,15 @@ def grow_tree(root: int, best_of, max_nodes: int, depth: int, top_k: int
     `best_of(parents, tokens)` gives the draft's `top_k` likeliest next tokens at every node
     of the tree so far, best first: (log-probabilities [nodes, top_k], token ids
     [nodes, top_k])."""
-    parents, tokens, score = [-1], [int(root)], [0.0]
+    # float32 sums, as the device's trees add them (`eagle_tree_device.grow`): the same
+    # order of offers, ties to the earlier (stable sort)
+    parents, tokens, score = [-1], [int(root)], [np.float32(0)]
     frontier = [0]
     for _ in range(depth):
         if len(tokens) >= max_nodes or not frontier:
             break
         logp, ids = best_of(parents, tokens)
-        offers = [(score[node] + float(logp[node, c]), node, int(ids[node, c]))
+        offers = [(score[node] + np.float32(logp[node, c]), node, int(ids[node, c]))
                   for node in frontier for c in range(top_k)]
         offers.sort(key=lambda o: -o[0])
         frontier = []
@@ -46,7 +48,7 @@ def grow_tree(root: int, best_of, max_nodes: int, depth: int, top_k: int
             parents.append(node)
             tokens.append(token)
             score.append(s)
-    return parents, tokens, np.exp(score).tolist()
+    return parents, tokens, np.exp(np.asarray(score, np.float64)).tolist()
 
 
 def best_tokens(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:

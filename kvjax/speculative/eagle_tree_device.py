@@ -1,0 +1,130 @@
+"""EAGLE-style trees drafted on device, inside `tree_loop`: the host `EagleTreeDrafter`'s
+trees, node for node, without a host round trip per tree level. Device code: pure JAX.
+
+Row b with L target tokens cached has the history h_0 .. h_L (h_L the newest token, the
+tree's root) and the target's features F_0 .. F_{L-1}. The head's cache holds the pairs
+[F_j, e(h_{j+1})] for j < L - 1 (`HeadDraft.cached`); the pairs a round accepted are
+`pending` and enter it first (`catch_up`, one extend of width `W`). The tree then grows
+from the root pair [F_{L-1}, e(h_L)] (`grow`: EAGLE-2's rule as `tree_model.grow_tree`
+applies it, a full tree extend of the head per level), and after the verify `absorb` makes
+the accepted path's pairs the next round's pending ones, with the target's own features.
+
+Legend: B rows, N tree nodes (max_nodes), K top_k, D model width, W the pending width
+(depth + 1), R the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
+from kvjax.config import ModelConfig
+from kvjax.model.plan import NumericsPlan
+from kvjax.model.transformer import head_logits
+from kvjax.speculative.eagle import EagleHead, embed, head_config
+
+
+@flax.struct.dataclass
+class HeadDraft:
+    """The head's side of a device tree loop (module docstring)."""
+
+    head: dict  # the head's parameters
+    embedding: jax.Array  # [V, D] the target's input embedding (canonical)
+    head_w: jax.Array  # [R, D] the target's output head rows of the draft vocabulary
+    vocab: jax.Array  # int32[R] their token ids
+    cache: PagedKVCache  # the head's paged cache (one layer)
+    page_table: jax.Array  # int32[B, P] the head cache's pages of each row
+    cached: jax.Array  # int32[B] pairs in the head cache
+    feature: jax.Array  # float32[B, D] F_{L-1}: the root pair's feature
+    pending_features: jax.Array  # float32[B, W, D]
+    pending_tokens: jax.Array  # int32[B, W]
+    pending: jax.Array  # int32[B] pending pairs
+    plan: NumericsPlan = flax.struct.field(pytree_node=False)  # the head's arithmetic
+
+
+def _run(d: HeadDraft, config: ModelConfig, features, tokens, batch: BatchInfo
+         ) -> tuple[jax.Array, jax.Array, HeadDraft]:
+    """One extend of the head over features [B, T, D] and tokens int32[B, T]: (the
+    log-probabilities of the next token over the draft vocabulary [B, T, R], as
+    `head_extend` takes them, the predictions [B, T, D], the draft with its cache)."""
+    pred, cache = EagleHead(head_config(config), d.plan).apply(
+        {"params": d.head}, features, embed({"embed": {"embedding": d.embedding}}, config,
+                                            tokens),
+        model_positions(batch, tokens.shape[1]), d.cache, batch)
+    logp = jax.nn.log_softmax(head_logits(config, pred, d.head_w), axis=-1)
+    return logp, pred, d.replace(cache=cache)
+
+
+def catch_up(d: HeadDraft, config: ModelConfig) -> HeadDraft:
+    """The pending pairs into the head cache."""
+    batch = BatchInfo(d.page_table, d.cached, d.pending)
+    _, _, d = _run(d, config, d.pending_features, d.pending_tokens, batch)
+    return d.replace(cached=d.cached + d.pending, pending=jnp.zeros_like(d.pending))
+
+
+def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth: int,
+         top_k: int, config: ModelConfig, layout
+         ) -> tuple[jax.Array, jax.Array, jax.Array, HeadDraft]:
+    """(parents int32[B, N] (-1: the root and padding), tokens int32[B, N], nodes int32[B],
+    the draft) of each row's tree from the root `last` int32[B]: at most min(`depth`,
+    `reach[b]`) levels, each adding the `top_k` best offers of the last level's nodes by
+    cumulative log-probability (float32, ties to the earlier offer), within `max_nodes`.
+    `layout`: `tree_loop.tree_layout`."""
+    b, k = last.shape[0], top_k
+    rows = jnp.arange(b)
+    parents = jnp.full((b, max_nodes), -1, jnp.int32)
+    tokens = jnp.zeros((b, max_nodes), jnp.int32).at[:, 0].set(last)
+    score = jnp.zeros((b, max_nodes), jnp.float32)
+    inputs = jnp.zeros((b, max_nodes, d.feature.shape[-1]), d.feature.dtype)
+    inputs = inputs.at[:, 0].set(d.feature)
+    nodes = jnp.ones((b,), jnp.int32)
+    frontier = jnp.full((b, k), -1, jnp.int32).at[:, 0].set(0)
+    levels = jnp.minimum(depth, reach)
+    slot = jnp.arange(k, dtype=jnp.int32)[None, :]
+
+    def level(i, carry):
+        parents, tokens, score, inputs, nodes, frontier, d = carry
+        going = (i < levels) & (nodes < max_nodes) & jnp.any(frontier >= 0, axis=1)
+        tree_depth, ancestors = layout(parents, nodes)
+        batch = BatchInfo(d.page_table, d.cached, nodes, depth=tree_depth,
+                          ancestors=ancestors)
+        logp, pred, d = _run(d, config, inputs, tokens, batch)
+        best, cols = jax.lax.top_k(logp, k)  # [B, N, K]
+        at = jnp.maximum(frontier, 0)  # [B, K]
+        offer = score[rows[:, None], at][:, :, None] + best[rows[:, None], at]  # [B, K, K]
+        offer = jnp.where(frontier[:, :, None] >= 0, offer, -jnp.inf).reshape(b, k * k)
+        value, pick = jax.lax.top_k(offer, k)  # ties: the lower index, the earlier offer
+        node = jnp.take_along_axis(at, pick // k, 1)  # [B, K]
+        token = d.vocab[cols[rows[:, None], node, pick % k]]
+        take = jnp.where(going, jnp.minimum(k, max_nodes - nodes), 0)
+        new = jnp.where(slot < take[:, None], nodes[:, None] + slot, max_nodes)  # [B, K]
+        parents = parents.at[rows[:, None], new].set(node, mode="drop")
+        tokens = tokens.at[rows[:, None], new].set(token, mode="drop")
+        score = score.at[rows[:, None], new].set(value, mode="drop")
+        inputs = inputs.at[rows[:, None], new].set(pred[rows[:, None], node], mode="drop")
+        frontier = jnp.where(going[:, None], jnp.where(slot < take[:, None], new, -1),
+                             frontier)
+        return parents, tokens, score, inputs, nodes + take, frontier, d
+
+    parents, tokens, _, _, nodes, _, d = jax.lax.fori_loop(
+        0, depth, level, (parents, tokens, score, inputs, nodes, frontier, d))
+    return parents, tokens, nodes, d
+
+
+def absorb(d: HeadDraft, path: jax.Array, kept: jax.Array, fed: jax.Array,
+           features: jax.Array) -> HeadDraft:
+    """After a verify: the pairs of the `kept[b]` tokens cached (the root and the emitted
+    drafts, path int32[B, W] into the tree's nodes `fed` int32[B, N]) become pending, each
+    with the target's feature before it (`features` [B, N, D]: the verify's), and the
+    feature of the last kept node the next root pair's."""
+    rows = jnp.arange(path.shape[0])
+    node_feats = features[rows[:, None], path]  # [B, W, D]
+    before = jnp.concatenate([d.feature[:, None], node_feats[:, :-1]], axis=1)
+    last = jnp.take_along_axis(path, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0]
+    return d.replace(
+        pending_features=before.astype(d.pending_features.dtype),
+        pending_tokens=jnp.take_along_axis(fed, path, 1), pending=kept,
+        feature=jnp.where((kept > 0)[:, None], features[rows, last].astype(d.feature.dtype),
+                          d.feature))

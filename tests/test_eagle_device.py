@@ -1,0 +1,110 @@
+"""The EAGLE-style head's device side (`kvjax.speculative.eagle_tree_device`) against the
+host drafter (`EagleTreeDrafter`), round by round under invariant numerics: the same trees,
+node for node, and after a verify the head cache holding the pairs a host catch-up writes,
+bitwise. (The end-to-end loop: tests/test_eagle.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from helpers import gather_sequence, small_model
+from test_eagle import _markov, _trained
+
+from kvjax.config import CacheConfig
+from kvjax.model.plan import INVARIANT
+from kvjax.model.transformer import forward, init_params
+from kvjax.speculative.eagle_drafter import EagleTreeDrafter
+from kvjax.speculative.eagle_tree_device import absorb, catch_up, grow
+from kvjax.speculative.tree_loop import tree_layout
+
+MAX_NODES, DEPTH, TOP_K = 8, 3, 3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    config = small_model()
+    target = init_params(config, seed=1)
+    head = _trained(tmp_path_factory.mktemp("head"))["head"]
+    seq = _markov(1, 40, config.vocab_size, 9)[0]
+    feats = np.asarray(forward(target, config, seq[None], features=True, plan=INVARIANT)[0])
+    return config, target, head, seq, feats
+
+
+def _drafter(setup) -> EagleTreeDrafter:
+    config, target, head, _, _ = setup
+    return EagleTreeDrafter(head, target, config, CacheConfig(page_size=4, num_pages=32),
+                            top_k=TOP_K, width=MAX_NODES, chunk=8, plan=INVARIANT)
+
+
+_grow = jax.jit(lambda d, last, reach, config: grow(d, last, reach, MAX_NODES, DEPTH, TOP_K,
+                                                   config, tree_layout),
+                static_argnums=3)
+_after = jax.jit(lambda d, path, kept, fed, feats, config: catch_up(
+    absorb(d, path, kept, fed, feats), config), static_argnums=5)
+
+
+def _tree(parents, tokens, nodes) -> tuple[list[int], list[int]]:
+    n = int(nodes[0])
+    return np.asarray(parents)[0, :n].tolist(), np.asarray(tokens)[0, :n].tolist()
+
+
+@pytest.mark.parametrize("kept", [1, 3])
+def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(setup, kept):
+    config, _, _, seq, feats = setup
+    length = 20  # tokens cached: h_0 .. h_19; h_20 the root
+    device, host = _drafter(setup), _drafter(setup)
+    history = np.zeros((1, 64), np.int32)
+    history[0, :length + 1] = seq[:length + 1]
+    d = device.device_draft(history, np.asarray([length]), [feats[:length]], 16, DEPTH)
+    d = d.replace(cache=device.pool.cache)
+    parents, tokens, nodes, d = _grow(d, np.asarray([seq[length]], np.int32),
+                                      np.asarray([DEPTH]), config)
+    want = host.propose_tree(seq[:length + 1], MAX_NODES, DEPTH, features=feats[:length])
+    assert _tree(parents, tokens, nodes) == tuple(want)
+    assert int(nodes[0]) == MAX_NODES
+
+    # a verify that kept the root and kept - 1 drafts of a chain through the history's
+    # own next tokens, with the target's features there
+    fed = np.zeros((1, MAX_NODES), np.int32)
+    fed[0, :DEPTH + 1] = seq[length:length + DEPTH + 1]
+    node_feats = np.zeros((1, MAX_NODES, config.d_model), np.float32)
+    node_feats[0, :DEPTH + 1] = feats[length:length + DEPTH + 1]
+    path = np.arange(DEPTH + 1, dtype=np.int32)[None]
+    d = _after(d, path, np.asarray([kept], np.int32), fed, node_feats, config)
+    now = length + kept
+    assert int(d.cached[0]) == now - 1 and int(d.pending[0]) == 0
+    np.testing.assert_array_equal(np.asarray(d.feature[0]), feats[now - 1])
+
+    # the host catches up on the longer history: the same pairs in the head cache, bitwise
+    host.propose_tree(seq[:now + 1], MAX_NODES, DEPTH, features=feats[:now])
+    device_pages = device._state[0][1]
+    host_pages = host._state[0][1]
+    got = gather_sequence(d.cache, device_pages, now - 1)
+    ref = gather_sequence(host.pool.cache, host_pages, now - 1)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(ref[0]).max() > 0.1
+
+    # and the next round's tree is the host's
+    parents, tokens, nodes, d = _grow(d, np.asarray([seq[now]], np.int32),
+                                      np.asarray([DEPTH]), config)
+    want = host.propose_tree(seq[:now + 1], MAX_NODES, DEPTH, features=feats[:now])
+    assert _tree(parents, tokens, nodes) == tuple(want)
+
+
+def test_a_row_near_its_budget_grows_a_shallower_tree(setup):
+    config, _, _, seq, feats = setup
+    device, host = _drafter(setup), _drafter(setup)
+    history = np.zeros((1, 64), np.int32)
+    history[0, :11] = seq[:11]
+    d = dataclasses.replace(device.device_draft(history, np.asarray([10]), [feats[:10]], 16,
+                                                DEPTH), cache=device.pool.cache)
+    for reach in (0, 1, 2):
+        parents, tokens, nodes, _ = _grow(d, np.asarray([seq[10]], np.int32),
+                                          np.asarray([reach]), config)
+        want = host.propose_tree(seq[:11], MAX_NODES, reach, features=feats[:10])
+        assert _tree(parents, tokens, nodes) == tuple(want)
+        assert len(want[0]) == 1 + TOP_K * reach
