@@ -4,7 +4,9 @@
 one extend call, the path moved into place, back to Python); here every round of every
 sequence stays on device, as `kvjax.speculative.loop.spec_loop` does for chains:
   1. draft: each row's n-gram tree (`ngram_tree_device.ngram_tree`: the host
-     `NGramTreeDrafter`'s trees), root = the newest token;
+     `NGramTreeDrafter`'s trees) or EAGLE-style head's tree (`eagle_tree_device`: the host
+     `EagleTreeDrafter`'s, the head's cache fed the verify's features), root = the newest
+     token;
   2. verify: the target extends every row by its tree's nodes in one [B, N] call, each node
      seeing the cache and its ancestors only, at the position plain decoding gives it
      (`BatchInfo.depth` / `ancestors`);
