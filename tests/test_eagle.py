@@ -161,7 +161,7 @@ def test_eagle_tree_speculation_emits_plain_greedy_decodings_tokens_and_logits(t
     assert drafter.pool.num_free == 64  # every page back
 
 
-@pytest.mark.parametrize(("max_nodes", "max_depth", "stop"), [(8, None, ()), (6, 2, (11,))])
+@pytest.mark.parametrize(("max_nodes", "max_depth", "stop"), [(8, None, ()), (6, 2, (25,))])
 def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, stop):
     """`device_tree_generate` (the head drafting inside `tree_loop`: its cache caught up
     with the target's features from every verify, EAGLE-2's growth as fori loops) against
@@ -195,7 +195,31 @@ def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, sto
     assert (got.target_calls, got.drafted, got.accepted) == (
         host.target_calls, host.drafted, host.accepted)
     assert got.accepted > 0
+    cuts = 0
     for tokens, plain in zip(got.tokens, want.tokens, strict=True):
         cut = next((i + 1 for i, t in enumerate(plain) if t in stop), len(plain))
         assert tokens == plain[:cut]
+        cuts += cut < len(plain)
+    assert cuts == (1 if stop else 0)  # with a stop id: one answer ends early
     assert on_device.pool.num_free == 96  # every head page back
+
+
+def test_a_head_checkpoint_of_other_windows_is_not_resumed(tmp_path):
+    """Resuming mixes trainings only when the windows (or the target) are the ones the
+    checkpoint learnt: others are refused, not restored (an `--answers own` run into a
+    recorded-answers folder would have resumed that head)."""
+    config = small_model()
+    target = init_params(config, seed=1)
+    train = TrainConfig(steps=4, batch_size=4, learning_rate=3e-3, warmup_steps=1,
+                        eval_every=2, checkpoint_every=2, seed=0)
+
+    def run(seed, stop_after=None):
+        tokens = _markov(8, 17, config.vocab_size, seed)
+        return train_head(target, config, (tokens, np.ones(tokens.shape, bool)),
+                          (tokens[:4], np.ones((4, 17), bool)), train, 48, tmp_path,
+                          log=lambda *_: None, progress=False, stop_after=stop_after)
+
+    run(0, stop_after=2)
+    with pytest.raises(ValueError, match="trained on other windows"):
+        run(1)
+    assert run(0)["step"] == 4  # the same windows resume

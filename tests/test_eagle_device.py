@@ -66,13 +66,15 @@ def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(set
     assert _tree(parents, tokens, nodes) == tuple(want)
     assert int(nodes[0]) == MAX_NODES
 
-    # a verify that kept the root and kept - 1 drafts of a chain through the history's
-    # own next tokens, with the target's features there
-    fed = np.zeros((1, MAX_NODES), np.int32)
-    fed[0, :DEPTH + 1] = seq[length:length + DEPTH + 1]
-    node_feats = np.zeros((1, MAX_NODES, config.d_model), np.float32)
-    node_feats[0, :DEPTH + 1] = feats[length:length + DEPTH + 1]
-    path = np.arange(DEPTH + 1, dtype=np.int32)[None]
+    # a verify that kept the root and kept - 1 drafts of a path through the tree's nodes
+    # 0, 2, 5, 7 holding the history's own next tokens, with the target's features there
+    # (the other nodes: other tokens and features)
+    rng = np.random.default_rng(kept)
+    path = np.asarray([[0, 2, 5, 7]], np.int32)
+    fed = rng.integers(0, config.vocab_size, (1, MAX_NODES)).astype(np.int32)
+    fed[0, path[0]] = seq[length:length + DEPTH + 1]
+    node_feats = rng.normal(size=(1, MAX_NODES, config.d_model)).astype(np.float32)
+    node_feats[0, path[0]] = feats[length:length + DEPTH + 1]
     d = _after(d, path, np.asarray([kept], np.int32), fed, node_feats, config)
     now = length + kept
     assert int(d.cached[0]) == now - 1 and int(d.pending[0]) == 0

@@ -91,7 +91,9 @@ def test_answers_are_reused_only_for_the_same_prompts_window_and_target(model, t
     own_windows(model, CONVERSATIONS, SEQ, "another target", tmp_path, limit=4)
     own_windows(model, CONVERSATIONS, SEQ, "another target", tmp_path, limit=5)
     own_windows(model, CONVERSATIONS, SEQ - 2, "another target", tmp_path, limit=5)
-    assert calls == [4, 5, 5]
+    other_stop = dataclasses.replace(model, stop_tokens=(STOP, 9))
+    own_windows(other_stop, CONVERSATIONS, SEQ - 2, "another target", tmp_path, limit=5)
+    assert calls == [4, 5, 5, 5]
 
 
 def test_too_few_short_prompts_is_an_error(model, tmp_path):

@@ -44,6 +44,20 @@ class HeadDraft:
     plan: NumericsPlan = flax.struct.field(pytree_node=False)  # the head's arithmetic
 
 
+FIXED = ("head", "embedding", "head_w", "vocab", "page_table")  # what a call never changes
+
+
+def loop_state(d: HeadDraft) -> HeadDraft:
+    """`d` without its fixed arrays: what a loop carries and returns (carrying the
+    embedding would copy it out of every call)."""
+    return d.replace(**dict.fromkeys(FIXED))
+
+
+def with_fixed(state: HeadDraft, d: HeadDraft) -> HeadDraft:
+    """`state` (a `loop_state`) with `d`'s fixed arrays."""
+    return state.replace(**{name: getattr(d, name) for name in FIXED})
+
+
 def _run(d: HeadDraft, config: ModelConfig, features, tokens, batch: BatchInfo
          ) -> tuple[jax.Array, jax.Array, HeadDraft]:
     """One extend of the head over features [B, T, D] and tokens int32[B, T]: (the
@@ -108,8 +122,11 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
                              frontier)
         return parents, tokens, score, inputs, nodes + take, frontier, d
 
+    # every level adds min(k, room) nodes: the tree is full after this many, whatever the
+    # draft says, and a level past it would be a head pass for nothing
+    full = -(-(max_nodes - 1) // k)
     parents, tokens, _, _, nodes, _, d = jax.lax.fori_loop(
-        0, depth, level, (parents, tokens, score, inputs, nodes, frontier, d))
+        0, min(depth, full), level, (parents, tokens, score, inputs, nodes, frontier, d))
     return parents, tokens, nodes, d
 
 

@@ -131,6 +131,8 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     trees, the same tokens and logits as `tree_generate` and plain decoding. `target_calls`
     counts a call per sequence verified, as `tree_generate`'s one-sequence calls do."""
     eagle = getattr(drafter, "reads_features", False)
+    if eagle and max_nodes > drafter.width:
+        raise ValueError(f"max_nodes {max_nodes} > the drafter's width {drafter.width}")
     if not eagle and not isinstance(drafter, NGramTreeDrafter):
         raise ValueError(f"device_tree_generate drafts n-gram or EAGLE-style trees on "
                          f"device: it takes an NGramTreeDrafter's or an EagleTreeDrafter's "

@@ -37,7 +37,14 @@ from kvjax.decode.sampling import greedy
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
-from kvjax.speculative.eagle_tree_device import HeadDraft, absorb, catch_up, grow
+from kvjax.speculative.eagle_tree_device import (
+    HeadDraft,
+    absorb,
+    catch_up,
+    grow,
+    loop_state,
+    with_fixed,
+)
 from kvjax.speculative.loop import emitted
 from kvjax.speculative.ngram_tree_device import ngram_tree
 
@@ -53,7 +60,7 @@ class TreeLoopResult:
     verifications: jax.Array  # int32[B] target calls that verified the row
     drafted: jax.Array  # int32[B] draft nodes verified
     accepted: jax.Array  # int32[B] drafts emitted
-    head: HeadDraft | None = None  # the EAGLE head's side, where it drafted
+    head: HeadDraft | None = None  # the EAGLE head's state (`loop_state`), where it drafted
 
 
 @flax.struct.dataclass
@@ -154,12 +161,12 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         tokens=jnp.full((b, max_out), -1, jnp.int32),
         logits=jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
         verifications=zeros, drafted=zeros, accepted=zeros,
-        head=None if head is None else head.replace(cache=head_cache))
+        head=None if head is None else loop_state(head).replace(cache=head_cache))
 
     def body(s: _Carry) -> _Carry:
         active = ~s.done
         reach = jnp.maximum(budget - s.count - 1, 0)  # drafts that could still be emitted
-        hd = s.head
+        hd = None if head is None else with_fixed(s.head, head)
         if hd is None:
             parents, fed, nodes = ngram_tree(s.history, s.lengths + 1, reach, max_nodes,
                                              depth, branches, ngram_max, ngram_min)
@@ -206,7 +213,8 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
             last=jnp.where(n_emit > 0, new_last, s.last), history=history, tokens=tokens,
             logits=out_logits, verifications=s.verifications + active,
             drafted=s.drafted + jnp.maximum(nodes - 1, 0),
-            accepted=s.accepted + jnp.maximum(n_emit - 1, 0), head=hd)
+            accepted=s.accepted + jnp.maximum(n_emit - 1, 0),
+            head=None if hd is None else loop_state(hd))
 
     end = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, carry)
     return TreeLoopResult(

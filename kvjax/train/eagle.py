@@ -116,8 +116,9 @@ def _data(out: Path, target_params, config, tokens, mask, target: str, log,
     return features
 
 
-def _save_state(out: Path, head, state, step: int, history: list) -> None:
-    """`out/ckpt`: the head, the optimizer state and the step, written atomically."""
+def _save_state(out: Path, head, state, step: int, history: list, windows: str) -> None:
+    """`out/ckpt`: the head, the optimizer state, the step and the digest of the windows
+    it learns (`_windows_digest`), written atomically."""
     import orbax.checkpoint as ocp
 
     tmp, final = out / "ckpt.tmp", out / "ckpt"
@@ -127,6 +128,7 @@ def _save_state(out: Path, head, state, step: int, history: list) -> None:
                                 "step": np.asarray(step, np.int64)}, force=True)
     saver.wait_until_finished()
     (tmp / "history.npy").write_bytes(np.asarray(history, np.float64).tobytes())
+    (tmp / "windows.txt").write_text(windows)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
@@ -165,7 +167,13 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
     optimizer = make_optimizer(train)
     head = init_head(config, train.seed)
     state, step, history = optimizer.init(head), 0, []
+    windows_digest = _windows_digest(*windows, target)
     if resume and (out / "ckpt").exists():
+        saved = out / "ckpt" / "windows.txt"
+        if not saved.is_file() or saved.read_text() != windows_digest:
+            raise ValueError(f"{out}/ckpt was trained on other windows (or another target): "
+                             f"resuming would mix two trainings; start over (resume=False, "
+                             f"train_eagle --no-resume) or train into another folder")
         head, state, step, history = _restore_state(out, head, state)
         log(f"resumed {out}/ckpt at step {step}")
     else:  # the untrained head's figures: where the loss falls from
@@ -194,7 +202,7 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
                 f"top-1 {val['top1']:.3f}")
         timed_out = train.time_limit_s is not None and trained_s >= train.time_limit_s
         if step % train.checkpoint_every == 0 or step == end or timed_out:
-            _save_state(out, head, state, step, history)
+            _save_state(out, head, state, step, history, windows_digest)
         if timed_out:
             log(f"time limit {train.time_limit_s} s reached at step {step}")
             break

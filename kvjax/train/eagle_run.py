@@ -88,7 +88,7 @@ def train_eagle(model_name: str, setting: EagleSetting, out_dir: str, resume: bo
         from kvjax.train.own_answers import own_windows
 
         # a prompt past its share of the window is left out: pick more, keep the first
-        picked = sharegpt(2 * want, max_turns=1, seed=setting.train.seed)
+        picked = sharegpt(4 * want, max_turns=1, seed=setting.train.seed)
         tokens, mask, answers = own_windows(
             model, picked.conversations, setting.seq_len,
             model_fingerprint(model.config, model.params), Path(out_dir), limit=want, log=log)
@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="train_eagle", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="full")
-    parser.add_argument("--out", help="output folder (default: checkpoints/eagle-SETTING)")
+    parser.add_argument("--out", help="output folder (default: checkpoints/eagle-SETTING, "
+                                          "and -own for --answers own)")
     parser.add_argument("--answers", choices=("recorded", "own"),
                         help="the windows' answers: ShareGPT's recorded ones or the target's "
                              "own greedy ones (default: the setting's)")
@@ -125,10 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    out = args.out or f"checkpoints/eagle-{args.setting}"
     setting = SETTINGS[args.setting]
     if args.answers:
         setting = dataclasses.replace(setting, answers=args.answers)
+    own = "-own" if setting.answers == "own" else ""
+    out = args.out or f"checkpoints/eagle-{args.setting}{own}"
     result = train_eagle(args.model, setting, out, not args.no_resume)
     val = result["validation"]
     emit(f"done: step {result['step']}, validation loss {val['loss']:.4f}, top-1 "

@@ -36,8 +36,10 @@ def prompts_of(model, conversations, seq_len: int) -> list[list[int]]:
     return out
 
 
-def _digest(prompts: list[list[int]], seq_len: int, target: str) -> str:
-    h = hashlib.sha256(f"{seq_len} {target}".encode())
+def _digest(prompts: list[list[int]], seq_len: int, target: str, stops) -> str:
+    """What the answers depend on: the prompts, the window, the target and its stop tokens
+    (and the engine's settings here: greedy, fast numerics)."""
+    h = hashlib.sha256(f"{seq_len} {target} {sorted(stops)} greedy fast".encode())
     for p in prompts:
         h.update(np.asarray(p, np.int32).tobytes() + b"|")
     return h.hexdigest()
@@ -81,17 +83,24 @@ def own_windows(model, conversations, seq_len: int, target: str, folder: Path, l
         raise ValueError(f"{limit} prompts of at most {seq_len * PROMPT_SHARE:.0f} tokens "
                          f"asked for; {len(prompts)} of {len(conversations)} conversations "
                          f"have one")
-    file, digest = Path(folder) / "answers.npz", _digest(prompts, seq_len, target)
-    if file.is_file() and str(np.load(file)["digest"]) == digest:
-        flat, ends = np.load(file)["tokens"], np.load(file)["ends"]
-        answers = [flat[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-        log(f"own answers: {len(answers)} from {file}")
-    else:
+    folder = Path(folder)
+    file = folder / "answers.npz"
+    digest = _digest(prompts, seq_len, target, model.stop_tokens)
+    answers = None
+    if file.is_file():
+        with np.load(file) as saved:
+            if str(saved["digest"]) == digest:
+                flat, ends = saved["tokens"], saved["ends"]
+                answers = [flat[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends,
+                                                              strict=True)]
+                log(f"own answers: {len(answers)} from {file}")
+    if answers is None:
         answers = answer(model, prompts, seq_len, log)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        ends = np.cumsum([len(a) for a in answers])
-        np.savez(file, digest=digest, ends=ends, tokens=np.asarray(
-            [t for a in answers for t in a], np.int32))
+        folder.mkdir(parents=True, exist_ok=True)
+        np.savez(folder / "answers.tmp.npz", digest=np.asarray(digest),
+                 ends=np.cumsum([len(a) for a in answers]),
+                 tokens=np.asarray([t for a in answers for t in a], np.int32))
+        (folder / "answers.tmp.npz").rename(file)  # whole or not at all
     tokens = np.zeros((len(prompts), seq_len + 1), np.int32)
     real, said = np.zeros(tokens.shape, bool), np.zeros(tokens.shape, bool)
     for row, (p, a) in enumerate(zip(prompts, answers, strict=True)):
