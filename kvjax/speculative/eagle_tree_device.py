@@ -59,22 +59,27 @@ def with_fixed(state: HeadDraft, d: HeadDraft) -> HeadDraft:
 
 
 def _run(d: HeadDraft, config: ModelConfig, features, tokens, batch: BatchInfo
-         ) -> tuple[jax.Array, jax.Array, HeadDraft]:
+         ) -> tuple[jax.Array, HeadDraft]:
     """One extend of the head over features [B, T, D] and tokens int32[B, T]: (the
-    log-probabilities of the next token over the draft vocabulary [B, T, R], as
-    `head_extend` takes them, the predictions [B, T, D], the draft with its cache)."""
+    predictions [B, T, D], the draft with its cache)."""
     pred, cache = EagleHead(head_config(config), d.plan).apply(
         {"params": d.head}, features, embed({"embed": {"embedding": d.embedding}}, config,
                                             tokens),
         model_positions(batch, tokens.shape[1]), d.cache, batch)
-    logp = jax.nn.log_softmax(head_logits(config, pred, d.head_w), axis=-1)
-    return logp, pred, d.replace(cache=cache)
+    return pred, d.replace(cache=cache)
+
+
+def _best(d: HeadDraft, config: ModelConfig, pred: jax.Array, k: int
+          ) -> tuple[jax.Array, jax.Array]:
+    """(the `k` best log-probabilities [..., k] of the next token over the draft vocabulary
+    after predictions pred [..., D], their columns), as `head_extend` gives them."""
+    return jax.lax.top_k(jax.nn.log_softmax(head_logits(config, pred, d.head_w), axis=-1), k)
 
 
 def catch_up(d: HeadDraft, config: ModelConfig) -> HeadDraft:
     """The pending pairs into the head cache."""
     batch = BatchInfo(d.page_table, d.cached, d.pending)
-    _, _, d = _run(d, config, d.pending_features, d.pending_tokens, batch)
+    _, d = _run(d, config, d.pending_features, d.pending_tokens, batch)
     return d.replace(cached=d.cached + d.pending, pending=jnp.zeros_like(d.pending))
 
 
@@ -104,14 +109,15 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
         tree_depth, ancestors = layout(parents, nodes)
         batch = BatchInfo(d.page_table, d.cached, nodes, depth=tree_depth,
                           ancestors=ancestors)
-        logp, pred, d = _run(d, config, inputs, tokens, batch)
-        best, cols = jax.lax.top_k(logp, k)  # [B, N, K]
+        pred, d = _run(d, config, inputs, tokens, batch)
         at = jnp.maximum(frontier, 0)  # [B, K]
-        offer = score[rows[:, None], at][:, :, None] + best[rows[:, None], at]  # [B, K, K]
+        # the draft vocabulary's head on the last level's nodes only: the rest is not read
+        best, cols = _best(d, config, pred[rows[:, None], at], k)  # [B, K, K]
+        offer = score[rows[:, None], at][:, :, None] + best  # [B, K, K]
         offer = jnp.where(frontier[:, :, None] >= 0, offer, -jnp.inf).reshape(b, k * k)
         value, pick = jax.lax.top_k(offer, k)  # ties: the lower index, the earlier offer
         node = jnp.take_along_axis(at, pick // k, 1)  # [B, K]
-        token = d.vocab[cols[rows[:, None], node, pick % k]]
+        token = d.vocab[jnp.take_along_axis(cols.reshape(b, k * k), pick, 1)]
         take = jnp.where(going, jnp.minimum(k, max_nodes - nodes), 0)
         new = jnp.where(slot < take[:, None], nodes[:, None] + slot, max_nodes)  # [B, K]
         parents = parents.at[rows[:, None], new].set(node, mode="drop")
