@@ -23,11 +23,15 @@ PROMPT_SHARE = 0.5
 BATCH = 48  # decode rows: a step of 48 rows costs ~8x one row's (the weights read once)
 
 
-def prompts_of(model, conversations, seq_len: int) -> list[list[int]]:
+def prompts_of(model, conversations, seq_len: int, limit: int | None = None
+               ) -> list[list[int]]:
     """Each conversation's first user turn (and a system turn before it) rendered as a
-    prompt for the target's answer, those of at most `seq_len * PROMPT_SHARE` tokens."""
+    prompt for the target's answer, those of at most `seq_len * PROMPT_SHARE` tokens; the
+    first `limit` of them (rendering stops there)."""
     out = []
     for c in conversations:
+        if limit is not None and len(out) == limit:
+            break
         messages = c.messages
         first = next(i for i, m in enumerate(messages) if m["role"] == "user")
         ids = model.template.render(messages[:first + 1], add_generation_prompt=True)
@@ -78,7 +82,7 @@ def own_windows(model, conversations, seq_len: int, target: str, folder: Path, l
     `eagle_run.windows` gives them, of the first `limit` prompts `prompts_of` keeps and the
     target's own answers to them (`target`: the target's fingerprint; the answers cached in
     `folder/answers.npz`)."""
-    prompts = prompts_of(model, conversations, seq_len)[:limit]
+    prompts = prompts_of(model, conversations, seq_len, limit)
     if len(prompts) < limit:
         raise ValueError(f"{limit} prompts of at most {seq_len * PROMPT_SHARE:.0f} tokens "
                          f"asked for; {len(prompts)} of {len(conversations)} conversations "
