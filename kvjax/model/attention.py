@@ -259,6 +259,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     if row_tile is not None:
         mid = jnp.clip(jnp.min(jnp.where(end > 0, row_stop, num_blocks)), start, stop)
     carry = jax.lax.fori_loop(start, mid, step, init)
+    if row_tile is None:  # every block was visited together: no row has blocks left
+        return _merge(carry, tree, b, kv, t, g, nt, tile, per, rows, n, h)
     first = jnp.maximum(mid, row_start)  # [B] each row's first block past the shared ones
     extra = jnp.maximum(row_stop - first, 0)  # [B] each row's blocks from `first`
     last = jnp.cumsum(extra)  # [B] one past each row's last task
@@ -273,7 +275,14 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
         return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, r, 0)
                      for c, x in zip(carry, part, strict=True))
 
-    _, l, acc = jax.lax.fori_loop(0, last[-1], ragged, carry)
+    carry = jax.lax.fori_loop(0, last[-1], ragged, carry)
+    return _merge(carry, tree, b, kv, t, g, nt, tile, per, rows, n, h)
+
+
+def _merge(carry, tree: bool, b, kv, t, g, nt, tile, per, rows, n, h) -> jax.Array:
+    """The softmax-weighted values of `paged_attention_reference`'s final carry, as
+    [B, T, N, H] (a row that saw no key gets zeros)."""
+    _, l, acc = carry
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
     if tree:  # [b, K, T * per, R, H] -> each node's g rows
         out = out.reshape(b, kv, t, per * tile, h)[:, :, :, :g]
