@@ -59,14 +59,18 @@ def _reference(ref, prompts: list[list[int]], answers: list[list[int]]) -> list[
     padding after it). A greedy answer equals transformers' greedy `generate` exactly when
     each of its tokens is the argmax of these logits (and it stops where they pick a stop
     token): by induction, transformers would pick the same token at every step. One forward
-    of the 8 rows replaces 8 x 64 sequential `generate` steps."""
+    of the 8 rows replaces 8 x 64 sequential `generate` steps. The output head (262,144
+    rows) runs only from the first answer position on (`logits_to_keep`): a 620-token
+    prompt's logits are not read."""
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    first = min(len(p) for p in prompts) - 1
     with torch.no_grad():
-        logits = ref(input_ids=ids, attention_mask=mask).logits.float().numpy()
-    return [logits[i, len(p) - 1: len(p) - 1 + len(a)]
+        logits = ref(input_ids=ids, attention_mask=mask,
+                     logits_to_keep=torch.arange(first, width)).logits.float().numpy()
+    return [logits[i, len(p) - 1 - first: len(p) - 1 - first + len(a)]
             for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
 
 
