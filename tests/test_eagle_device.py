@@ -1,7 +1,8 @@
 """The EAGLE-style head's device side (`kvjax.speculative.eagle_tree_device`) against the
 host drafter (`EagleTreeDrafter`), round by round under invariant numerics: the same trees,
 node for node, and after a verify the head cache holding the pairs a host catch-up writes,
-bitwise. (The end-to-end loop: tests/test_eagle.py.)"""
+bitwise; with the head on XLA's products and attention and on kvjax's CPU kernels (the
+plan the drafter is given). (The end-to-end loop: tests/test_eagle.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from helpers import gather_sequence, small_model
 from test_eagle import _markov, _trained
 
 from kvjax.config import CacheConfig
+from kvjax.cpu.product import kernel
 from kvjax.model.plan import INVARIANT
 from kvjax.model.transformer import forward, init_params
 from kvjax.speculative.eagle_drafter import EagleTreeDrafter
@@ -21,6 +23,8 @@ from kvjax.speculative.eagle_tree_device import absorb, catch_up, grow
 from kvjax.speculative.tree_loop import tree_layout
 
 MAX_NODES, DEPTH, TOP_K = 8, 3, 3
+ON_KERNEL = dataclasses.replace(INVARIANT, cpu_kernel=True, cpu_attention=True)
+needs_kernel = pytest.mark.skipif(not kernel().available, reason=kernel().describe())
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +37,10 @@ def setup(tmp_path_factory):
     return config, target, head, seq, feats
 
 
-def _drafter(setup) -> EagleTreeDrafter:
+def _drafter(setup, plan=INVARIANT) -> EagleTreeDrafter:
     config, target, head, _, _ = setup
     return EagleTreeDrafter(head, target, config, CacheConfig(page_size=4, num_pages=32),
-                            top_k=TOP_K, width=MAX_NODES, chunk=8, plan=INVARIANT)
+                            top_k=TOP_K, width=MAX_NODES, chunk=8, plan=plan)
 
 
 _grow = jax.jit(lambda d, last, reach, config: grow(d, last, reach, MAX_NODES, DEPTH, TOP_K,
@@ -51,11 +55,14 @@ def _tree(parents, tokens, nodes) -> tuple[list[int], list[int]]:
     return np.asarray(parents)[0, :n].tolist(), np.asarray(tokens)[0, :n].tolist()
 
 
-@pytest.mark.parametrize("kept", [1, 3])
-def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(setup, kept):
+@pytest.mark.parametrize(("kept", "plan"), [(1, INVARIANT), (3, INVARIANT),
+                                            pytest.param(3, ON_KERNEL, marks=needs_kernel)],
+                         ids=["1", "3", "3-cpu-kernel"])
+def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(setup, kept,
+                                                                             plan):
     config, _, _, seq, feats = setup
     length = 20  # tokens cached: h_0 .. h_19; h_20 the root
-    device, host = _drafter(setup), _drafter(setup)
+    device, host = _drafter(setup, plan), _drafter(setup, plan)
     history = np.zeros((1, 64), np.int32)
     history[0, :length + 1] = seq[:length + 1]
     d = device.device_draft(history, np.asarray([length]), [feats[:length]], 16, DEPTH)
@@ -65,6 +72,13 @@ def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(set
     want = host.propose_tree(seq[:length + 1], MAX_NODES, DEPTH, features=feats[:length])
     assert _tree(parents, tokens, nodes) == tuple(want)
     assert int(nodes[0]) == MAX_NODES
+    # the nodes of the last level's pass (1 + 3 + 3: the last 1 is never run) in the head
+    # cache past the cached pairs, bitwise: their inputs are their parents' predictions, so
+    # this compares the predictions too, not only the tokens they rank first
+    ran = length - 1 + 1 + 2 * TOP_K
+    for a, b in zip(gather_sequence(d.cache, device._state[0][1], ran),
+                    gather_sequence(host.pool.cache, host._state[0][1], ran), strict=True):
+        np.testing.assert_array_equal(a, b)
 
     # a verify that kept the root and kept - 1 drafts of a path through the tree's nodes
     # 0, 2, 5, 7 holding the history's own next tokens, with the target's features there

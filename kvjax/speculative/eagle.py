@@ -31,6 +31,7 @@ import optax
 
 from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
 from kvjax.config import ModelConfig
+from kvjax.model.layout import unstored
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Block, head_logits, output_weights
 
@@ -93,11 +94,12 @@ def head_extend(head_params: dict, target_params: dict, config: ModelConfig,
     included); returns ((the `top_k` best log-probabilities [B, T, top_k] of the next token
     over the draft vocabulary (`head`: `draft_head`), their columns int32[B, T, top_k],
     the predicted features [B, T, D]), cache): the host gets a few numbers per node, not a
-    distribution. `config` is the target's. Donates `cache`."""
+    distribution. `config` is the target's; `head_params` are stored as `plan` takes them
+    (`kvjax.model.layout.store`). Donates `cache`."""
     positions = model_positions(batch, tokens.shape[1])
     pred, cache = EagleHead(head_config(config), plan).apply(
-        {"params": head_params}, features, embed(target_params, config, tokens), positions,
-        cache, batch)
+        {"params": unstored(head_params, plan)}, features,
+        embed(target_params, config, tokens), positions, cache, batch)
     logp = jax.nn.log_softmax(head_logits(config, pred, head), axis=-1)
     best, columns = jax.lax.top_k(logp, top_k)
     return (best, columns, pred), cache

@@ -20,6 +20,7 @@ from kvjax.cache.paged import BatchInfo
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode.batching import page_table, pages_for
+from kvjax.model.layout import store
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.speculative.drafters import common_prefix
 from kvjax.speculative.eagle import draft_head, head_config, head_extend
@@ -31,7 +32,8 @@ from kvjax.speculative.tree_model import grow_tree
 
 class EagleTreeDrafter:
     """Trees from an EAGLE-style head (module docstring). `width` is the tree extend's
-    shape (>= max_nodes), `chunk` the shape that feeds the history's pairs."""
+    shape (>= max_nodes), `chunk` the shape that feeds the history's pairs, `plan` the
+    head's arithmetic (kvjax's CPU kernels too: `NumericsPlan.cpu_kernel` / `cpu_attention`)."""
 
     reads_features = True
 
@@ -40,7 +42,8 @@ class EagleTreeDrafter:
                  chunk: int = 32, plan: NumericsPlan = FAST):
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
-        self.head, self.vocab, self.identity = head.params, head.vocab, head.identity
+        self.head = store(head.params, plan)  # as the plan's steps take them
+        self.vocab, self.identity = head.vocab, head.identity
         self.head_w = draft_head(target_params, config, head.vocab)  # [|vocab|, D], once
         self.target_params, self.config, self.plan = target_params, config, plan
         self.pool = KVPool(head_config(config), cache_config or CacheConfig(

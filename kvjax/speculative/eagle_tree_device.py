@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
 from kvjax.config import ModelConfig
+from kvjax.model.layout import unstored
 from kvjax.model.plan import NumericsPlan
 from kvjax.model.transformer import head_logits
 from kvjax.speculative.eagle import EagleHead, embed, head_config
@@ -30,7 +31,7 @@ from kvjax.speculative.eagle import EagleHead, embed, head_config
 class HeadDraft:
     """The head's side of a device tree loop (module docstring)."""
 
-    head: dict  # the head's parameters
+    head: dict  # the head's parameters, stored as `plan` takes them (`layout.store`)
     embedding: jax.Array  # [V, D] the target's input embedding (canonical)
     head_w: jax.Array  # [R, D] the target's output head rows of the draft vocabulary
     vocab: jax.Array  # int32[R] their token ids
@@ -62,9 +63,9 @@ def _run(d: HeadDraft, config: ModelConfig, features, tokens, batch: BatchInfo
          ) -> tuple[jax.Array, HeadDraft]:
     """One extend of the head over features [B, T, D] and tokens int32[B, T]: (the
     predictions [B, T, D], the draft with its cache)."""
+    x = embed({"embed": {"embedding": d.embedding}}, config, tokens)
     pred, cache = EagleHead(head_config(config), d.plan).apply(
-        {"params": d.head}, features, embed({"embed": {"embedding": d.embedding}}, config,
-                                            tokens),
+        {"params": unstored(d.head, d.plan)}, features, x,
         model_positions(batch, tokens.shape[1]), d.cache, batch)
     return pred, d.replace(cache=cache)
 
