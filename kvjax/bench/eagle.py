@@ -78,6 +78,9 @@ def methods(model, head, policy_costs: dict[int, float] | None,
             out["eagle chain" + where] = (eagle(1, 6), 6, 5, None, device)
             out["eagle tree" + where] = (eagle(2, 8), 8, 5, None, device)
             out["eagle tree 16" + where] = (eagle(4, 16), 16, 6, None, device)
+        # one draft token a round: this head's operating point (its later drafts are
+        # rarely accepted; each costs a head pass and a wider verify)
+        out["eagle chain 2 on device"] = (eagle(1, 2), 2, 1, None, True)
         if policy_costs is not None:
             out["eagle tree 16 + policy"] = (eagle(4, 16), 16, 6, policy_costs, False)
     return out
