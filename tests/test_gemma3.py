@@ -60,8 +60,8 @@ def _reference(ref, prompts: list[list[int]], answers: list[list[int]]) -> list[
     each of its tokens is the argmax of these logits (and it stops where they pick a stop
     token): by induction, transformers would pick the same token at every step. One forward
     of the 8 rows replaces 8 x 64 sequential `generate` steps. The output head (262,144
-    rows) runs only from the first answer position on (`logits_to_keep`): a 620-token
-    prompt's logits are not read."""
+    rows) runs only from the shortest prompt's first answer position on (`logits_to_keep`):
+    the earlier positions' logits are read by no row."""
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
