@@ -4,6 +4,7 @@ invariant numerics every answer checked bitwise (a one-bit difference raises).""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +13,7 @@ from engine_helpers import CACHE, CONFIG, params
 from helpers import random_tokens
 
 from kvjax.bench import eagle
+from kvjax.cpu.product import kernel
 from kvjax.model.plan import FAST, INVARIANT
 from kvjax.speculative.eagle import init_head
 from kvjax.speculative.eagle_file import HeadFile
@@ -29,8 +31,14 @@ def _setup():
 
 @pytest.mark.parametrize("plan", [FAST, INVARIANT])
 def test_every_method_answers_every_prompt(plan):
+    """Under invariant numerics the head drafts on kvjax's CPU kernels (where they build), as
+    `bench eagle` runs it: its stored parameters inside the device loop too."""
     model, head, picked = _setup()
-    table = eagle.methods(model, head, {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 4.0})
+    head_plan = FAST
+    if plan.invariant and kernel().available:
+        head_plan = dataclasses.replace(FAST, cpu_kernel=True, cpu_attention=True)
+    table = eagle.methods(model, head, {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 4.0}, head_plan)
+    assert all(t[0]().plan == head_plan for name, t in table.items() if "eagle" in name)
     rows = eagle.run(model, picked, 12, plan, CACHE, table)
     names = ["plain", *table]
     assert {(r["category"], r["method"]) for r in rows} == {
