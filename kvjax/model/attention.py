@@ -259,29 +259,23 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     if row_tile is not None:
         mid = jnp.clip(jnp.min(jnp.where(end > 0, row_stop, num_blocks)), start, stop)
     carry = jax.lax.fori_loop(start, mid, step, init)
-    if row_tile is None:  # every block was visited together: no row has blocks left
-        return _merge(carry, tree, b, kv, t, g, nt, tile, per, rows, n, h)
-    first = jnp.maximum(mid, row_start)  # [B] each row's first block past the shared ones
-    extra = jnp.maximum(row_stop - first, 0)  # [B] each row's blocks from `first`
-    last = jnp.cumsum(extra)  # [B] one past each row's last task
+    if row_tile is not None:  # each row's blocks past the shared ones, the row alone
+        first = jnp.maximum(mid, row_start)  # [B] each row's first block past the shared ones
+        extra = jnp.maximum(row_stop - first, 0)  # [B] each row's blocks from `first`
+        last = jnp.cumsum(extra)  # [B] one past each row's last task
 
-    def ragged(task, carry):  # one row's next block past the shared ones
-        r = jnp.searchsorted(last, task, side="right")
-        index = first[r] + task - (last[r] - extra[r])
-        one = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)  # noqa: E731
-        part = update(tuple(map(one, carry)), index, blocks[index, r][None], one(qg),
-                      one(q_pos), one(end), None if fresh is None else jax.tree.map(one, fresh),
-                      None if trees is None else tuple(map(one, trees)))
-        return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, r, 0)
-                     for c, x in zip(carry, part, strict=True))
+        def ragged(task, carry):  # one row's next block past the shared ones
+            r = jnp.searchsorted(last, task, side="right")
+            index = first[r] + task - (last[r] - extra[r])
+            one = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)  # noqa: E731
+            part = update(tuple(map(one, carry)), index, blocks[index, r][None], one(qg),
+                          one(q_pos), one(end),
+                          None if fresh is None else jax.tree.map(one, fresh),
+                          None if trees is None else tuple(map(one, trees)))
+            return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, r, 0)
+                         for c, x in zip(carry, part, strict=True))
 
-    carry = jax.lax.fori_loop(0, last[-1], ragged, carry)
-    return _merge(carry, tree, b, kv, t, g, nt, tile, per, rows, n, h)
-
-
-def _merge(carry, tree: bool, b, kv, t, g, nt, tile, per, rows, n, h) -> jax.Array:
-    """The softmax-weighted values of `paged_attention_reference`'s final carry, as
-    [B, T, N, H] (a row that saw no key gets zeros)."""
+        carry = jax.lax.fori_loop(0, last[-1], ragged, carry)
     _, l, acc = carry
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
     if tree:  # [b, K, T * per, R, H] -> each node's g rows

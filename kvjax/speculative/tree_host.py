@@ -182,8 +182,9 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     finally:
         for row in rows:
             pool.release(row)
-        for i in range(n) if eagle else ():
-            drafter.release(i)
+        if eagle:
+            for i in range(n):
+                drafter.release(i)
     tokens, logits = [], []
     for i in range(n):
         k = int(np.sum(out.tokens[i] >= 0))

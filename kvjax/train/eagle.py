@@ -30,6 +30,7 @@ from kvjax.model.transformer import forward
 from kvjax.speculative.eagle import head_loss, init_head
 from kvjax.speculative.eagle_file import HeadFile, save_head
 from kvjax.train.loop import make_optimizer
+from kvjax.train.npz_cache import load_or_make
 
 NOISE = 0.1  # EAGLE's uniform feature noise, U(-NOISE, NOISE)
 
@@ -103,17 +104,12 @@ def _windows_digest(tokens: np.ndarray, mask: np.ndarray, target: str) -> str:
 def _data(out: Path, target_params, config, tokens, mask, target: str, log,
           progress: bool) -> np.ndarray:
     """The windows' features, from `out/data.npz` when it holds these windows' and target's."""
-    out.mkdir(parents=True, exist_ok=True)
-    file, digest = out / "data.npz", _windows_digest(tokens, mask, target)
-    if file.exists():
-        with np.load(file) as saved:
-            if str(saved["digest"]) == digest:
-                log(f"features of {len(tokens)} windows from {file}")
-                return saved["features"]
-    features = extract_features(target_params, config, tokens, progress=progress)
-    np.savez(out / "data.tmp.npz", features=features, digest=np.asarray(digest))
-    (out / "data.tmp.npz").rename(file)
-    return features
+    file = out / "data.npz"
+    arrays, loaded = load_or_make(file, _windows_digest(tokens, mask, target), lambda: {
+        "features": extract_features(target_params, config, tokens, progress=progress)})
+    if loaded:
+        log(f"features of {len(tokens)} windows from {file}")
+    return arrays["features"]
 
 
 def _save_state(out: Path, head, state, step: int, history: list, windows: str) -> None:

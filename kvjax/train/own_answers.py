@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax.train.npz_cache import load_or_make
+
 # a prompt longer than this share of the window leaves too little room for an answer
 PROMPT_SHARE = 0.5
 BATCH = 48  # decode rows: a step of 48 rows costs ~8x one row's (the weights read once)
@@ -87,24 +89,19 @@ def own_windows(model, conversations, seq_len: int, target: str, folder: Path, l
         raise ValueError(f"{limit} prompts of at most {seq_len * PROMPT_SHARE:.0f} tokens "
                          f"asked for; {len(prompts)} of {len(conversations)} conversations "
                          f"have one")
-    folder = Path(folder)
-    file = folder / "answers.npz"
-    digest = _digest(prompts, seq_len, target, model.stop_tokens)
-    answers = None
-    if file.is_file():
-        with np.load(file) as saved:
-            if str(saved["digest"]) == digest:
-                flat, ends = saved["tokens"], saved["ends"]
-                answers = [flat[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends,
-                                                              strict=True)]
-                log(f"own answers: {len(answers)} from {file}")
-    if answers is None:
-        answers = answer(model, prompts, seq_len, log)
-        folder.mkdir(parents=True, exist_ok=True)
-        np.savez(folder / "answers.tmp.npz", digest=np.asarray(digest),
-                 ends=np.cumsum([len(a) for a in answers]),
-                 tokens=np.asarray([t for a in answers for t in a], np.int32))
-        (folder / "answers.tmp.npz").rename(file)  # whole or not at all
+    file = Path(folder) / "answers.npz"
+
+    def make():
+        made = answer(model, prompts, seq_len, log)
+        return {"ends": np.cumsum([len(a) for a in made]),
+                "tokens": np.asarray([t for a in made for t in a], np.int32)}
+
+    saved, loaded = load_or_make(file, _digest(prompts, seq_len, target, model.stop_tokens),
+                                 make)
+    flat, ends = saved["tokens"], saved["ends"]
+    answers = [flat[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    if loaded:
+        log(f"own answers: {len(answers)} from {file}")
     tokens = np.zeros((len(prompts), seq_len + 1), np.int32)
     real, said = np.zeros(tokens.shape, bool), np.zeros(tokens.shape, bool)
     for row, (p, a) in enumerate(zip(prompts, answers, strict=True)):
