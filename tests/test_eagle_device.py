@@ -19,7 +19,7 @@ from kvjax.cpu.product import kernel
 from kvjax.model.plan import INVARIANT
 from kvjax.model.transformer import forward, init_params
 from kvjax.speculative.eagle_drafter import EagleTreeDrafter
-from kvjax.speculative.eagle_tree_device import absorb, catch_up, grow
+from kvjax.speculative.eagle_tree_device import absorb, grow
 from kvjax.speculative.tree_loop import tree_layout
 
 MAX_NODES, DEPTH, TOP_K = 8, 3, 3
@@ -46,8 +46,7 @@ def _drafter(setup, plan=INVARIANT) -> EagleTreeDrafter:
 _grow = jax.jit(lambda d, last, reach, config: grow(d, last, reach, MAX_NODES, DEPTH, TOP_K,
                                                    config, tree_layout),
                 static_argnums=3)
-_after = jax.jit(lambda d, path, kept, fed, feats, config: catch_up(
-    absorb(d, path, kept, fed, feats), config), static_argnums=5)
+_absorb = jax.jit(absorb)
 
 
 def _tree(parents, tokens, nodes) -> tuple[list[int], list[int]]:
@@ -97,26 +96,27 @@ def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(set
     fed[0, path[0]] = seq[length:length + DEPTH + 1]
     node_feats = rng.normal(size=(1, MAX_NODES, config.d_model)).astype(np.float32)
     node_feats[0, path[0]] = feats[length:length + DEPTH + 1]
-    d = _after(d, path, np.asarray([kept], np.int32), fed, node_feats, config)
     now = length + kept
-    assert int(d.cached[0]) == now - 1 and int(d.pending[0]) == 0
+    d = _absorb(d, path, np.asarray([kept], np.int32), fed, node_feats)
+    assert int(d.cached[0]) == length - 1 and int(d.pending[0]) == kept
     np.testing.assert_array_equal(np.asarray(d.feature[0]), feats[now - 1])
 
-    # the host catches up on the longer history: the same pairs in the head cache, bitwise
-    host.propose_tree(seq[:now + 1], MAX_NODES, DEPTH, features=feats[:now])
-    device_pages = device._state[0][1]
-    host_pages = host._state[0][1]
-    got = gather_sequence(d.cache, device_pages, now - 1)
-    ref = gather_sequence(host.pool.cache, host_pages, now - 1)
-    for a, b in zip(got, ref, strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert np.abs(ref[0]).max() > 0.1
-
-    # and the next round's tree is the host's
+    # the next round: the pending pairs and the root pair in one extend (the root's
+    # prediction the first level's offers), then the tree: the host's, node for node
     parents, tokens, nodes, d = _grow(d, np.asarray([seq[now]], np.int32),
                                       np.asarray([DEPTH]), config)
     want = host.propose_tree(seq[:now + 1], MAX_NODES, DEPTH, features=feats[:now])
     assert _tree(parents, tokens, nodes) == tuple(want)
+    assert int(d.cached[0]) == now - 1 and int(d.pending[0]) == 0
+    # and the head cache holds the pairs the host's catch-up wrote, then the same tree
+    # nodes, bitwise
+    device_pages = device._state[0][1]
+    host_pages = host._state[0][1]
+    got = gather_sequence(d.cache, device_pages, now - 1 + 1 + 2 * TOP_K)
+    ref = gather_sequence(host.pool.cache, host_pages, now - 1 + 1 + 2 * TOP_K)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(ref[0]).max() > 0.1
 
 
 def test_a_row_near_its_budget_grows_a_shallower_tree(setup):

@@ -6,10 +6,12 @@ feature at h_j (j < m, handed in by the tree loop). The head's paged cache (a po
 layer, the draft pool) holds the pairs [F_j, e(h_{j+1})] for j < m - 1, kept across rounds
 as far as the history still agrees and the rest fed in chunks. A round grows the tree by
 cumulative draft probability (`tree_model.grow_tree`, EAGLE-2's rule): the root is the pair
-[F_{m-1}, e(h_m)]; a node of token t whose parent predicted f̂ is the pair [f̂, e(t)]; one
-tree extend of the head over every node so far (`BatchInfo.depth` / `ancestors`) gives each
-node's next-token distribution over the draft vocabulary and its prediction. The tree's
-pairs sit in the slots past the cached ones and are overwritten by the next round.
+[F_{m-1}, e(h_m)], fed after the history's pairs in the catch-up's last chunk (which gives
+its next-token distribution and prediction: one head pass fewer a round); a node of token
+t whose parent predicted f̂ is the pair [f̂, e(t)]; for each further level one tree extend
+of the head over every node so far (`BatchInfo.depth` / `ancestors`) gives each node's
+next-token distribution over the draft vocabulary and its prediction. The tree's pairs sit
+in the slots past the cached ones and are overwritten by the next round.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class EagleTreeDrafter:
         if m < 1 or features.shape != (m, self.config.d_model):
             raise ValueError(f"a history of {m + 1} tokens needs features [{m}, "
                              f"{self.config.d_model}], got {features.shape}")
-        pages = self._catch_up(history, features, seq_id)
+        pages, root = self._catch_up(history, features, seq_id, root=True)
         table = page_table([pages], 1, self.pool.cache_config.block_pages)
         inputs = np.zeros((1, self.width, self.config.d_model), np.float32)
         inputs[0, 0] = features[m - 1]
@@ -77,6 +79,9 @@ class EagleTreeDrafter:
         preds = np.zeros((self.width, self.config.d_model), np.float32)
 
         def logp_of(parents, tokens):
+            if len(tokens) == 1:  # the root's pass was the catch-up's last extend
+                best, columns, preds[0] = root
+                return best[None], self.vocab[columns[None]]
             for i in range(known[0], len(tokens)):
                 inputs[0, i] = preds[parents[i]]
             known[0] = len(tokens)
@@ -102,7 +107,7 @@ class EagleTreeDrafter:
             self.release(b)
             self._state[b] = ([], self.pool.allocate(pages_for(int(n) + room, cc.page_size)))
             rows.append(self._catch_up(history[b, :n + 1].tolist(),
-                                       np.asarray(features[b], np.float32), b))
+                                       np.asarray(features[b], np.float32), b)[0])
         width, d = depth + 1, self.config.d_model
         return HeadDraft(
             head=self.head, embedding=self.target_params["embed"]["embedding"],
@@ -120,25 +125,31 @@ class EagleTreeDrafter:
             self.head_w, self.top_k, plan=self.plan))
         return tuple(np.asarray(x) for x in out)
 
-    def _catch_up(self, history: list[int], features: np.ndarray, seq_id: int) -> list[int]:
-        """The head cache of `seq_id` holding the pairs of history[:-1]; its pages."""
+    def _catch_up(self, history: list[int], features: np.ndarray, seq_id: int,
+                  root: bool = False) -> tuple[list[int], tuple | None]:
+        """(the pages of `seq_id`'s head cache, now holding the pairs of history[:-1], and
+        with `root` the root pair's (best log-probabilities [top_k], columns [top_k],
+        prediction [D])): with `root` the root pair [F_{m-1}, e(h_m)] is fed after them in
+        the same chunks (its slot is the tree's root's, as the device loop's `catch_up`)."""
         cached, pages = self._state.get(seq_id, ([], []))
         # pair j needs history[:j + 2]: the pairs of a shared prefix of n tokens still hold
         keep = max(common_prefix(cached, history) - 1, 0)
-        want = len(history) - 2
+        want = len(history) - 2 + root
         cc = self.pool.cache_config
-        need = pages_for(want + self.width, cc.page_size) - len(pages)
+        need = pages_for(len(history) - 2 + self.width, cc.page_size) - len(pages)
         if need > 0:
             pages += self.pool.allocate(need)
         table = page_table([pages], 1, cc.block_pages)
+        out = None
         for start in range(keep, want, self.chunk):
             count = min(self.chunk, want - start)
             feats = np.zeros((1, self.chunk, self.config.d_model), np.float32)
             feats[0, :count] = features[start:start + count]
             fed = np.zeros((1, self.chunk), np.int32)
             fed[0, :count] = history[start + 1:start + 1 + count]
-            self._run(feats, fed, BatchInfo(page_table=table,
-                                            lengths=np.asarray([start], np.int32),
-                                            num_new=np.asarray([count], np.int32)))
+            best, columns, pred = self._run(feats, fed, BatchInfo(
+                page_table=table, lengths=np.asarray([start], np.int32),
+                num_new=np.asarray([count], np.int32)))
+            out = best[0, count - 1], columns[0, count - 1], pred[0, count - 1]
         self._state[seq_id] = (history[:-1], pages)
-        return pages
+        return pages, out if root else None

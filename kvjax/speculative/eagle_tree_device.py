@@ -4,10 +4,11 @@ trees, node for node, without a host round trip per tree level. Device code: pur
 Row b with L target tokens cached has the history h_0 .. h_L (h_L the newest token, the
 tree's root) and the target's features F_0 .. F_{L-1}. The head's cache holds the pairs
 [F_j, e(h_{j+1})] for j < L - 1 (`HeadDraft.cached`); the pairs a round accepted are
-`pending` and enter it first (`catch_up`, one extend of width `W`). The tree then grows
-from the root pair [F_{L-1}, e(h_L)] (`grow`: EAGLE-2's rule as `tree_model.grow_tree`
-applies it, a full tree extend of the head per level), and after the verify `absorb` makes
-the accepted path's pairs the next round's pending ones, with the target's own features.
+`pending`. `grow` runs them and the root pair [F_{L-1}, e(h_L)] as one causal extend (width
+`W` + 1: the catch-up and the first level's pass in one, the root's prediction the last
+real row's), then grows the tree (EAGLE-2's rule as `tree_model.grow_tree` applies it, a
+full tree extend of the head per further level); after the verify `absorb` makes the
+accepted path's pairs the next round's pending ones, with the target's own features.
 
 Legend: B rows, N tree nodes (max_nodes), K top_k, D model width, W the pending width
 (depth + 1), R the draft vocabulary.
@@ -77,23 +78,32 @@ def _best(d: HeadDraft, config: ModelConfig, pred: jax.Array, k: int
     return jax.lax.top_k(jax.nn.log_softmax(head_logits(config, pred, d.head_w), axis=-1), k)
 
 
-def catch_up(d: HeadDraft, config: ModelConfig) -> HeadDraft:
-    """The pending pairs into the head cache."""
-    batch = BatchInfo(d.page_table, d.cached, d.pending)
-    _, d = _run(d, config, d.pending_features, d.pending_tokens, batch)
-    return d.replace(cached=d.cached + d.pending, pending=jnp.zeros_like(d.pending))
+def catch_up(d: HeadDraft, config: ModelConfig, last: jax.Array
+             ) -> tuple[jax.Array, HeadDraft]:
+    """The pending pairs into the head cache, and the root pair [feature, e(last)] after them
+    in the same extend (its slot is the tree's root's, scratch until a level's pass writes
+    the tree there): (the root's prediction [B, D], the draft)."""
+    rows = jnp.arange(last.shape[0])
+    features = jnp.concatenate([d.pending_features, jnp.zeros_like(d.feature)[:, None]], 1)
+    features = features.at[rows, d.pending].set(d.feature.astype(features.dtype))
+    tokens = jnp.concatenate([d.pending_tokens, jnp.zeros_like(last)[:, None]], 1)
+    tokens = tokens.at[rows, d.pending].set(last)  # [B, W + 1]
+    pred, d = _run(d, config, features, tokens, BatchInfo(d.page_table, d.cached, d.pending + 1))
+    return pred[rows, d.pending], d.replace(cached=d.cached + d.pending,
+                                            pending=jnp.zeros_like(d.pending))
 
 
 def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth: int,
          top_k: int, config: ModelConfig, layout
          ) -> tuple[jax.Array, jax.Array, jax.Array, HeadDraft]:
     """(parents int32[B, N] (-1: the root and padding), tokens int32[B, N], nodes int32[B],
-    the draft) of each row's tree from the root `last` int32[B]: at most min(`depth`,
-    `reach[b]`) levels, each adding the `top_k` best offers of the last level's nodes by
-    cumulative log-probability (float32, ties to the earlier offer), within `max_nodes`.
-    `layout`: `tree_loop.tree_layout`."""
+    the draft) of each row's tree from the root `last` int32[B], the pending pairs caught up
+    first (`catch_up`): at most min(`depth`, `reach[b]`) levels, each adding the `top_k`
+    best offers of the last level's nodes by cumulative log-probability (float32, ties to
+    the earlier offer), within `max_nodes`. `layout`: `tree_loop.tree_layout`."""
     b, k = last.shape[0], top_k
     rows = jnp.arange(b)
+    root, d = catch_up(d, config, last)  # [B, D]
     parents = jnp.full((b, max_nodes), -1, jnp.int32)
     tokens = jnp.zeros((b, max_nodes), jnp.int32).at[:, 0].set(last)
     score = jnp.zeros((b, max_nodes), jnp.float32)
@@ -104,16 +114,13 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
     levels = jnp.minimum(depth, reach)
     slot = jnp.arange(k, dtype=jnp.int32)[None, :]
 
-    def level(i, carry):
+    def add(i, front, carry):
+        """Level i's offers from the predictions `front` [B, K, D] of its frontier nodes."""
         parents, tokens, score, inputs, nodes, frontier, d = carry
         going = (i < levels) & (nodes < max_nodes) & jnp.any(frontier >= 0, axis=1)
-        tree_depth, ancestors = layout(parents, nodes)
-        batch = BatchInfo(d.page_table, d.cached, nodes, depth=tree_depth,
-                          ancestors=ancestors)
-        pred, d = _run(d, config, inputs, tokens, batch)
         at = jnp.maximum(frontier, 0)  # [B, K]
         # the draft vocabulary's head on the last level's nodes only: the rest is not read
-        best, cols = _best(d, config, pred[rows[:, None], at], k)  # [B, K, K]
+        best, cols = _best(d, config, front, k)  # [B, K, K]
         offer = score[rows[:, None], at][:, :, None] + best  # [B, K, K]
         offer = jnp.where(frontier[:, :, None] >= 0, offer, -jnp.inf).reshape(b, k * k)
         value, pick = jax.lax.top_k(offer, k)  # ties: the lower index, the earlier offer
@@ -124,16 +131,28 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
         parents = parents.at[rows[:, None], new].set(node, mode="drop")
         tokens = tokens.at[rows[:, None], new].set(token, mode="drop")
         score = score.at[rows[:, None], new].set(value, mode="drop")
-        inputs = inputs.at[rows[:, None], new].set(pred[rows[:, None], node], mode="drop")
+        inputs = inputs.at[rows[:, None], new].set(
+            jnp.take_along_axis(front, (pick // k)[:, :, None], 1), mode="drop")
         frontier = jnp.where(going[:, None], jnp.where(slot < take[:, None], new, -1),
                              frontier)
         return parents, tokens, score, inputs, nodes + take, frontier, d
 
+    def level(i, carry):
+        parents, tokens, score, inputs, nodes, frontier, d = carry
+        tree_depth, ancestors = layout(parents, nodes)
+        batch = BatchInfo(d.page_table, d.cached, nodes, depth=tree_depth,
+                          ancestors=ancestors)
+        pred, d = _run(d, config, inputs, tokens, batch)
+        front = pred[rows[:, None], jnp.maximum(frontier, 0)]  # [B, K, D]
+        return add(i, front, (parents, tokens, score, inputs, nodes, frontier, d))
+
     # every level adds min(k, room) nodes: the tree is full after this many, whatever the
     # draft says, and a level past it would be a head pass for nothing
-    full = -(-(max_nodes - 1) // k)
-    parents, tokens, _, _, nodes, _, d = jax.lax.fori_loop(
-        0, min(depth, full), level, (parents, tokens, score, inputs, nodes, frontier, d))
+    full = min(depth, -(-(max_nodes - 1) // k))
+    carry = (parents, tokens, score, inputs, nodes, frontier, d)
+    if full > 0:  # the first level's offers: the root's prediction, from the catch-up
+        carry = add(0, jnp.broadcast_to(root[:, None], (b, k, root.shape[-1])), carry)
+    parents, tokens, _, _, nodes, _, d = jax.lax.fori_loop(1, max(full, 1), level, carry)
     return parents, tokens, nodes, d
 
 

@@ -40,7 +40,6 @@ from kvjax.model.transformer import Cache, Transformer
 from kvjax.speculative.eagle_tree_device import (
     HeadDraft,
     absorb,
-    catch_up,
     grow,
     loop_state,
     with_fixed,
@@ -171,7 +170,6 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
             parents, fed, nodes = ngram_tree(s.history, s.lengths + 1, reach, max_nodes,
                                              depth, branches, ngram_max, ngram_min)
         else:
-            hd = catch_up(hd, config)
             parents, fed, nodes, hd = grow(hd, s.last, jnp.where(active, reach, 0),
                                            max_nodes, depth, top_k, config, tree_layout)
         nodes = jnp.where(active, nodes, 0)
