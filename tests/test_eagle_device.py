@@ -17,7 +17,8 @@ from test_eagle import _markov, _trained
 from kvjax.config import CacheConfig
 from kvjax.cpu.product import kernel
 from kvjax.model.plan import INVARIANT
-from kvjax.model.transformer import forward, init_params
+from kvjax.model.transformer import forward, head_logits, init_params
+from kvjax.speculative.eagle import EagleHead, draft_head, embed, head_config
 from kvjax.speculative.eagle_drafter import EagleTreeDrafter
 from kvjax.speculative.eagle_tree_device import absorb, grow
 from kvjax.speculative.tree_loop import tree_layout
@@ -54,6 +55,19 @@ def _tree(parents, tokens, nodes) -> tuple[list[int], list[int]]:
     return np.asarray(parents)[0, :n].tolist(), np.asarray(tokens)[0, :n].tolist()
 
 
+def _root_offers(setup, m: int) -> list[int]:
+    """The root's children a tree of the history seq[:m + 1] must have: the `TOP_K` best
+    tokens after the head's full-sequence pass (no cache) over the pairs [F_j, e(h_{j+1})],
+    j < m, the last one the root pair's (its draft distribution, best first)."""
+    config, target, head, seq, feats = setup
+    pred, _ = EagleHead(head_config(config), INVARIANT).apply(
+        {"params": head.params}, feats[None, :m], embed(target, config, seq[None, 1:m + 1]),
+        np.arange(m, dtype=np.int32)[None])
+    logits = np.asarray(head_logits(config, pred[0, -1], draft_head(target, config,
+                                                                     head.vocab)))
+    return np.asarray(head.vocab)[np.argsort(-logits, kind="stable")[:TOP_K]].tolist()
+
+
 @pytest.mark.parametrize(("kept", "plan"), [(1, INVARIANT), (3, INVARIANT),
                                             pytest.param(3, ON_KERNEL, marks=needs_kernel)],
                          ids=["1", "3", "3-cpu-kernel"])
@@ -71,6 +85,10 @@ def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(set
     want = host.propose_tree(seq[:length + 1], MAX_NODES, DEPTH, features=feats[:length])
     assert _tree(parents, tokens, nodes) == tuple(want)
     assert int(nodes[0]) == MAX_NODES
+    # the first level (the root's prediction, from the catch-up's extend) is the head's
+    # full-sequence pass's: both sides agreeing is not enough
+    assert want[1][1:1 + TOP_K] == _root_offers(setup, length)
+    assert want[0][1:1 + TOP_K] == [0] * TOP_K
     # the nodes of the last level's pass (1 + 3 + 3: the last 1 is never run) in the head
     # cache past the cached pairs, bitwise: their inputs are their parents' predictions, so
     # this compares the predictions too, not only the tokens they rank first
@@ -107,6 +125,7 @@ def test_a_round_on_device_grows_the_host_s_trees_and_catches_up_as_the_host(set
                                       np.asarray([DEPTH]), config)
     want = host.propose_tree(seq[:now + 1], MAX_NODES, DEPTH, features=feats[:now])
     assert _tree(parents, tokens, nodes) == tuple(want)
+    assert want[1][1:1 + TOP_K] == _root_offers(setup, now)
     assert int(d.cached[0]) == now - 1 and int(d.pending[0]) == 0
     # and the head cache holds the pairs the host's catch-up wrote, then the same tree
     # nodes, bitwise
@@ -132,3 +151,15 @@ def test_a_row_near_its_budget_grows_a_shallower_tree(setup):
         want = host.propose_tree(seq[:11], MAX_NODES, reach, features=feats[:10])
         assert _tree(parents, tokens, nodes) == tuple(want)
         assert len(want[0]) == 1 + TOP_K * reach
+
+
+def test_the_host_drafter_grows_a_rewound_or_repeated_history_s_tree_afresh(setup):
+    """A sequence's history may come back shorter (a rewound sequence) or unchanged: the
+    root pair is fed again either way (its slot is scratch), so the tree is a fresh
+    drafter's."""
+    _, _, _, seq, feats = setup
+    used, fresh = _drafter(setup), _drafter(setup)
+    want = fresh.propose_tree(seq[:21], MAX_NODES, DEPTH, features=feats[:20])
+    used.propose_tree(seq[:31], MAX_NODES, DEPTH, features=feats[:30])
+    assert used.propose_tree(seq[:21], MAX_NODES, DEPTH, features=feats[:20]) == want
+    assert used.propose_tree(seq[:21], MAX_NODES, DEPTH, features=feats[:20]) == want

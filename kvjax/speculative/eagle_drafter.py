@@ -135,6 +135,8 @@ class EagleTreeDrafter:
         # pair j needs history[:j + 2]: the pairs of a shared prefix of n tokens still hold
         keep = max(common_prefix(cached, history) - 1, 0)
         want = len(history) - 2 + root
+        if root:  # the root's slot is scratch: fed every round (a shorter history too)
+            keep = min(keep, want - 1)
         cc = self.pool.cache_config
         need = pages_for(len(history) - 2 + self.width, cc.page_size) - len(pages)
         if need > 0:

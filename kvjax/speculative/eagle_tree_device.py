@@ -114,13 +114,12 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
     levels = jnp.minimum(depth, reach)
     slot = jnp.arange(k, dtype=jnp.int32)[None, :]
 
-    def add(i, front, carry):
-        """Level i's offers from the predictions `front` [B, K, D] of its frontier nodes."""
+    def add(i, front, best, cols, carry):
+        """Level i's offers from the predictions `front` [B, K, D] of its frontier nodes and
+        their `k` best next tokens (log-probabilities `best` [B, K, K], columns `cols`)."""
         parents, tokens, score, inputs, nodes, frontier, d = carry
         going = (i < levels) & (nodes < max_nodes) & jnp.any(frontier >= 0, axis=1)
         at = jnp.maximum(frontier, 0)  # [B, K]
-        # the draft vocabulary's head on the last level's nodes only: the rest is not read
-        best, cols = _best(d, config, front, k)  # [B, K, K]
         offer = score[rows[:, None], at][:, :, None] + best  # [B, K, K]
         offer = jnp.where(frontier[:, :, None] >= 0, offer, -jnp.inf).reshape(b, k * k)
         value, pick = jax.lax.top_k(offer, k)  # ties: the lower index, the earlier offer
@@ -144,14 +143,19 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
                           ancestors=ancestors)
         pred, d = _run(d, config, inputs, tokens, batch)
         front = pred[rows[:, None], jnp.maximum(frontier, 0)]  # [B, K, D]
-        return add(i, front, (parents, tokens, score, inputs, nodes, frontier, d))
+        # the draft vocabulary's head on the last level's nodes only: the rest is not read
+        return add(i, front, *_best(d, config, front, k),
+                   (parents, tokens, score, inputs, nodes, frontier, d))
 
     # every level adds min(k, room) nodes: the tree is full after this many, whatever the
     # draft says, and a level past it would be a head pass for nothing
     full = min(depth, -(-(max_nodes - 1) // k))
     carry = (parents, tokens, score, inputs, nodes, frontier, d)
-    if full > 0:  # the first level's offers: the root's prediction, from the catch-up
-        carry = add(0, jnp.broadcast_to(root[:, None], (b, k, root.shape[-1])), carry)
+    if full > 0:  # the first level's offers: the root's prediction, from the catch-up (its
+        # frontier is the root alone: the other slots' offers are masked, their values unread)
+        best, cols = _best(d, config, root[:, None], k)  # [B, 1, K]
+        carry = add(0, jnp.broadcast_to(root[:, None], (b, k, root.shape[-1])),
+                    jnp.broadcast_to(best, (b, k, k)), jnp.broadcast_to(cols, (b, k, k)), carry)
     parents, tokens, _, _, nodes, _, d = jax.lax.fori_loop(1, max(full, 1), level, carry)
     return parents, tokens, nodes, d
 
