@@ -15,6 +15,7 @@ machine's source does not change them (derandomize alone seeds from the source).
 from __future__ import annotations
 
 import collections
+import functools
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,14 +39,23 @@ import kvjax
 from kvjax import Engine, EngineConfig, Request, SamplingConfig, SpecConfig
 from kvjax.cache.tier_block import read_block
 
-P = params(seed=4)
 NUM_PAGES = 36
 PS = CACHE.page_size
 PAGE_BYTES = 1024  # 2 layers x 2 KV heads x 4 slots x head dim 8 x float32, K and V
 SYSTEM = list(range(3, 30))
 DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
                     max_seq_len=256, tie_embeddings=False)
-DRAFT_P = kvjax.init_params(DRAFT, seed=5)
+
+
+@functools.cache
+def target_params():
+    """Made on first use, not at import (both xdist workers import every test file)."""
+    return params(seed=4)
+
+
+@functools.cache
+def draft_params():
+    return kvjax.init_params(DRAFT, seed=5)
 
 
 SEED = 0
@@ -95,8 +105,9 @@ class EngineMachine(RuleBasedStateMachine):
     def make_engine(self, packed: bool) -> Engine:
         """Prompts of up to 57 tokens in 16-token chunks: with `packed`, those with more
         than one chunk left are prefilled in the decode call's steps."""
-        return engine(P, cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
-                      partial_page_copy=True, poison_freed=True, packed_prefill=packed)
+        return engine(target_params(), cache=with_cache(num_pages=NUM_PAGES), max_slots=3,
+                      decode_steps=3, partial_page_copy=True, poison_freed=True,
+                      packed_prefill=packed)
 
     def writer(self, history: tuple[int, ...], pool: int) -> str:
         """Which step wrote a cached page (the last block of `history`), as recorded when it
@@ -216,8 +227,9 @@ class TieredEngineMachine(EngineMachine):
 
     def make_engine(self, packed: bool) -> Engine:
         self.folder = tempfile.mkdtemp(prefix="kvjax-tiers-")
-        return engine(P, cache=with_cache(num_pages=NUM_PAGES, host_bytes=self.host_bytes,
-                                          disk_dir=self.folder, disk_bytes=self.disk_bytes),
+        cache = with_cache(num_pages=NUM_PAGES, host_bytes=self.host_bytes,
+                           disk_dir=self.folder, disk_bytes=self.disk_bytes)
+        return engine(target_params(), cache=cache,
                       max_slots=3, decode_steps=3, partial_page_copy=True, poison_freed=True,
                       packed_prefill=packed)
 
@@ -256,7 +268,8 @@ class SpecEngineMachine(EngineMachine):
     def start(self):
         ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
                           min_context=CONTEXT, partial_page_copy=True, poison_freed=True)
-        self.eng = Engine(P, CONFIG, ec, draft=(DRAFT_P, DRAFT), spec=SpecConfig(gamma=2))
+        self.eng = Engine(target_params(), CONFIG, ec, draft=(draft_params(), DRAFT),
+                          spec=SpecConfig(gamma=2))
         self.record_writers()
 
     def pools(self):

@@ -4,6 +4,7 @@ decode step) nor on the other sequences in the batch."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,11 +32,15 @@ def _case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int = 8,
     return cache, rows, jnp.asarray(q), cache_cfg
 
 
+# jitted, as the model's steps run it (and one compile per shape instead of one per operation)
+_reference = jax.jit(paged_attention_reference, static_argnums=(2, 4, 5))
+
+
 def _attend(cache, rows, q, block_pages, lengths, num_new, row_tile=TILE, window=None):
     batch = BatchInfo(page_table=jnp.asarray(page_table(rows, len(rows), block_pages)),
                       lengths=jnp.asarray(lengths, jnp.int32),
                       num_new=jnp.asarray(num_new, jnp.int32))
-    return np.asarray(paged_attention_reference(q, cache, 0, batch, window, row_tile))
+    return np.asarray(_reference(q, cache, 0, batch, window, row_tile))
 
 
 @pytest.mark.parametrize("window", [None, 8, 20])

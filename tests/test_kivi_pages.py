@@ -7,6 +7,7 @@ promises under the format (tier round trips: tests/test_tiers.py)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,6 +72,19 @@ def test_keys_grouped_per_channel_over_the_page_values_per_token():
     assert np.isfinite(np.asarray(kivi.dequantize_values(vq, vs, jnp.float32))).all()
 
 
+@jax.jit
+def _round_trip(pk, pv):
+    """Pages [P, K, page, H] quantized and dequantized: (keys, values) as a query reads them."""
+    kq, ks, vq, vs = kivi.quantize_page(pk, pv)
+    return (kivi.dequantize_keys(kq, ks, jnp.float32),
+            kivi.dequantize_values(vq, vs, jnp.float32))
+
+
+# jitted, as the model's steps run them (one compile per shape, not one per operation)
+_write = jax.jit(kivi.write, static_argnums=1)
+_attention = jax.jit(paged_attention_reference, static_argnums=(2, 4))
+
+
 def _reference(q, k, v, q_pos, scale):
     """Attention of queries q [T, N, H] at q_pos over a sequence's keys k, v [S, K, H]
     (float64): each query's own page as given, earlier pages quantized by the page."""
@@ -80,11 +94,9 @@ def _reference(q, k, v, q_pos, scale):
     if full:
         pk = jnp.asarray(k[:full].reshape(-1, PS, kv, h).transpose(0, 2, 1, 3))
         pv = jnp.asarray(v[:full].reshape(-1, PS, kv, h).transpose(0, 2, 1, 3))
-        kq, ks, vq, vs = kivi.quantize_page(pk, pv)
-        kd[:full] = np.asarray(kivi.dequantize_keys(kq, ks, jnp.float32)).transpose(
-            0, 2, 1, 3).reshape(full, kv, h)
-        vd[:full] = np.asarray(kivi.dequantize_values(vq, vs, jnp.float32)).transpose(
-            0, 2, 1, 3).reshape(full, kv, h)
+        back_k, back_v = _round_trip(pk, pv)
+        kd[:full] = np.asarray(back_k).transpose(0, 2, 1, 3).reshape(full, kv, h)
+        vd[:full] = np.asarray(back_v).transpose(0, 2, 1, 3).reshape(full, kv, h)
     g = q.shape[1] // kv
     out = np.zeros(q.shape)
     for i, p in enumerate(q_pos):
@@ -120,9 +132,9 @@ def test_a_query_sees_its_own_page_in_float_and_earlier_pages_dequantized():
                           open_rows=jnp.asarray([1, 0], jnp.int32))
         rows_k = jnp.stack([k[r, int(lengths[r]):int(lengths[r]) + t] for r in range(2)])
         rows_v = jnp.stack([v[r, int(lengths[r]):int(lengths[r]) + t] for r in range(2)])
-        cache, fresh = kivi.write(cache, 0, rows_k, rows_v, batch)
+        cache, fresh = _write(cache, 0, rows_k, rows_v, batch)
         rows_q = jnp.stack([q[r, int(lengths[r]):int(lengths[r]) + t] for r in range(2)])
-        got = np.asarray(paged_attention_reference(rows_q, cache, 0, batch, None, fresh=fresh))
+        got = np.asarray(_attention(rows_q, cache, 0, batch, None, fresh=fresh))
         for r in range(2):
             end = int(lengths[r]) + num_new[r]
             pos = list(range(int(lengths[r]), end))
