@@ -88,6 +88,11 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return row_softmax(adjusted).reshape(shape)
 
 
+# For host loops (a drafter's distributions, a tree's acceptance): one compiled program per
+# shape, where calling `probabilities` outside a jit compiles and dispatches each operation.
+jitted_probabilities = jax.jit(probabilities)
+
+
 def greedy(logits: jax.Array) -> jax.Array:
     """int32[...]: the argmax of logits float32[..., V] (a temperature 0 row's token)."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -21,7 +21,7 @@ from kvjax.config import CacheConfig, SamplingConfig, SpecConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.decode.prefill import prefill
-from kvjax.decode.sampling import DRAFT_TAG, probabilities
+from kvjax.decode.sampling import DRAFT_TAG, jitted_probabilities
 from kvjax.decode.state import decode_state
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.speculative.tree import ngram_continuations
@@ -123,7 +123,7 @@ class ModelDrafter:
         self._state[seq_id] = (history + draft[:-1], pages)
         if temp == 0:
             return draft, None
-        return draft, np.asarray(probabilities(res.logits, *state.knobs)[0])
+        return draft, np.asarray(jitted_probabilities(res.logits, *state.knobs)[0])
 
 
 def make_drafter(spec: SpecConfig, draft: tuple | None = None,

@@ -22,7 +22,7 @@ from kvjax.decode import steps
 from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.generate import prefill_prompts
 from kvjax.decode.prompts import validate_prompts
-from kvjax.decode.sampling import probabilities, sampling_rows
+from kvjax.decode.sampling import jitted_probabilities, sampling_rows
 from kvjax.decode.state import decode_state
 from kvjax.model.plan import INVARIANT, NumericsPlan
 from kvjax.speculative.tree import NGramTreeDrafter, greedy_path, sampled_path, tree_arrays
@@ -244,7 +244,7 @@ def _draw(logits: np.ndarray, sampling: SamplingConfig, rng) -> int:
 
 def _probs(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
     """float64 distributions [n, V] `sampling` draws from, normalised on the host."""
-    p = np.asarray(probabilities(logits[None], *sampling_rows([sampling]))[0], np.float64)
+    p = np.asarray(jitted_probabilities(logits[None], *sampling_rows([sampling]))[0], np.float64)
     return p / p.sum(-1, keepdims=True)
 
 
