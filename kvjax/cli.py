@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(eagle) fast: speed; invariant: every answer checked bitwise")
     eagle.add_argument("--methods", default="",
                        help="(eagle) comma-separated methods beside plain decoding (default "
-                            "all), e.g. 'n-gram tree,eagle tree 16'")
+                            "all but the '... 8 on device' ones, which run when named), e.g. "
+                            "'n-gram tree,eagle tree 16'")
     spec = bench.add_argument_group("spec")
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")

@@ -54,6 +54,23 @@ def test_every_method_answers_every_prompt(plan):
         assert all(r["same"] == r["answers"] for r in rows)
 
 
+def test_the_methods_at_one_verify_cost_share_node_count_and_depth():
+    """The "... 8 on device" methods (run when named): chains and the n-gram tree of 8 nodes
+    and 7 drafts deep, on device; a chain is one branch (top-1)."""
+    model, head, _ = _setup()
+    table = eagle.methods(model, head, None, one_cost=True)
+    named = {k: v for k, v in table.items() if k.endswith(" 8 on device")}
+    assert set(named) == {"n-gram chain 8 on device", "n-gram tree 8 on device",
+                          "eagle chain 8 on device"}
+    assert not set(named) & set(eagle.methods(model, head, None))  # not run by default
+    assert {(nodes, depth, device) for _, nodes, depth, _, device in named.values()} == {
+        (8, 7, True)}
+    drafters = {k: v[0]() for k, v in named.items()}
+    assert drafters["n-gram chain 8 on device"].branches == 1
+    assert drafters["n-gram tree 8 on device"].branches == 4
+    assert drafters["eagle chain 8 on device"].top_k == 1
+
+
 def test_an_answer_that_differs_from_plain_decoding_raises(monkeypatch):
     from kvjax.speculative import tree_host
 

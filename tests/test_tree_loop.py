@@ -55,6 +55,27 @@ def test_device_trees_are_the_host_drafter_s(max_nodes, depth, branches, ngrams)
     assert 1 in sizes and max_nodes in sizes and len(sizes) > 2  # lone roots, full trees
 
 
+def test_an_n_gram_tree_holds_the_chain_of_its_budget_and_accepts_at_least_as_much():
+    """At one verify cost (8 nodes, paths of up to 7 drafts) the tree's first root path is
+    the chain's, and the other continuations fill what the chain leaves of the budget: for
+    any target choices its greedy path is at least the chain's."""
+    rng = np.random.default_rng(3)
+    chain, tree = NGramTreeDrafter(branches=1), NGramTreeDrafter(branches=4)
+    longer = wider = 0
+    for h in _histories(5, rows=200):
+        cp, ct = chain.propose_tree(h, 8, 7)
+        tp, tt = tree.propose_tree(h, 8, 7)
+        assert (tp[:len(cp)], tt[:len(ct)]) == (cp, ct)
+        wider += len(tt) > len(ct)
+        for _ in range(4):  # the target's argmax at each node: the chain's token, or not
+            choice = np.where(rng.random(len(tt)) < 0.6, np.roll(tt, -1), rng.integers(1, 6,
+                                                                                  len(tt)))
+            got, base = len(greedy_path(tp, tt, choice)), len(greedy_path(cp, ct, choice))
+            assert got >= base
+            longer += got > base
+    assert wider > 40 and longer > 20  # alternatives do get accepted (measured 81 and 41)
+
+
 def test_layout_and_greedy_path_are_the_host_s():
     rng = np.random.default_rng(0)
     n, depth = 9, 8

@@ -59,16 +59,26 @@ def turns(model, count: int, gen_tokens: int, plan, cache) -> list[tuple[str, li
 
 
 def methods(model, head, policy_costs: dict[int, float] | None,
-            head_plan: NumericsPlan = FAST) -> dict:
+            head_plan: NumericsPlan = FAST, one_cost: bool = False) -> dict:
     """name -> (a fresh drafter, max_nodes, max_depth, size policy or None, on device): the
     host's rounds (`tree_generate`) or the device loop's (`device_tree_generate`; no size
-    policy there). The EAGLE head runs `head_plan`."""
+    policy there). The EAGLE head runs `head_plan`. `one_cost` adds the chains and the
+    n-gram tree of 8 nodes and 7 drafts deep ("... 8 on device"), which verify at one cost
+    (run when named)."""
     from kvjax.speculative.eagle_drafter import EagleTreeDrafter
 
     out = {"n-gram chain": (lambda: NGramTreeDrafter(branches=1), 6, 5, None, False),
            "n-gram tree": (lambda: NGramTreeDrafter(branches=4), 8, 5, None, False),
            "n-gram chain on device": (lambda: NGramTreeDrafter(branches=1), 6, 5, None, True),
            "n-gram tree on device": (lambda: NGramTreeDrafter(branches=4), 8, 5, None, True)}
+    if one_cost:
+        # chain and tree at one verify cost: 8 nodes, paths of up to 7 drafts (under fast
+        # numerics a tree is verified as a chain, one product). The n-gram tree's first
+        # continuation is the chain's; the others fill what it leaves of the budget
+        out["n-gram chain 8 on device"] = (lambda: NGramTreeDrafter(branches=1), 8, 7, None,
+                                           True)
+        out["n-gram tree 8 on device"] = (lambda: NGramTreeDrafter(branches=4), 8, 7, None,
+                                          True)
     if head is not None:
         def eagle(top_k, width):
             return lambda: EagleTreeDrafter(head, model.params, model.config, top_k=top_k,
@@ -78,6 +88,8 @@ def methods(model, head, policy_costs: dict[int, float] | None,
             out["eagle chain" + where] = (eagle(1, 6), 6, 5, None, device)
             out["eagle tree" + where] = (eagle(2, 8), 8, 5, None, device)
             out["eagle tree 16" + where] = (eagle(4, 16), 16, 6, None, device)
+        if one_cost:
+            out["eagle chain 8 on device"] = (eagle(1, 8), 8, 7, None, True)
         # one draft token a round: this head's operating point (its later drafts are
         # rarely accepted; each costs a head pass and a wider verify)
         out["eagle chain 2 on device"] = (eagle(1, 2), 2, 1, None, True)
@@ -167,7 +179,7 @@ def main(args) -> int:
     target = dataclasses.replace(model, params=store(model.params, plan))
     head = load_head(args.head, model.config, model.params) if args.head else None
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-    known = sorted(methods(model, head, {}))
+    known = sorted(methods(model, head, {}, one_cost=True))
     if set(wanted) - set(known):
         raise SystemExit(f"bench eagle: unknown methods {sorted(set(wanted) - set(known))}; "
                          f"known: {known}")
@@ -183,7 +195,8 @@ def main(args) -> int:
     # the head drafts with fast arithmetic (its drafts never change an answer) on the
     # target's kernels: a pass over a tree of 6 to 16 nodes costs about a fifth less there
     table = methods(model, head, costs, dataclasses.replace(
-        FAST, cpu_kernel=plan.cpu_kernel, cpu_attention=plan.cpu_attention))
+        FAST, cpu_kernel=plan.cpu_kernel, cpu_attention=plan.cpu_attention),
+        one_cost=bool(wanted))
     if wanted:
         table = {m: table[m] for m in wanted}
     # untimed answers to the shortest and the longest prompt first: every shape (page
