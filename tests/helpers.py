@@ -12,8 +12,14 @@ from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table, pages_for
+from kvjax.model.attention import paged_attention_reference
 from kvjax.model.plan import FAST
 from kvjax.model.transformer import init_params
+
+# the reference attention jitted, as the model's steps run it (one compile per shape, not one
+# per operation): (q, cache, layer, batch, window, row_tile, ...), layer, window and
+# row_tile static
+attention_reference = jax.jit(paged_attention_reference, static_argnums=(2, 4, 5))
 
 
 def tol(measured: float) -> float:

@@ -4,15 +4,13 @@ decode step) nor on the other sequences in the batch."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_model
+from helpers import attention_reference, small_model
 
 from kvjax import BatchInfo, CacheConfig, init_cache
 from kvjax.decode.batching import page_table
-from kvjax.model.attention import paged_attention_reference
 
 TOL = 2e-6  # tiled vs the T * G-row products: measured 1.8e-7 on outputs of std 0.25
 TILE = 4  # query rows per product: 16 queries x G = 4 make 16 tiles, one query of G = 1 two rows
@@ -32,15 +30,11 @@ def _case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int = 8,
     return cache, rows, jnp.asarray(q), cache_cfg
 
 
-# jitted, as the model's steps run it (and one compile per shape instead of one per operation)
-_reference = jax.jit(paged_attention_reference, static_argnums=(2, 4, 5))
-
-
 def _attend(cache, rows, q, block_pages, lengths, num_new, row_tile=TILE, window=None):
     batch = BatchInfo(page_table=jnp.asarray(page_table(rows, len(rows), block_pages)),
                       lengths=jnp.asarray(lengths, jnp.int32),
                       num_new=jnp.asarray(num_new, jnp.int32))
-    return np.asarray(_reference(q, cache, 0, batch, window, row_tile))
+    return np.asarray(attention_reference(q, cache, 0, batch, window, row_tile))
 
 
 @pytest.mark.parametrize("window", [None, 8, 20])

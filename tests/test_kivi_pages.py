@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_helpers import CACHE, CONFIG, assert_same, engine, params, with_cache
+from helpers import attention_reference
 from test_quantized_pages import _requests
 
 from kvjax import Engine, EngineConfig, InvalidRequestError, Request
@@ -21,7 +22,6 @@ from kvjax.decode import steps
 from kvjax.decode.generate import generate
 from kvjax.decode.prefill import PrefillRow, prefill_rows
 from kvjax.memory.calculator import kv_bytes, kv_bytes_per_scalar
-from kvjax.model.attention import paged_attention_reference
 from kvjax.model.kernels import kernel_limits
 from kvjax.model.plan import INVARIANT
 
@@ -80,9 +80,7 @@ def _round_trip(pk, pv):
             kivi.dequantize_values(vq, vs, jnp.float32))
 
 
-# jitted, as the model's steps run them (one compile per shape, not one per operation)
-_write = jax.jit(kivi.write, static_argnums=1)
-_attention = jax.jit(paged_attention_reference, static_argnums=(2, 4))
+_write = jax.jit(kivi.write, static_argnums=1)  # as the steps run it: one compile per shape
 
 
 def _reference(q, k, v, q_pos, scale):
@@ -134,7 +132,7 @@ def test_a_query_sees_its_own_page_in_float_and_earlier_pages_dequantized():
         rows_v = jnp.stack([v[r, int(lengths[r]):int(lengths[r]) + t] for r in range(2)])
         cache, fresh = _write(cache, 0, rows_k, rows_v, batch)
         rows_q = jnp.stack([q[r, int(lengths[r]):int(lengths[r]) + t] for r in range(2)])
-        got = np.asarray(_attention(rows_q, cache, 0, batch, None, fresh=fresh))
+        got = np.asarray(attention_reference(rows_q, cache, 0, batch, None, fresh=fresh))
         for r in range(2):
             end = int(lengths[r]) + num_new[r]
             pos = list(range(int(lengths[r]), end))
