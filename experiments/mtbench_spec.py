@@ -23,7 +23,7 @@ import functools
 
 from experiments import common
 from kvjax import models
-from kvjax.config import ConfigError
+from kvjax.config import ConfigError, SpecConfig
 from kvjax.data import mtbench
 from kvjax.data.mtbench import CATEGORIES
 from kvjax.decode.batching import pages_for
@@ -44,7 +44,9 @@ class Params:
     questions: int = 10  # per category, at most (MT-Bench has 10 in each)
     turn: int = 1
     numerics: str = "fast"
-    gamma: int = 4
+    gamma: int = 4  # a chain's drafts, a tree's depth
+    tree_nodes: int | None = None  # n-gram trees of up to this many nodes (None: chains)
+    branches: int = 4  # a tree's continuations of the history's n-gram matches
     new_tokens: int = 128  # per answer, at most (it ends at the end of turn)
     decode_steps: int = 16
     reps: int = 1
@@ -53,6 +55,8 @@ class Params:
     def __post_init__(self):
         common.check_positive(self, "questions", "gamma", "new_tokens", "decode_steps", "reps",
                               "page_size")
+        SpecConfig(drafter="ngram", gamma=self.gamma, tree_nodes=self.tree_nodes,
+                   branches=self.branches)  # a ConfigError names what is wrong
         common.check_choice(self, "turn", (1, 2))
         common.check_choice(self, "numerics", ("fast", "invariant"))
         unknown = sorted(set(self.categories) - set(CATEGORIES))
@@ -114,13 +118,15 @@ def run(config) -> list[dict]:
                    for q, a in zip(questions, answers[category], strict=True)]
         r = measure_point((model.params, model.config), None, prompts, "ngram", p.gamma, False,
                           0.0, 0.0, p.decode_steps, gen_tokens=p.new_tokens, slots=1,
-                          reps=p.reps, base=_engine_config(p), eos_tokens=model.stop_tokens)
+                          reps=p.reps, base=_engine_config(p), eos_tokens=model.stop_tokens,
+                          tree_nodes=p.tree_nodes, branches=p.branches)
         rows.append({"category": category, "prompts": r["prompts"],
                      "prompt_tokens": sum(map(len, prompts)),
                      "tokens_per_call": r["mean_accepted_length"], "alpha": r["alpha"],
                      "acceptance_rate": r["acceptance_rate"], "speedup": r["speedup"],
                      "decode_s": r["decode_s"], "plain_decode_s": r["plain_decode_s"],
-                     "target_calls": r["target_calls"],
+                     "target_calls": r["target_calls"], "tree_nodes": p.tree_nodes,
+                     "branches": p.branches,
                      "same_as_plain": r["same"] == r["prompts"], "model": p.model})
     return rows
 
@@ -140,7 +146,7 @@ COLUMNS = [
 
 
 def headline(rows: list[dict]) -> str:
-    lines = [f"MT-Bench, n-gram drafter (γ {rows[0]['gamma']}) on {rows[0]['model']}, "
+    lines = [f"MT-Bench, n-gram drafter ({_drafts(rows[0])}) on {rows[0]['model']}, "
              "batch 1, greedy"]
     for numerics, turn in dict.fromkeys((r["numerics"], r["turn"]) for r in rows):
         rs = [r for r in rows if (r["numerics"], r["turn"]) == (numerics, turn)]
@@ -151,6 +157,14 @@ def headline(rows: list[dict]) -> str:
     lines.append("- every answer's greedy tokens equal plain decoding's: "
                  f"{'yes' if all(r['same_as_plain'] for r in rows) else 'NO'}")
     return "\n".join(lines)
+
+
+def _drafts(row: dict) -> str:
+    """What a round drafted: a chain of γ, or a tree."""
+    if row.get("tree_nodes") is None:
+        return f"γ {row['gamma']}"
+    return (f"trees of {row['tree_nodes']} nodes, depth {row['gamma']}, "
+            f"{row['branches']} branches")
 
 
 def _span(values) -> str:
@@ -176,6 +190,6 @@ def plot(rows: list[dict], out) -> list:
         ax.set_ylabel(name)
         ax.legend(fontsize=7)
     ax2.axhline(1.0, color="grey", linewidth=0.8)
-    fig.suptitle(f"n-gram drafter on MT-Bench ({rows[0]['model']}, γ {rows[0]['gamma']})",
+    fig.suptitle(f"n-gram drafter on MT-Bench ({rows[0]['model']}, {_drafts(rows[0])})",
                  fontsize=10)
     return [common.save(plt, fig, out, "mtbench_spec.png")]

@@ -43,13 +43,6 @@ ROPE_SCALING = {
              "beta_slow", "truncate"),
 }
 
-# the token-row products whose row blocks `kvjax.model.plan.NumericsPlan.row_blocks` sets
-# ("lora": both products of every LoRA delta, `kvjax.model.lora.stacked_delta`)
-ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "lora", "attention")
-# those whose kernels the steps may take stored transposed (`NumericsPlan.transposed`)
-STORED_PRODUCTS = ROW_PRODUCTS[:-2]
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer; every block is chosen here."""
@@ -290,11 +283,14 @@ class SpecConfig:
     """Speculative decoding: which drafter, how many tokens it drafts per target call."""
 
     drafter: str = "model"  # "model" | "ngram"
-    gamma: int = 4
+    gamma: int = 4  # drafts a round: a chain's length, a tree's depth
     adaptive: bool = False  # choose each round's gamma (<= gamma) from the running alpha
     ngram_max: int = 3
     cost_ratio: float | None = None  # c for adaptive gamma; None: measured by the engine
     verify_slope: float | None = None  # extra verify cost per drafted token; None: measured
+    # n-gram trees of up to tree_nodes nodes (greedy calls; sampled: chains). None: chains
+    tree_nodes: int | None = None
+    branches: int = 4
 
     def __post_init__(self):
         _choice(self.drafter, "drafter", ("model", "ngram"))
@@ -302,7 +298,11 @@ class SpecConfig:
             value = getattr(self, key)
             _require(value is None or value >= 0, key, f"must be >= 0, got {value}")
         _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
-        _require(self.ngram_max >= 1, "ngram_max", f"must be >= 1, got {self.ngram_max}")
+        for key in ("ngram_max", "branches"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.tree_nodes is None or (self.drafter == "ngram" and not self.adaptive
+                 and self.gamma < self.tree_nodes <= 33), "tree_nodes", f"{self.tree_nodes}: "
+                 "n-gram trees (drafter 'ngram', not adaptive) of gamma + 1 to 33 nodes")
 
 
 @dataclasses.dataclass(frozen=True)

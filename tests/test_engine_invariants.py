@@ -280,6 +280,27 @@ class SpecEngineMachine(EngineMachine):
                                    self.eng.spec.params)]
 
 
+class TreeEngineMachine(EngineMachine):
+    """The same rules on an engine verifying n-gram trees (up to 8 nodes, paths of 3, 4
+    branches: the suffixes' 6-token alphabet makes bushy trees); a call with a hot request
+    verifies chains. No draft pool; packed steps are plain decoding only."""
+
+    checked: ClassVar[collections.Counter] = collections.Counter()
+    answer_writer = "verify"
+
+    @initialize()
+    def start(self):
+        ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
+                          min_context=CONTEXT, partial_page_copy=True, poison_freed=True)
+        self.eng = Engine(target_params(), CONFIG, ec, spec=SpecConfig(
+            drafter="ngram", gamma=3, tree_nodes=8, branches=4))
+        self.record_writers()
+
+    def teardown(self):
+        super().teardown()
+        type(self).checked["tree_calls"] += self.eng.spec.tree_calls
+
+
 SETTINGS = dict(stateful_step_count=30, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
@@ -306,4 +327,10 @@ def test_tiered_engine_invariants():
 def test_spec_engine_invariants():
     checked = run(SpecEngineMachine, 15)
     for key in ((0, "prefill"), (0, "verify"), (1, "prefill"), (1, "draft")):
+        assert checked[key] > 0, (key, checked)
+
+
+def test_tree_engine_invariants():
+    checked = run(TreeEngineMachine, 12)
+    for key in ((0, "prefill"), (0, "verify"), "tree_calls"):
         assert checked[key] > 0, (key, checked)

@@ -72,7 +72,7 @@ from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.layout import canonical, store
 from kvjax.model.lora import stack_adapters, stacked_shapes
-from kvjax.speculative.plugin import Speculator
+from kvjax.speculative.plugin import Speculator, write_ahead
 
 
 class Engine:
@@ -94,11 +94,11 @@ class Engine:
         if draft is not None and spec is None:
             spec = SpecConfig()
         configs = [config] + ([] if draft is None else [draft[1]])
-        gamma = 0 if spec is None else spec.gamma
+        ahead = 0 if spec is None else write_ahead(spec)
         self.adapters = dict(adapters or {})
         lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
         plan, *draft_plan, self.numerics_problems = numerics_plans(
-            configs, ec, gamma, [] if lora is None else stacked_shapes(lora))
+            configs, ec, ahead, [] if lora is None else stacked_shapes(lora))
         self.config = config  # the architecture; how its steps run is `self.plan`
         on, words = cpu_kernel_choice(ec)  # XLA's or kvjax's CPU kernel, and why
         self.products = f"{words}; {cpu_attention_choice(ec, config)[1]}" if on else words
@@ -123,6 +123,10 @@ class Engine:
         self._adapter_index = {name: i for i, name in enumerate(self.adapters, start=1)}
         self._adapter_ids = {name: adapter_identity(name, a) for name, a in self.adapters.items()}
         mesh = sharding.resolve_mesh(ec.mesh)
+        if spec is not None and spec.tree_nodes is not None and (mesh is not None or self.adapters):
+            raise ConfigError("spec.tree_nodes", "tree speculation runs on one device "
+                              "without adapters (kvjax.speculative.tree_loop): use chains "
+                              "(tree_nodes=None) with a mesh or LoRA adapters")
         self.sharding = None if mesh is None else sharding.ShardingPlan(mesh, config)
         if self.sharding is not None and lora is not None:
             lora = self.sharding.place_replicated(lora)
@@ -325,7 +329,7 @@ class Engine:
         tokens = validate(request, render(request, self.tokenizer, self.chat_template),
                           self.config, self.cache_config, self.engine_config.max_slots,
                           self.adapters, None if self.spec is None else self.spec.max_seq_len,
-                          0 if self.spec is None else self.spec.spec.gamma)
+                          0 if self.spec is None else write_ahead(self.spec.spec))
         req = LiveRequest(id=-1, request=request, tokens=tokens,
                           namespace=self.namespace(request),
                           context=context(request, tokens, self.cache_config.page_size),

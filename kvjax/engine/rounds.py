@@ -316,7 +316,7 @@ class Rounds:
             if spec is not None and seq.req.replaying and seq.req.gammas[seq.req.calls] != gamma:
                 continue  # recomputing under another γ: it waits for a call with its own
             budget = min(ec.decode_steps, seq.req.request.max_new_tokens - len(seq.generated))
-            if self._grow(seq, budget + gamma):  # a verify writes up to γ slots ahead
+            if self._grow(seq, budget + (0 if spec is None else spec.write_ahead(gamma))):
                 budgets[seq.slot] = budget
             elif self.scheduler.num_running > 1:
                 self._preempt(seq.req)  # nothing younger to preempt: wait for the others

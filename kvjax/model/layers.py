@@ -22,7 +22,7 @@ EMBED_INIT = nn.initializers.normal(stddev=0.02)
 
 def row_dot(plan: NumericsPlan, product: str) -> RowInvariantDot | KernelDot | None:
     """The `dot_general` of one of the model's token-row products (a name in
-    `kvjax.config.ROW_PRODUCTS`): kvjax's CPU kernel when the plan says so; else
+    `kvjax.model.plan.ROW_PRODUCTS`): kvjax's CPU kernel when the plan says so; else
     row-invariant blocks under an invariant plan, XLA's own choice (None) otherwise."""
     if plan.cpu_kernel:
         return KernelDot()

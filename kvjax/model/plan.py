@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.config import ROW_PRODUCTS, STORED_PRODUCTS, ConfigError, ModelConfig
+from kvjax.config import ConfigError, ModelConfig
+
+# the token-row products whose row blocks `NumericsPlan.row_blocks` sets ("lora": both
+# products of every LoRA delta, `kvjax.model.lora.stacked_delta`)
+ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "lora", "attention")
+# those whose kernels the steps may take stored transposed (`NumericsPlan.transposed`)
+STORED_PRODUCTS = ROW_PRODUCTS[:-2]
 
 
 def _require(ok: bool, key: str, message: str) -> None:

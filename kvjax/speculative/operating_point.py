@@ -96,16 +96,19 @@ def _paired(target, draft, prompts, spec: SpecConfig, decode_steps: int, gen_tok
 def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bool, c: float,
                   slope: float, decode_steps: int, *, gen_tokens: int, slots: int,
                   reps: int, base: EngineConfig | None = None, eos_tokens: tuple[int, ...] = (),
-                  warmup: bool = True) -> dict:
+                  warmup: bool = True, tree_nodes: int | None = None, branches: int = 4
+                  ) -> dict:
     """One operating point: `gen_tokens` new tokens per prompt from the target alone and with
     `drafter` at `gamma` (adaptive: γ re-chosen from c and `slope` at every engine call of
     `decode_steps` tokens), on `slots` engine slots, paired `reps` times (`_paired`); the
     measured speedup beside the predictions at the measured α. `base`: the engines' cache
     and numerics (a fixed pool lets points of different prompts share compiled steps);
     `eos_tokens`: where an answer stops (none: every prompt gets `gen_tokens`); `warmup`:
-    False where the caller already ran these shapes (a warm-up runs every prompt once)."""
+    False where the caller already ran these shapes (a warm-up runs every prompt once);
+    `tree_nodes`, `branches`: n-gram trees instead of chains (`SpecConfig`)."""
     spec = SpecConfig(drafter=drafter, gamma=gamma, adaptive=adaptive,
-                      cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None)
+                      cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None,
+                      tree_nodes=tree_nodes, branches=branches)
     speedup, plain_s, seconds, metrics, same = _paired(
         target, draft, prompts, spec, decode_steps, gen_tokens, slots, reps, warmup,
         base=base, eos_tokens=eos_tokens)
@@ -114,6 +117,7 @@ def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bo
     g = round(sum(history) / len(history)) if adaptive else gamma
     return {
         "drafter": drafter, "gamma": gamma, "adaptive": adaptive, "decode_steps": decode_steps,
+        "tree_nodes": tree_nodes, "branches": branches if tree_nodes else None,
         "alpha": s["alpha"], "acceptance_rate": s["acceptance_rate"],
         "mean_accepted_length": s["mean_accepted_length"], "c": c,
         "predicted": predicted_speedup(s["alpha"], g, c),

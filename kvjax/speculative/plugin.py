@@ -4,8 +4,9 @@ The draft model's pages are the second pool of the engine's `KVCacheManager`
 (`kvjax.cache.manager`: its K/V have the draft's shapes; its own allocator and prefix trie,
 keyed by the draft's namespace: the draft's weights and attention structure, no adapter:
 the draft runs without one). A reused prompt therefore skips prefill for both models. This
-module holds the draft's weights, runs `spec_loop` over both caches through the manager and
-keeps the statistics.
+module holds the draft's weights, runs `spec_loop` over both caches through the manager (or,
+with `SpecConfig.tree_nodes`, `tree_loop`'s n-gram trees on a greedy call) and keeps the
+statistics.
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ from kvjax.model.layout import store
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.sharding.plan import ShardingPlan
 from kvjax.speculative.gamma import GammaPolicy
-from kvjax.speculative.loop import DraftState, SpecLoopResult, spec_loop
+from kvjax.speculative.loop import DraftState, RowStats, SpecLoopResult, spec_loop
 from kvjax.speculative.rules import predicted_speedup
 from kvjax.speculative.stats import SpecStats
+from kvjax.speculative.tree_loop import TreeLoopResult, tree_loop
+
+
+def write_ahead(spec: SpecConfig, gamma: int | None = None) -> int:
+    """The most cache slots a verify writes past the kept history: a chain's γ drafts
+    (`gamma`, or the config's), a tree's nodes but the root."""
+    if spec.tree_nodes is not None:
+        return spec.tree_nodes - 1
+    return spec.gamma if gamma is None else gamma
 
 
 class Speculator:
@@ -55,6 +65,7 @@ class Speculator:
             self.config = draft_config
             self.fingerprint = model_fingerprint(draft_config, params, plan)
         self.totals = SpecStats.empty(spec.gamma)
+        self.tree_calls = 0  # target calls that verified trees (the others: chains)
         self.policy = GammaPolicy(spec.gamma)
         self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
         self.verify_slope = spec.verify_slope
@@ -67,6 +78,10 @@ class Speculator:
     def step_shardings(self):
         """The draft's own step shardings (its prefill runs `steps.extend` on its cache)."""
         return None if self.sharding is None else self.sharding.steps()
+
+    def write_ahead(self, gamma: int) -> int:
+        """The cache slots a call of γ `gamma` may write past a row's kept history."""
+        return write_ahead(self.spec, gamma)
 
     def next_gamma(self) -> int:
         """This call's γ: fixed, or (adaptive) the policy's (`kvjax.speculative.gamma`)."""
@@ -103,12 +118,22 @@ class Speculator:
                 history[seq.slot, : len(row)] = row
             kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
 
-        out = kv.run_both(lambda cache, draft_cache: spec_loop(
-            model.params, model.config, cache, state, drafter=self.spec.drafter, gamma=gamma,
-            max_out=decode_steps, return_logits=want_logits, lora=model.lora,
-            sharding=model.shardings, plan=model.plan, draft_cache=draft_cache,
-            sampled=any_sampled(state.temperature), **kwargs))
-        out = jax.tree.map(np.asarray, out)
+        sampled = any_sampled(state.temperature)
+        if self.spec.tree_nodes is not None and not sampled:
+            out = kv.run_both(lambda cache, _: (*tree_loop(
+                model.params, model.config, cache, state, kwargs["history"],
+                max_nodes=self.spec.tree_nodes, depth=gamma, branches=self.spec.branches,
+                max_out=decode_steps, ngram_max=self.spec.ngram_max,
+                return_logits=want_logits, plan=model.plan), None))
+            out = _as_chain_result(jax.tree.map(np.asarray, out))
+            self.tree_calls += int(out.rounds)
+        else:
+            out = kv.run_both(lambda cache, draft_cache: spec_loop(
+                model.params, model.config, cache, state, drafter=self.spec.drafter,
+                gamma=gamma, max_out=decode_steps, return_logits=want_logits, lora=model.lora,
+                sharding=model.shardings, plan=model.plan, draft_cache=draft_cache,
+                sampled=sampled, **kwargs))
+            out = jax.tree.map(np.asarray, out)
         if out.draft_lengths is not None:
             for seq in live:
                 seq.draft_length = int(out.draft_lengths[seq.slot])
@@ -162,9 +187,24 @@ class Speculator:
         known = c is not None and self.totals.alpha_count > 0
         gamma = round(mean_gamma)
         summary.update(
-            drafter=self.spec.drafter, cost_ratio=c, verify_slope=slope,
+            drafter=self.spec.drafter, tree_nodes=self.spec.tree_nodes,
+            tree_calls=self.tree_calls, cost_ratio=c, verify_slope=slope,
             predicted_speedup=predicted_speedup(summary["alpha"], gamma, c) if known else None,
             predicted_speedup_verify=(predicted_speedup(summary["alpha"], gamma, c, slope)
                                       if known and slope is not None else None))
         return summary
 
+
+
+def _as_chain_result(out: TreeLoopResult) -> SpecLoopResult:
+    """A tree call's result (numpy) in the chain's terms: a position is a depth (several
+    drafts may share one), every verification emits its accepted drafts and the target's
+    token, and α (E[min(p, q)] per tested position) is left out: it is a chain's."""
+    zeros = np.zeros_like(out.verifications)
+    return SpecLoopResult(
+        tokens=out.tokens, logits=out.logits, lengths=out.lengths, draft_lengths=None,
+        prev=None, rounds=out.rounds, stats=RowStats(
+            verifications=out.verifications, drafted=out.drafted, accepted=out.accepted,
+            emitted=out.accepted + out.verifications, alpha_sum=zeros.astype(np.float32),
+            alpha_count=zeros, drafted_by_position=out.drafted_by_depth,
+            accepted_by_position=out.accepted_by_depth))

@@ -59,6 +59,8 @@ class TreeLoopResult:
     verifications: jax.Array  # int32[B] target calls that verified the row
     drafted: jax.Array  # int32[B] draft nodes verified
     accepted: jax.Array  # int32[B] drafts emitted
+    drafted_by_depth: jax.Array  # int32[B, D] draft nodes verified at depth 1 .. D
+    accepted_by_depth: jax.Array  # int32[B, D] drafts emitted at depth 1 .. D
     head: HeadDraft | None = None  # the EAGLE head's state (`loop_state`), where it drafted
 
 
@@ -76,6 +78,8 @@ class _Carry:
     verifications: jax.Array  # int32[B]
     drafted: jax.Array  # int32[B]
     accepted: jax.Array  # int32[B]
+    drafted_by_depth: jax.Array  # int32[B, D]
+    accepted_by_depth: jax.Array  # int32[B, D]
     head: HeadDraft | None
 
 
@@ -160,6 +164,8 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         tokens=jnp.full((b, max_out), -1, jnp.int32),
         logits=jnp.zeros((b, max_out, vocab) if return_logits else (0,), jnp.float32),
         verifications=zeros, drafted=zeros, accepted=zeros,
+        drafted_by_depth=jnp.zeros((b, depth), jnp.int32),
+        accepted_by_depth=jnp.zeros((b, depth), jnp.int32),
         head=None if head is None else loop_state(head).replace(cache=head_cache))
 
     def body(s: _Carry) -> _Carry:
@@ -203,6 +209,9 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         hist_at = jnp.where(keep, s.lengths[:, None] + 1 + cols, s.history.shape[1])
         history = s.history.at[rows[:, None], hist_at].set(out, mode="drop")
         count = s.count + n_emit
+        levels = cols[:, 1:]  # [1, D]: depths 1 .. D
+        real = jnp.arange(max_nodes)[None, :] < nodes[:, None]  # [B, N]
+        at_level = (tree_depth[:, :, None] == levels[:, None, :]) & real[:, :, None]
         if hd is not None:
             hd = absorb(hd, path, n_emit, fed, features)
         return _Carry(
@@ -212,10 +221,14 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
             logits=out_logits, verifications=s.verifications + active,
             drafted=s.drafted + jnp.maximum(nodes - 1, 0),
             accepted=s.accepted + jnp.maximum(n_emit - 1, 0),
+            drafted_by_depth=s.drafted_by_depth + jnp.sum(at_level, axis=1, dtype=jnp.int32),
+            accepted_by_depth=s.accepted_by_depth
+            + (levels < n_emit[:, None]).astype(jnp.int32),
             head=None if hd is None else loop_state(hd))
 
     end = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, carry)
     return TreeLoopResult(
         tokens=end.tokens, logits=end.logits if return_logits else None, lengths=end.lengths,
         rounds=end.round, verifications=end.verifications, drafted=end.drafted,
-        accepted=end.accepted, head=end.head), end.cache
+        accepted=end.accepted, drafted_by_depth=end.drafted_by_depth,
+        accepted_by_depth=end.accepted_by_depth, head=end.head), end.cache

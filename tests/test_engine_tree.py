@@ -1,0 +1,219 @@
+"""Tree speculation in the engine (`SpecConfig(drafter="ngram", tree_nodes=N)`: n-gram trees
+verified on device by `kvjax.speculative.tree_loop`): greedy tokens and their logits equal
+plain decoding's bitwise, a second turn reuses the pages the trees' verifications wrote,
+the accepted path's K/V land where plain decoding writes them and nothing else stays (freed
+pages poisoned, shared pages untouched), a call with a sampled row verifies the chain,
+and the statistics count nodes by depth. (Trees outside the engine: tests/test_tree_loop.py.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from engine_helpers import CACHE, CONFIG, CONTEXT, SLOTS, assert_same
+from helpers import fresh_prefill, gather_sequence
+
+import kvjax
+from kvjax import CacheConfig, Engine, EngineConfig, SamplingConfig
+from kvjax.config import ConfigError, SpecConfig
+from kvjax.decode.batching import pages_for
+from kvjax.engine.requests import Request
+
+# as tests/test_engine_spec.py: every sequence here fits the smallest page-table bucket
+ONE_BUCKET = CacheConfig(page_size=8, num_pages=96, prefill_chunk=16, attn_block=32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    # random-init weights, as tests/test_engine_spec.py's n-gram tests: this model's greedy
+    # answers repeat themselves, so the n-gram table drafts and some drafts are accepted
+    return kvjax.init_params(CONFIG, seed=1)
+
+
+def tree_engine(p, spec: SpecConfig | None, cache=ONE_BUCKET, **kw) -> Engine:
+    ec = EngineConfig(cache=cache, max_slots=SLOTS, decode_steps=kw.pop("decode_steps", 4),
+                      min_context=CONTEXT, **kw)
+    return Engine(p, CONFIG, ec, spec=spec)
+
+
+def prompts() -> tuple[list[Request], list[Request]]:
+    """Two waves over a shared 8-token system prompt; the suffixes hold n-grams with several
+    continuations ([a, b] then c, d or e), so the trees branch."""
+    rng = np.random.default_rng(7)
+    system = [int(t) for t in rng.integers(0, 61, 8)]
+    a, b, c, d, e = (int(t) for t in rng.choice(61, 5, replace=False))
+    branching = [a, b, c, a, b, d, a, b, e, a, b]
+    suffixes = [branching, [5, 6, 7], branching * 2 + [9], [int(t) for t in
+                                                          rng.integers(0, 61, 11)]]
+    first = [Request(tokens=system + s, max_new_tokens=16, return_logits=True)
+             for s in suffixes[:2]]
+    second = [Request(tokens=system + s, max_new_tokens=16 + i, return_logits=True)
+              for i, s in enumerate(suffixes)]
+    return first, second
+
+
+def second_turns(first: list[Request], answers) -> list[Request]:
+    """Each first-wave prompt + its answer + 3 tokens: the answer's full pages were written
+    by the trees' verifications."""
+    return [Request(tokens=list(r.tokens) + a.tokens + [1, 2, 3], max_new_tokens=6,
+                    return_logits=True) for r, a in zip(first, answers, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Plain decoding's two waves and second turns (the turns on a cache-off engine)."""
+    first, second = prompts()
+    engine = tree_engine(target, None)
+    got = engine.generate(first), engine.generate(second)
+    cold = tree_engine(target, None, prefix_cache=False)
+    return (*got, cold.generate(second_turns(first, got[0])))
+
+
+# (γ, nodes, branches): a branching tree whose paths are shorter than its nodes, a tree of
+# one branch (the chain of γ 7, through the tree loop), a small tree of two branches
+@pytest.mark.parametrize(("gamma", "nodes", "branches"), [(3, 8, 4), (7, 8, 1), (2, 4, 2)])
+def test_greedy_trees_equal_plain_decoding_bitwise(target, plain, gamma, nodes, branches):
+    engine = tree_engine(target, SpecConfig(drafter="ngram", gamma=gamma, tree_nodes=nodes,
+                                            branches=branches))
+    first, second = prompts()
+    got = engine.generate(first), engine.generate(second)
+    assert_same(got[0], plain[0])  # tokens and each emitted token's logits, bitwise
+    assert_same(got[1], plain[1])
+    turns = engine.generate(second_turns(first, got[0]))
+    assert_same(turns, plain[2])
+    for request, result in zip(second_turns(first, got[0]), turns, strict=True):
+        assert result.stats["reused_tokens"] == (len(request.tokens) - 4) // 8 * 8
+    s = engine.metrics()["spec"]
+    assert s["tree_nodes"] == nodes and s["tree_calls"] == s["target_calls"] > 0
+    assert len(s["drafted_by_position"]) == gamma  # nodes at depth 1 .. γ
+    assert sum(s["drafted_by_position"]) == s["drafted"] > 0
+    assert sum(s["accepted_by_position"]) == s["accepted"] > 0
+    assert s["emitted"] == s["accepted"] + s["verifications"]
+    assert s["alpha_count"] == 0  # α is a chain's measure
+    # a draft at depth d is emitted only with its ancestors
+    assert s["accepted_by_position"] == sorted(s["accepted_by_position"], reverse=True)
+    chain = tree_engine(target, SpecConfig(drafter="ngram", gamma=gamma))
+    chain.generate(first), chain.generate(second), chain.generate(second_turns(first, got[0]))
+    c = chain.metrics()["spec"]
+    keys = ("target_calls", "verifications", "drafted", "accepted", "emitted",
+            "drafted_by_position", "accepted_by_position")
+    if branches == 1:  # a tree of one branch is the chain: the same rounds, call for call
+        assert [s[k] for k in keys] == [c[k] for k in keys]
+    else:  # the branches reach the drafter: more nodes (3, 8, 4: 53 against 39)
+        assert s["drafted"] > c["drafted"]
+    m = engine.metrics()
+    assert m["free_pages"] == ONE_BUCKET.num_pages - m["resident_pages"]  # nothing leaked
+
+
+def test_only_the_accepted_path_stays_and_shared_pages_keep_their_bits(target):
+    """A tree of 8 nodes on 4-token pages: its nodes cross page boundaries and most are
+    rejected. After every scheduling round each sequence holds exactly the pages its kept
+    history needs and its cache is bitwise a fresh prefill of that history (the accepted
+    path moved to plain decoding's slots, the rejected nodes gone); the system prompt's
+    pages, shared through the trie, keep their bits; freed pages hold NaN, so reading one
+    would show in the outputs."""
+    first, second = prompts()
+    spec = SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, branches=4)
+    engine = tree_engine(target, spec, cache=CACHE, poison_freed=True)
+    plain = tree_engine(target, None, cache=CACHE)
+    answers = plain.generate(first)
+    later = second + second_turns(first, answers)  # turns: answers in the trie, then trees
+    reference = plain.generate(later)
+    decode, calls = engine.rounds.runner.decode, []
+
+    def checked_decode(live, budgets, *args, **kw):  # tree_loop's contract on pages
+        for seq in live:  # a round's nodes sit at most budget - 1 + nodes - 1 slots ahead
+            need = seq.length + budgets[seq.slot] + spec.tree_nodes - 1
+            assert len(seq.pages) * CACHE.page_size >= need
+        calls.append(len(live))
+        return decode(live, budgets, *args, **kw)
+
+    engine.rounds.runner.decode = checked_decode
+    assert_same(engine.generate(first), answers)
+    shared = engine.trie.pages()
+    before = [np.asarray(a[:, :, shared]) for a in (engine.cache.k, engine.cache.v)]
+    for r in later:
+        engine.submit(r)
+    checked = 0
+    while engine.num_waiting or engine.num_running:
+        engine.step()
+        for seq in (s for s in engine.scheduler.slots if s is not None):
+            history = seq.req.tokens + seq.generated[:-1]
+            assert seq.length == len(history)
+            assert len(seq.pages) == pages_for(seq.length, CACHE.page_size)
+            fresh = fresh_prefill(engine.model.params, engine.config, CACHE, history,
+                                  engine.plan)
+            for x, y in zip(gather_sequence(engine.cache, seq.pages, seq.length),
+                            gather_sequence(fresh, list(range(len(seq.pages))), seq.length),
+                            strict=True):
+                np.testing.assert_array_equal(x, y)
+            checked += 1
+    assert checked > 4 and calls
+    results = engine.run()
+    assert_same([results[i] for i in sorted(results)], reference)
+    after = [np.asarray(a[:, :, shared]) for a in (engine.cache.k, engine.cache.v)]
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)
+    # the finished answers' full pages, written by the trees' last verifications, entered
+    # the trie: each holds its history's fresh-prefill K/V
+    pages = {tuple(history): page for _, history, page in engine.trie.entries()}
+    leaves = [h for h in pages if not any(o[:len(h)] == h and o != h for o in pages)]
+    assert len(pages) > len(shared) + len(later)  # the answers' pages are there
+    ps = CACHE.page_size
+    for leaf in leaves:
+        fresh = fresh_prefill(engine.model.params, engine.config, CACHE, list(leaf),
+                              engine.plan)
+        for end in range(ps, len(leaf) + 1, ps):
+            if leaf[:end] in pages:
+                for got, want in ((engine.cache.k, fresh.k), (engine.cache.v, fresh.v)):
+                    np.testing.assert_array_equal(np.asarray(got[:, :, pages[leaf[:end]]]),
+                                                  np.asarray(want[:, :, end // ps - 1]))
+    m = engine.metrics()
+    assert m["spec"]["wasted"] > 0 and m["spec"]["tree_calls"] > 0
+    assert m["free_pages"] == CACHE.num_pages - m["resident_pages"]
+
+
+def test_a_call_with_a_sampled_row_verifies_the_chain(target, plain):
+    """Trees accept greedily only: while a sampled request is in the batch the engine's
+    calls verify chains of γ, the same calls a chain engine makes, so the sampled answers
+    are the chain engine's; the greedy ones, which outlive it, go on in trees and stay
+    plain decoding's."""
+    first, second = prompts()
+    sampled = [Request(tokens=r.tokens, max_new_tokens=6,
+                       sampling=SamplingConfig(temperature=0.9, top_k=20, seed=4 + i))
+               for i, r in enumerate(first)]
+    requests = sampled + second[2:]
+    runs = []
+    for tree_nodes in (8, None):
+        engine = tree_engine(target, SpecConfig(drafter="ngram", gamma=3,
+                                                tree_nodes=tree_nodes))
+        runs.append((engine.generate(requests), engine.metrics()["spec"]))
+    (tree, tree_stats), (chain, _) = runs
+    assert [r.tokens for r in tree[:2]] == [r.tokens for r in chain[:2]]
+    assert_same(tree[2:], plain[1][2:])
+    assert 0 < tree_stats["tree_calls"] < tree_stats["target_calls"]
+
+
+def test_tree_settings_are_checked():
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        SpecConfig(drafter="model", tree_nodes=8)
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        SpecConfig(drafter="ngram", gamma=8, tree_nodes=8)  # a path longer than the tree
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        SpecConfig(drafter="ngram", adaptive=True, tree_nodes=8)
+    with pytest.raises(ConfigError, match="branches"):
+        SpecConfig(drafter="ngram", tree_nodes=8, branches=0)
+    ec = EngineConfig(cache=ONE_BUCKET, max_slots=SLOTS)
+    with pytest.raises(ConfigError, match="adapters"):
+        Engine(kvjax.init_params(CONFIG, seed=1), CONFIG, ec,
+               adapters={"a": kvjax.init_adapter(CONFIG, rank=4, seed=1)},
+               spec=SpecConfig(drafter="ngram", tree_nodes=8))
+    # a request is checked against the pages a tree writes past its history (7, not γ 4)
+    tight = dataclasses.replace(ONE_BUCKET, num_pages=4)
+    engine = Engine(kvjax.init_params(CONFIG, seed=1), CONFIG,
+                    EngineConfig(cache=tight, max_slots=SLOTS),
+                    spec=SpecConfig(drafter="ngram", tree_nodes=8))
+    with pytest.raises(kvjax.InvalidRequestError, match="pages"):
+        engine.submit(Request(tokens=list(range(20)), max_new_tokens=6))  # 26 + 7 > 32
