@@ -14,19 +14,17 @@ from helpers import small_model
 
 from kvjax import backend
 from kvjax.model.plan import INVARIANT, NumericsPlan
+from kvjax.model.row_classes import invariant_block, row_classes
 from kvjax.model.tiled import (
     PROBED,
     Calls,
     RowInvariantDot,
-    _probe_whole,
     check_products,
     check_rows,
     choose_blocks,
-    invariant_block,
     invariant_matmul,
     model_shapes,
     probe_counts,
-    row_classes,
     rows_bound,
 )
 
@@ -78,9 +76,9 @@ def test_the_probes_find_a_row_count_dependence():
     assert {16, 32, 33, 48, 64, 128, 256} <= set(row_classes(split_above(8), 256, 384))
     assert invariant_block(256, 384) >= 32
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("kvjax.model.tiled.plain_matmul", split_above(8))
+        m.setattr("kvjax.model.row_classes.plain_matmul", split_above(8))
         assert invariant_block(256, 384) == 8
-        m.setattr("kvjax.model.tiled.plain_matmul", split_above(2))
+        m.setattr("kvjax.model.row_classes.plain_matmul", split_above(2))
         assert invariant_block(256, 384) == 2
 
 
@@ -176,20 +174,69 @@ def test_the_engine_takes_the_cheapest_form_the_backend_keeps_invariant():
     assert len(fingerprints) == 3
 
 
-def test_choose_blocks_takes_one_product_then_transposed_then_blocks():
-    """On the bench model's MLP shapes (XLA CPU, measured): the 1408 -> 512 down projection
-    holds as one plain product, the 512 -> 1408 up projection only stored transposed, and
-    with transposition off it falls back to 32-row blocks; a plain one-product probe of the
-    up projection fails (the probe can say no)."""
+def test_choose_blocks_takes_one_product_then_transposed_then_blocks(monkeypatch):
+    """The order of the choices, the probes answering by hand (each CPU answers otherwise:
+    on AVX-512 the bench model's 1408 -> 512 down projection held as one plain product and
+    the 512 -> 1408 up projection only stored transposed; on AVX2 both only stored): one
+    product where it holds, else stored transposed, else the largest block that holds, else
+    `row_block` and the product named as failing; attention one product, else the largest
+    query tile that holds."""
+    from kvjax.model import tiled
+
     model = small_model(d_model=512, num_heads=8, num_kv_heads=8, d_ff=1408, vocab_size=61)
     calls = Calls(rows=256, head_rows=16, queries=32, keys=16)
+    shapes = tiled._dot_shapes(model, False)
+    down, up = shapes["mlp down"][0], shapes["mlp up"][0]
+    monkeypatch.setattr(tiled, "_whole", lambda shape, contract, rows, backend, stored=False:
+                        shape == down or (stored and shape == up))
+    monkeypatch.setattr(tiled, "_probe_dot", lambda shape, contract, block, backend:
+                        block <= 16)
+    monkeypatch.setattr(tiled, "_attention_whole", lambda config, calls, backend: False)
+    monkeypatch.setattr(tiled, "_attention_tile", lambda config, calls, tile, backend:
+                        tile <= 8)
     blocks, transposed, failed = choose_blocks(model, INVARIANT, calls)
-    assert dict(blocks)["mlp down"] == 0 and "mlp down" not in transposed
-    assert dict(blocks)["mlp up"] == 0 and "mlp up" in transposed and failed == []
+    assert dict(blocks) == {"q": 16, "k/v": 16, "o": 16, "mlp up": 0, "mlp down": 0,
+                            "head": 16, "attention": 8}
+    assert transposed == ("mlp up",) and failed == []
     blocks, transposed, _ = choose_blocks(model, INVARIANT, calls, transpose=False)
-    assert dict(blocks)["mlp up"] == 32 and transposed == ()
-    assert not _probe_whole((512, 1408), (0,), 256, jax.default_backend())
-    assert _probe_whole((512, 1408), (0,), 256, jax.default_backend(), True)
+    assert dict(blocks)["mlp up"] == 16 and transposed == ()
+    monkeypatch.setattr(tiled, "_probe_dot", lambda shape, contract, block, backend: False)
+    monkeypatch.setattr(tiled, "_attention_tile", lambda config, calls, tile, backend: False)
+    blocks, _, failed = choose_blocks(model, INVARIANT, calls, transpose=False)
+    assert failed == ["q", "k/v", "o", "mlp up", "head", "attention"]
+    assert dict(blocks)["q"] == dict(blocks)["attention"] == INVARIANT.row_block
+    monkeypatch.setattr(tiled, "_attention_whole", lambda config, calls, backend: True)
+    assert dict(choose_blocks(model, INVARIANT, calls)[0])["attention"] == 0
+
+
+def test_the_attention_tile_probe_tries_every_row_count(monkeypatch):
+    """A value product whose rows change bits at 8 rows alone (as AVX2's does at head_dim
+    8, where 2..7 and 10 rows agree) fails tiles of 8 and more and passes 4; so does one
+    whose middle row moves at 5 rows: every count and every row position is compared."""
+    from kvjax.model import tiled
+
+    real = tiled.attention_products
+
+    def eight_rows_move(q, p, k):
+        scores, mixed = real(q, p, k)
+        return scores, mixed * (1 + 2 ** -20) if q.shape[3] == 8 else mixed
+
+    def a_middle_row_moves(q, p, k):
+        scores, mixed = real(q, p, k)
+        middle = jnp.arange(q.shape[3]) == 2
+        return scores, jnp.where(middle[:, None] & (q.shape[3] == 5), mixed * 2, mixed)
+
+    monkeypatch.setenv("KVJAX_PROBE_CACHE", "0")
+    probe = tiled._probe_attention_tile
+    args = (2, 16, 16)  # a shape whose tiles of 2..16 rows hold on AVX2 and AVX-512 alike
+    probe.cache_clear()
+    assert [probe(*args, tile, jax.default_backend()) for tile in (4, 8, 16)] == [True] * 3
+    for patch in (eight_rows_move, a_middle_row_moves):
+        monkeypatch.setattr(tiled, "attention_products", patch)
+        probe.cache_clear()
+        got = [probe(*args, tile, jax.default_backend()) for tile in (4, 8, 16)]
+        assert got == [True, False, False], patch.__name__
+    probe.cache_clear()
 
 
 def test_probe_counts_straddle_every_power_of_two():

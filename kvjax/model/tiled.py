@@ -9,8 +9,10 @@ kernel), {2..32} (one class for every shape), and {33+} (for most shapes; for th
 whose every dot has between 2 and `block` rows, `block` inside the class, gives each row
 the same bits whatever M and wherever the row sits: `invariant_matmul` pads a single row to
 two, runs up to `block` rows as one dot, and more as a loop (`lax.map`) over `block`-row
-dots (a dot inside the loop has the bits of the same dot alone). `invariant_block` probes
-the largest such block for a shape; `row_classes` which row counts change a plain row.
+dots (a dot inside the loop has the bits of the same dot alone). The classes differ by CPU
+(on AVX2 the attention's value product changes a row's bits at 8 rows of 2..32), so the
+engine probes the running backend (`choose_blocks`); `kvjax.model.row_classes` measures
+them.
 
 Legend: M rows, d input width, f output width, B block rows.
 """
@@ -30,8 +32,6 @@ import numpy as np
 
 from kvjax import backend
 from kvjax.model import layout, probe_cache
-
-BLOCKS = (2, 4, 8, 16, 32, 64, 128, 256)  # the block sizes `invariant_block` considers
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
@@ -108,53 +108,6 @@ class RowInvariantDot:
             r, w, dims, precision=precision, preferred_element_type=preferred_element_type),
             rows, self.block)
         return out.reshape(*lead, *out.shape[1:])
-
-
-def plain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, d] @ w [d, f], as XLA chooses to compute it (the reference)."""
-    return x @ w
-
-
-def _probe_inputs(d: int, f: int, rows: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal((rows, d)).astype(np.float32)),
-            jnp.asarray(rng.standard_normal((d, f)).astype(np.float32)))
-
-
-def row_classes(matmul: Callable[[jax.Array, jax.Array], jax.Array], d: int, f: int,
-                sizes: Sequence[int] = (1, 2, 3, 8, 16, 32, 33, 48, 64, 128, 256),
-                seed: int = 0) -> list[int]:
-    """The row counts M at which a row's bits differ from the same row computed alone
-    (M = 1), checked for the first and the last row of each M: empty when the matmul is
-    row-invariant on this backend at this shape."""
-    x, w = _probe_inputs(d, f, max(sizes), seed)
-    fn = jax.jit(matmul)
-    alone = {i: np.asarray(fn(x[i:i + 1], w))[0] for i in {0, *[m - 1 for m in sizes]}}
-    differ = []
-    for m in sizes:
-        out = np.asarray(fn(x[:m], w))
-        if not (np.array_equal(out[0], alone[0]) and np.array_equal(out[m - 1], alone[m - 1])):
-            differ.append(m)
-    return differ
-
-
-def invariant_block(d: int, f: int, blocks: Sequence[int] = BLOCKS, seed: int = 0) -> int:
-    """The largest block B such that plain dots of 2, 3, ... B rows (the sizes in `blocks`
-    and the ones just below them) give their first two rows and their last row the bits
-    those rows have in a 2-row dot; 2 when only pairs agree."""
-    x, w = _probe_inputs(d, f, max(blocks), seed)
-    fn = jax.jit(plain_matmul)
-    pair = np.asarray(fn(x[:2], w))
-    rows = {}
-    best = 2
-    for b in sorted(blocks):
-        for m in sorted({b - 1, b} - {1}):
-            out = np.asarray(fn(x[:m], w))
-            last = rows.setdefault(m - 1, np.asarray(fn(jnp.stack([x[m - 2], x[m - 1]]), w))[1])
-            if not (np.array_equal(out[:2], pair) and np.array_equal(out[m - 1], last)):
-                return best
-        best = b
-    return best
 
 
 def model_shapes(config, fused: bool = False) -> dict[str, tuple[int, int]]:
@@ -291,6 +244,41 @@ def _probe_attention(kv_heads: int, head_dim: int, keys: int, max_rows: int,
     return True
 
 
+@functools.lru_cache(maxsize=32)
+@probe_cache.persistent  # and on disk, across processes
+def _probe_attention_tile(kv_heads: int, head_dim: int, keys: int, tile: int,
+                          backend: str) -> bool:
+    """Paged attention's two products in tiles of up to `tile` rows (the attention's
+    `row_tile`: a call's query rows in tiles of 2..tile rows): at every row count 2..tile
+    (every one: on AVX2 the value product's classes are not runs of counts, 8 rows differ
+    from 2 where 10 do not), each row has the bits it has in a tile of two, in each of
+    three sequences sharing the call."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, kv_heads, 1, tile, head_dim)).astype(np.float32)
+    p = rng.random((3, kv_heads, 1, tile, keys)).astype(np.float32)
+    k = jnp.asarray(rng.standard_normal((3, kv_heads, 1, keys, head_dim)).astype(np.float32))
+    both = jax.jit(attention_products)
+    first = [min(i, tile - 2) for i in range(tile)]  # row i's pair: rows first[i], + 1
+    pairs = np.stack([np.arange(j, j + 2) for j in first[:-1]])  # [tile - 1, 2]
+    ref = [np.asarray(a) for a in both(  # tile j of the pairs: rows j, j + 1
+        jnp.asarray(q[:, :, 0][:, :, pairs]), jnp.asarray(p[:, :, 0][:, :, pairs]),
+        jnp.broadcast_to(k, (3, kv_heads, tile - 1, keys, head_dim)))]
+    for m in range(2, tile + 1):
+        out = [np.asarray(a) for a in both(jnp.asarray(q[:, :, :, :m]),
+                                           jnp.asarray(p[:, :, :, :m]), k)]
+        for got, want in zip(out, ref, strict=True):
+            for i in range(m):
+                if not np.array_equal(got[:, :, 0, i], want[:, :, first[i], i - first[i]]):
+                    return False
+    return True
+
+
+def _attention_tile(config, calls: Calls, tile: int, backend_name: str) -> bool:
+    """`_probe_attention_tile` for `config`'s heads against `calls.keys` keys."""
+    return _probe_attention_tile(config.num_kv_heads, config.head_dim, calls.keys, tile,
+                                 backend_name)
+
+
 class Calls(NamedTuple):
     """The largest calls a whole-product probe must cover: `rows` tokens in a call (every
     layer product), `head_rows` rows of logits, `queries` tokens of one sequence against
@@ -313,8 +301,8 @@ def check_products(config, plan, calls: Calls | None = None) -> list[str]:
     """The token-row products of `config` whose rows do not keep their bits on the running
     backend under `plan` (cached per shape): each at its `plan.block(name)` (a block: alone,
     in a block of three and in a loop of blocks; 0: at every probed row count up to
-    `calls`' bound; attention: a KV head's query rows of `calls.queries` tokens against
-    `calls.keys` keys). Empty when all hold."""
+    `calls`' bound; attention, with `calls`: a KV head's query rows of `calls.queries`
+    tokens, or its tiles, against `calls.keys` keys). Empty when all hold."""
     backend_name = jax.default_backend()
     failed = []
     for name, (shape, contract) in _dot_shapes(config, plan.fused).items():
@@ -323,7 +311,10 @@ def check_products(config, plan, calls: Calls | None = None) -> list[str]:
               if block == 0 else _probe_dot(shape, contract, block, backend_name))
         if not ok:
             failed.append(name)
-    if plan.block("attention") == 0 and not _attention_whole(config, calls, backend_name):
+    tile = plan.block("attention")
+    if calls is not None and not plan.cpu_attention and not (
+            _attention_whole(config, calls, backend_name) if tile == 0
+            else _attention_tile(config, calls, tile, backend_name)):
         failed.append("attention")
     return failed
 
@@ -377,8 +368,11 @@ def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
         blocks.append((name, good[0] if good else plan.row_block))
         failed += [] if good else [name]
     if not plan.cpu_attention:
-        whole = _attention_whole(config, calls, backend_name)
-        blocks.append(("attention", 0 if whole else plan.row_block))
+        tried = [plan.row_block] + [b for b in candidates if b < plan.row_block]
+        good = ([0] if _attention_whole(config, calls, backend_name) else
+                [b for b in tried if _attention_tile(config, calls, b, backend_name)][:1])
+        blocks.append(("attention", good[0] if good else plan.row_block))
+        failed += [] if good else ["attention"]
     return tuple(blocks), tuple(transposed), failed
 
 
