@@ -3,7 +3,7 @@ row-invariant product costs, for every token-row matmul of a model (`kvjax bench
 
 For each matmul shape of the config's model (q, k/v, o, MLP up/down, head), and of
 SmolLM2-135M for comparison: the row counts M whose plain row bits differ from the row alone
-(`kvjax.model.tiled.row_classes`), the probed invariant block (`invariant_block`), and
+(`kvjax.model.row_classes.row_classes`), the probed invariant block (`invariant_block`), and
 median times of the plain `[M, d] @ [d, f]` beside `invariant_matmul` at the probed block
 and at block 8, side by side in one run (ratios; absolute times drift).
 """
@@ -19,13 +19,8 @@ import numpy as np
 from kvjax.config_files import load_config
 from kvjax.lab.report import emit, markdown_table, write_results
 from kvjax.lab.timing import median_seconds
-from kvjax.model.tiled import (
-    invariant_block,
-    invariant_matmul,
-    model_shapes,
-    plain_matmul,
-    row_classes,
-)
+from kvjax.model.row_classes import invariant_block, plain_matmul, row_classes
+from kvjax.model.tiled import invariant_matmul, model_shapes
 
 ROWS = (1, 8, 64, 256)
 SMOLLM2 = {"smol q/o": (576, 576), "smol k/v": (576, 192), "smol mlp up": (576, 1536),
