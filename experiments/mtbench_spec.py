@@ -139,7 +139,7 @@ COLUMNS = [
     ("category", lambda r: r["category"]),
     ("questions", lambda r: str(r["prompts"])),
     ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
-    ("α", lambda r: f"{r['alpha']:.3f}"),
+    ("α", lambda r: "-" if r["alpha"] is None else f"{r['alpha']:.3f}"),  # trees: none
     common.SPEEDUP_COLUMN,
     ("greedy == plain", lambda r: "yes" if r["same_as_plain"] else "NO"),
 ]

@@ -102,6 +102,13 @@ class EngineMachine(RuleBasedStateMachine):
 
         runner.decode, runner.packed_fill = recording_decode, recording_fill
 
+    def start_speculating(self, spec: SpecConfig, draft=None) -> None:
+        """The machine's engine speculating with `spec` (and `draft`), no packed steps."""
+        ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
+                          min_context=CONTEXT, partial_page_copy=True, poison_freed=True)
+        self.eng = Engine(target_params(), CONFIG, ec, draft=draft, spec=spec)
+        self.record_writers()
+
     def make_engine(self, packed: bool) -> Engine:
         """Prompts of up to 57 tokens in 16-token chunks: with `packed`, those with more
         than one chunk left are prefilled in the decode call's steps."""
@@ -266,11 +273,7 @@ class SpecEngineMachine(EngineMachine):
 
     @initialize()
     def start(self):
-        ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
-                          min_context=CONTEXT, partial_page_copy=True, poison_freed=True)
-        self.eng = Engine(target_params(), CONFIG, ec, draft=(draft_params(), DRAFT),
-                          spec=SpecConfig(gamma=2))
-        self.record_writers()
+        self.start_speculating(SpecConfig(gamma=2), draft=(draft_params(), DRAFT))
 
     def pools(self):
         draft = self.eng.draft_pool
@@ -290,15 +293,12 @@ class TreeEngineMachine(EngineMachine):
 
     @initialize()
     def start(self):
-        ec = EngineConfig(cache=with_cache(num_pages=NUM_PAGES), max_slots=3, decode_steps=3,
-                          min_context=CONTEXT, partial_page_copy=True, poison_freed=True)
-        self.eng = Engine(target_params(), CONFIG, ec, spec=SpecConfig(
-            drafter="ngram", gamma=3, tree_nodes=8, branches=4))
-        self.record_writers()
+        self.start_speculating(SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, branches=4))
 
     def teardown(self):
         super().teardown()
         type(self).checked["tree_calls"] += self.eng.spec.tree_calls
+        type(self).checked["target_calls"] += self.eng.spec.totals.target_calls
 
 
 SETTINGS = dict(stateful_step_count=30, deadline=None, derandomize=True, database=None,
@@ -334,3 +334,4 @@ def test_tree_engine_invariants():
     checked = run(TreeEngineMachine, 12)
     for key in ((0, "prefill"), (0, "verify"), "tree_calls"):
         assert checked[key] > 0, (key, checked)
+    assert checked["tree_calls"] < checked["target_calls"]  # hot requests' calls: chains

@@ -26,7 +26,8 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
     the last token's), or one prompt with all of a call's tokens (a widened prefill call),
     attention over blocks of `attn_block` keys, and never less than
     `kvjax.model.tiled.PROBED`, so that the choice (and so a request's bits) does not change
-    with max_slots, the chunk or gamma inside those bounds; with `lora_shapes` (the
+    with max_slots, the chunk or gamma inside those bounds (`gamma`: the slots a verify
+    writes past the history, `kvjax.speculative.plugin.write_ahead`); with `lora_shapes` (the
     target's stacked adapters, `kvjax.model.lora.stacked_shapes`) the LoRA deltas' block
     too (`kvjax.model.lora.choose_block`). Problems come with the backend check (a warning
     names them). A plan is part of the cache identity."""

@@ -75,11 +75,13 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: int, bat
     products with a block's keys. `row_tile` R cuts them into tiles of 2..R rows that
     form a batch axis of the products (the keys broadcast to it), so every product has a
     row count in 2..R whatever T is: a query's bits then do not depend on how many queries
-    share the call, the one property of a row that changes them on XLA CPU (a batched
-    product's row bits held across batch counts and row counts 2..32 at every attention
-    shape measured; T * G rows in one product changed them from 64 rows at H = 16,
-    S = 32). 0: one product of all T * G rows, at least two (for shapes where the backend
-    keeps the rows invariant at every count, `kvjax.model.tiled.choose_blocks`). None: one
+    share the call, the one property of a row that changes them on XLA CPU (on AVX-512 a
+    batched product's row bits held across batch counts and row counts 2..32 at every
+    attention shape measured; T * G rows in one product changed them from 64 rows at
+    H = 16, S = 32; on AVX2 at H = 8 from 8 rows: `kvjax.model.tiled.choose_blocks`
+    probes every count of a tile). 0: one product of all T * G rows, at least two (for
+    shapes where the backend keeps the rows invariant at every count,
+    `kvjax.model.tiled.choose_blocks`). None: one
     product of all T * G rows (fastest; a lone row is not padded). The softmax normaliser
     is a fixed-order sum (`tree_sum`). `scale` and `softcap` as in `full_attention`.
     `fresh` (int4_kivi pages, `kvjax.cache.kivi`): each query sees its own page's keys and

@@ -115,14 +115,15 @@ def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bo
     s = metrics["spec"]
     history = s["gamma_history"]
     g = round(sum(history) / len(history)) if adaptive else gamma
+    chain = tree_nodes is None  # α and the speedup models are a chain's (none for trees)
     return {
         "drafter": drafter, "gamma": gamma, "adaptive": adaptive, "decode_steps": decode_steps,
         "tree_nodes": tree_nodes, "branches": branches if tree_nodes else None,
-        "alpha": s["alpha"], "acceptance_rate": s["acceptance_rate"],
+        "alpha": s["alpha"] if chain else None, "acceptance_rate": s["acceptance_rate"],
         "mean_accepted_length": s["mean_accepted_length"], "c": c,
-        "predicted": predicted_speedup(s["alpha"], g, c),
-        "predicted_verify": predicted_speedup(s["alpha"], g, c, slope),
-        "cost_model": s["mean_accepted_length"] / (g * c + 1 + slope * g),
+        "predicted": predicted_speedup(s["alpha"], g, c) if chain else None,
+        "predicted_verify": predicted_speedup(s["alpha"], g, c, slope) if chain else None,
+        "cost_model": s["mean_accepted_length"] / (g * c + 1 + slope * g) if chain else None,
         "speedup": speedup, "decode_s": seconds, "plain_decode_s": plain_s,
         "accepted_by_position": s["accepted_by_position"],
         "drafted_by_position": s["drafted_by_position"], "wasted": s["wasted"],

@@ -92,8 +92,8 @@ class Speculator:
     def decode(self, model, kv: KVCacheManager, decode_steps: int, live,
                budgets: dict[int, int], gamma: int, state: DecodeState,
                want_logits: bool, min_context: int = 0) -> SpecLoopResult:
-        """One `spec_loop` call over the engine's slots (`state`: a row per slot); updates
-        the draft state of `live` and the statistics. `model`: the target
+        """One `spec_loop` (or `tree_loop`) call over the engine's slots (`state`: a row
+        per slot); updates the draft state of `live` and the statistics. `model`: the target
         (`kvjax.engine.runner.TargetModel`), `kv`: the pools; `min_context` as in
         `EngineConfig`. Returns the result as numpy."""
         slots = len(state.lengths)
@@ -195,11 +195,11 @@ class Speculator:
         return summary
 
 
-
 def _as_chain_result(out: TreeLoopResult) -> SpecLoopResult:
     """A tree call's result (numpy) in the chain's terms: a position is a depth (several
-    drafts may share one), every verification emits its accepted drafts and the target's
-    token, and α (E[min(p, q)] per tested position) is left out: it is a chain's."""
+    drafts may share one), `accepted` counts the drafts a verification emitted (a chain's
+    also counts accepted drafts past a stop id), so every verification emits its accepted
+    drafts and one more token; α (E[min(p, q)] per tested position) is a chain's: 0."""
     zeros = np.zeros_like(out.verifications)
     return SpecLoopResult(
         tokens=out.tokens, logits=out.logits, lengths=out.lengths, draft_lengths=None,

@@ -145,9 +145,10 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
     `max_nodes` nodes with paths of up to `depth` drafts: an n-gram tree (`branches`
     continuations: `NGramTreeDrafter`'s), or with `head` an EAGLE-style head's tree
     (`top_k` offers a level: `EagleTreeDrafter`'s, see `eagle_tree_device`). A row's pages
-    must hold lengths + budget + max_nodes slots (and its head pages as many pairs). Every
-    row greedy (temperature 0; the knobs are not read); no adapters. Returns
-    (TreeLoopResult (with the head's side after the loop), the cache)."""
+    must hold lengths + budget + max_nodes - 1 slots (a round that drafts starts before
+    count budget - 1) and its head pages lengths + budget + max_nodes pairs. Every row
+    greedy (temperature 0; the knobs are not read); no adapters. Returns (TreeLoopResult
+    (with the head's side after the loop), the cache)."""
     if state.adapter_ids is not None:
         raise ValueError("tree_loop serves no LoRA adapters (state.adapter_ids is set)")
     steps.note_trace("tree_loop")
