@@ -29,7 +29,9 @@ from kvjax.data.mtbench import CATEGORIES
 from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import Request
+from kvjax.speculative.cost import verify_costs
 from kvjax.speculative.operating_point import measure_point
+from kvjax.speculative.tree_policy import tree_widths
 
 # the longest prompt and answer a point holds: MT-Bench's longest turn-2 prompt with the
 # model's answer is under 1,600 tokens at new_tokens 256 (one pool for every category lets
@@ -47,6 +49,7 @@ class Params:
     gamma: int = 4  # a chain's drafts, a tree's depth
     tree_nodes: int | None = None  # n-gram trees of up to this many nodes (None: chains)
     branches: int = 4  # a tree's continuations of the history's n-gram matches
+    adaptive: bool = False  # trees: each call's width by the measured verify costs
     new_tokens: int = 128  # per answer, at most (it ends at the end of turn)
     decode_steps: int = 16
     reps: int = 1
@@ -57,6 +60,8 @@ class Params:
                               "page_size")
         SpecConfig(drafter="ngram", gamma=self.gamma, tree_nodes=self.tree_nodes,
                    branches=self.branches)  # a ConfigError names what is wrong
+        if self.adaptive and self.tree_nodes is None:
+            raise ConfigError("adaptive", "adaptive widths are for trees: set tree_nodes")
         common.check_choice(self, "turn", (1, 2))
         common.check_choice(self, "numerics", ("fast", "invariant"))
         unknown = sorted(set(self.categories) - set(CATEGORIES))
@@ -108,6 +113,19 @@ def _render(model, question, turn: int, answer: list[int] | None = None) -> list
     return model.template.render(messages)
 
 
+@functools.cache
+def _verify_costs(p: Params) -> tuple[tuple[int, float], ...]:
+    """The verify cost of each width adaptive trees choose from, measured once for the
+    points of a run (every engine would measure them again): the engine's own target plan,
+    batch 1, a 128-token context."""
+    model = common.real_model(p.model)
+    engine = Engine(model.params, model.config, _engine_config(p))
+    widths = tree_widths(p.gamma, p.tree_nodes)
+    target = engine.model  # its weights as the plan stores them, as the engine calibrates
+    costs = verify_costs((target.params, target.config, target.plan), 1, 128, widths)
+    return tuple(costs.items())
+
+
 def run(config) -> list[dict]:
     p = config.params
     model = common.real_model(p.model)
@@ -116,17 +134,20 @@ def run(config) -> list[dict]:
     for category, questions in _questions(p).items():
         prompts = [_render(model, q, p.turn, a)
                    for q, a in zip(questions, answers[category], strict=True)]
-        r = measure_point((model.params, model.config), None, prompts, "ngram", p.gamma, False,
-                          0.0, 0.0, p.decode_steps, gen_tokens=p.new_tokens, slots=1,
-                          reps=p.reps, base=_engine_config(p), eos_tokens=model.stop_tokens,
-                          tree_nodes=p.tree_nodes, branches=p.branches)
+        r = measure_point((model.params, model.config), None, prompts, "ngram", p.gamma,
+                          p.adaptive, 0.0, 0.0, p.decode_steps, gen_tokens=p.new_tokens,
+                          slots=1, reps=p.reps, base=_engine_config(p),
+                          eos_tokens=model.stop_tokens, tree_nodes=p.tree_nodes,
+                          branches=p.branches,
+                          verify_costs=_verify_costs(p) if p.adaptive else None)
         rows.append({"category": category, "prompts": r["prompts"],
                      "prompt_tokens": sum(map(len, prompts)),
                      "tokens_per_call": r["mean_accepted_length"], "alpha": r["alpha"],
                      "acceptance_rate": r["acceptance_rate"], "speedup": r["speedup"],
                      "decode_s": r["decode_s"], "plain_decode_s": r["plain_decode_s"],
                      "target_calls": r["target_calls"], "tree_nodes": p.tree_nodes,
-                     "branches": p.branches,
+                     "branches": p.branches, "adaptive": p.adaptive,
+                     "tree_widths": r["tree_widths"],
                      "same_as_plain": r["same"] == r["prompts"], "model": p.model})
     return rows
 
@@ -163,8 +184,8 @@ def _drafts(row: dict) -> str:
     """What a round drafted: a chain of γ, or a tree."""
     if row.get("tree_nodes") is None:
         return f"γ {row['gamma']}"
-    return (f"trees of {row['tree_nodes']} nodes, depth {row['gamma']}, "
-            f"{row['branches']} branches")
+    return (f"{'adaptive ' if row.get('adaptive') else ''}trees of {row['tree_nodes']} "
+            f"nodes, depth {row['gamma']}, {row['branches']} branches")
 
 
 def _span(values) -> str:

@@ -64,12 +64,10 @@ class ModelConfig:
     o_bias: bool = False  # bias on the attention output projection
     mlp_bias: bool = False  # biases on the MLP projections
     sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
-    # per layer, "full" or "sliding" (sliding layers have `sliding_window`); () gives every
-    # layer the window when one is set
+    # per layer, "full" or "sliding" (with `sliding_window`); (): every layer has the window
     layer_types: tuple[str, ...] = ()
     # RoPE scaling of the full layers, (name, value) pairs: ("rope_type", "linear" | "llama3"
-    # | "yarn" | "dynamic") and that type's numbers (ROPE_SCALING; see
-    # kvjax.model.layers.rope_frequencies); () = plain
+    # | "yarn" | "dynamic") and its numbers (ROPE_SCALING, layers.rope_frequencies); (): none
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     local_rope_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
@@ -82,8 +80,7 @@ class ModelConfig:
     causal: bool = True
     dtype: str = "float32"  # parameter and activation dtype
 
-    # fields that were here and moved to the numerics plan (`kvjax.model.plan`), each ->
-    # where it is set now: a config file naming one gets this answer
+    # fields moved to the numerics plan (`kvjax.model.plan`) -> where a config file sets them
     MOVED: ClassVar[dict[str, str]] = {
         "numerics": "engine.numerics (the engine's NumericsPlan.mode)",
         "row_block": "engine.row_block (NumericsPlan.row_block)",
@@ -227,24 +224,21 @@ class EngineConfig:
     # prefill calls (one chunk of each prompt being prefilled) a round may run while other
     # sequences decode; 0: prefill every admitted prompt to the end first
     prefill_calls_per_round: int = 1
-    # invariant numerics, no speculation: while others decode, the decode call prefills the
-    # prompts with more than one call left in the same steps (packed steps: each step takes
-    # every such prompt's next ceil(prefill_chunk / decode_steps) tokens, at least 16), not
-    # in prefill calls. Off by default: with attention visiting each row's own blocks, one
-    # prefill call per round measured as good or better for the running requests' latency
-    # and better for prefill time and TTFT (docs/benchmarks.md, "Decode latency under arrivals")
+    # invariant numerics, no speculation: the decode call prefills the prompts with more than
+    # one call left in its steps (each step takes every such prompt's next ceil(prefill_chunk
+    # / decode_steps) tokens, at least 16). Off by default: one prefill call per round
+    # measured as good or better for latency, prefill time and TTFT (docs/benchmarks.md)
     packed_prefill: bool = False
-    # after a preemption: "resume" prefills prompt + the answer its cache held and goes on
-    # (one sample, invariant numerics; others recompute); "recompute" decodes it again
+    # after a preemption: "resume" prefills prompt + cached answer (one sample, invariant
+    # numerics; others recompute); "recompute" decodes it again
     preemption: str = "resume"
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
     attention: str = "auto"  # decode kernel: auto | reference | pallas_gpu | pallas_tpu
     attention_interpret: bool = False  # run a Pallas kernel in interpret mode (CPU tests)
-    # the one numerics switch, for the model and the draft (the mode of the engine's
-    # `kvjax.model.plan.NumericsPlan`): "invariant" makes a request's bits depend on its own
-    # history alone; "fast" shares prefill-written pages only
+    # the model's and the draft's numerics (`kvjax.model.plan.NumericsPlan`): "invariant": a
+    # request's bits depend on its own history alone; "fast" shares prefill-written pages only
     numerics: str = "invariant"
     # invariant numerics: kernels stored transposed where one product of any row count then
     # replaces 32-row blocks (kvjax.model.layout; the costs: docs/numerics.md)
@@ -257,9 +251,8 @@ class EngineConfig:
     # backend, a C++ compiler, no mesh; `Engine.products` says), else XLA's; "products": those
     cpu_kernel: str = "auto"
     # the context every compiled step covers at least, in tokens (page tables, the n-gram
-    # drafter's history). 0: as wide as the longest row needs, in powers of two (a growing
-    # sequence compiles a few shapes); max_seq_len: one shape for every length. Attention
-    # visits no block past a row's end: a wider table changes no bit, costs no attention.
+    # history). 0: the longest row's need in powers of two (a growing sequence compiles a
+    # few shapes); max_seq_len: one shape. No bit or attention cost: no block past a row's end
     min_context: int = 0
 
     def __post_init__(self):
@@ -284,13 +277,14 @@ class SpecConfig:
 
     drafter: str = "model"  # "model" | "ngram"
     gamma: int = 4  # drafts a round: a chain's length, a tree's depth
-    adaptive: bool = False  # choose each round's gamma (<= gamma) from the running alpha
+    adaptive: bool = False  # each call's gamma (<= gamma), or tree width (<= tree_nodes)
     ngram_max: int = 3
     cost_ratio: float | None = None  # c for adaptive gamma; None: measured by the engine
     verify_slope: float | None = None  # extra verify cost per drafted token; None: measured
-    # n-gram trees of up to tree_nodes nodes (greedy calls; sampled: chains). None: chains
-    tree_nodes: int | None = None
+    tree_nodes: int | None = None  # n-gram trees (greedy calls; sampled: chains). None: chains
     branches: int = 4
+    # adaptive trees: (node count, verify cost in one-token steps) pairs; None: measured
+    verify_costs: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         _choice(self.drafter, "drafter", ("model", "ngram"))
@@ -300,9 +294,15 @@ class SpecConfig:
         _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
         for key in ("ngram_max", "branches"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        _require(self.tree_nodes is None or (self.drafter == "ngram" and not self.adaptive
+        _require(self.tree_nodes is None or (self.drafter == "ngram"
                  and self.gamma < self.tree_nodes <= 33), "tree_nodes", f"{self.tree_nodes}: "
-                 "n-gram trees (drafter 'ngram', not adaptive) of gamma + 1 to 33 nodes")
+                 "n-gram trees (drafter 'ngram') of gamma + 1 to 33 nodes")
+        if (costs := self.verify_costs) is not None:  # hashable, whatever lists gave them
+            costs = tuple((int(n), float(c)) for n, c in costs)
+            object.__setattr__(self, "verify_costs", costs)
+            _require(self.tree_nodes is not None and self.adaptive and bool(costs) and all(
+                n >= 1 and c > 0 for n, c in costs), "verify_costs", f"{costs}: (node count "
+                ">= 1, cost > 0) pairs, for adaptive trees (adaptive, tree_nodes)")
 
 
 @dataclasses.dataclass(frozen=True)

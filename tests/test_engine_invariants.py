@@ -285,19 +285,22 @@ class SpecEngineMachine(EngineMachine):
 
 class TreeEngineMachine(EngineMachine):
     """The same rules on an engine verifying n-gram trees (up to 8 nodes, paths of 3, 4
-    branches: the suffixes' 6-token alphabet makes bushy trees); a call with a hot request
-    verifies chains. No draft pool; packed steps are plain decoding only."""
+    branches: the suffixes' 6-token alphabet makes bushy trees) of adaptive widths (2, 4
+    or 8 nodes, from pinned verify costs); a call with a hot request verifies chains. No
+    draft pool; packed steps are plain decoding only."""
 
     checked: ClassVar[collections.Counter] = collections.Counter()
     answer_writer = "verify"
 
     @initialize()
     def start(self):
-        self.start_speculating(SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, branches=4))
+        self.start_speculating(SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, branches=4,
+                                          adaptive=True, verify_costs=((2, 1.0), (8, 2.0))))
 
     def teardown(self):
         super().teardown()
         type(self).checked["tree_calls"] += self.eng.spec.tree_calls
+        type(self).checked.update(("width", w) for w in self.eng.spec.widths)
         type(self).checked["target_calls"] += self.eng.spec.totals.target_calls
 
 
@@ -335,3 +338,4 @@ def test_tree_engine_invariants():
     for key in ((0, "prefill"), (0, "verify"), "tree_calls"):
         assert checked[key] > 0, (key, checked)
     assert checked["tree_calls"] < checked["target_calls"]  # hot requests' calls: chains
+    assert sum(checked["width", w] > 0 for w in (2, 4, 8)) >= 2, checked

@@ -71,12 +71,16 @@ def plain(target):
     return (*got, cold.generate(second_turns(first, got[0])))
 
 
-# (γ, nodes, branches): a branching tree whose paths are shorter than its nodes, a tree of
-# one branch (the chain of γ 7, through the tree loop), a small tree of two branches
-@pytest.mark.parametrize(("gamma", "nodes", "branches"), [(3, 8, 4), (7, 8, 1), (2, 4, 2)])
-def test_greedy_trees_equal_plain_decoding_bitwise(target, plain, gamma, nodes, branches):
+# (γ, nodes, branches, verify costs): a branching tree whose paths are shorter than its
+# nodes, a tree of one branch (the chain of γ 7, through the tree loop), a small tree of two
+# branches, and the first with adaptive widths (2, 4 or 8 nodes; costs that make it switch)
+@pytest.mark.parametrize(("gamma", "nodes", "branches", "costs"), [
+    (3, 8, 4, None), (7, 8, 1, None), (2, 4, 2, None), (3, 8, 4, ((2, 1.0), (8, 3.0)))])
+def test_greedy_trees_equal_plain_decoding_bitwise(target, plain, gamma, nodes, branches,
+                                                   costs):
     engine = tree_engine(target, SpecConfig(drafter="ngram", gamma=gamma, tree_nodes=nodes,
-                                            branches=branches))
+                                            branches=branches, adaptive=costs is not None,
+                                            verify_costs=costs))
     first, second = prompts()
     got = engine.generate(first), engine.generate(second)
     assert_same(got[0], plain[0])  # tokens and each emitted token's logits, bitwise
@@ -100,7 +104,11 @@ def test_greedy_trees_equal_plain_decoding_bitwise(target, plain, gamma, nodes, 
     c = chain.metrics()["spec"]
     keys = ("target_calls", "verifications", "drafted", "accepted", "emitted",
             "drafted_by_position", "accepted_by_position")
-    if branches == 1:  # a tree of one branch is the chain: the same rounds, call for call
+    if costs is not None:  # the widest first, then the policy's (measured: 8, then 11 of 2:
+        # on these prompts no wider cut accepted more than 2 nodes)
+        assert engine.spec.widths[0] == nodes and len(s["tree_widths"]) > 1
+        assert sum(s["tree_widths"].values()) == len(engine.spec.widths)
+    elif branches == 1:  # a tree of one branch is the chain: the same rounds, call for call
         # (no stop id here: a tree counts the drafts it emits, a chain those it accepted)
         assert [s[k] for k in keys] == [c[k] for k in keys]
     else:  # the branches reach the drafter: more nodes (3, 8, 4: 53 against 39)
@@ -203,8 +211,16 @@ def test_tree_settings_are_checked():
         SpecConfig(drafter="model", tree_nodes=8)
     with pytest.raises(ConfigError, match="tree_nodes"):
         SpecConfig(drafter="ngram", gamma=8, tree_nodes=8)  # a path longer than the tree
-    with pytest.raises(ConfigError, match="tree_nodes"):
-        SpecConfig(drafter="ngram", adaptive=True, tree_nodes=8)
+    assert SpecConfig(drafter="ngram", adaptive=True, tree_nodes=8).verify_costs is None
+    toml = SpecConfig(drafter="ngram", adaptive=True, tree_nodes=8,
+                      verify_costs=[[2, 1], [8, 2.5]])  # as a TOML file gives them
+    assert toml.verify_costs == ((2, 1.0), (8, 2.5))
+    for bad in (dict(tree_nodes=8), dict(adaptive=True)):  # costs choose adaptive trees' width
+        with pytest.raises(ConfigError, match="verify_costs"):
+            SpecConfig(drafter="ngram", verify_costs=((2, 1.0),), **bad)
+    for costs in ((), ((2, 0.0),), ((0, 1.0),)):
+        with pytest.raises(ConfigError, match="verify_costs"):
+            SpecConfig(drafter="ngram", adaptive=True, tree_nodes=8, verify_costs=costs)
     with pytest.raises(ConfigError, match="branches"):
         SpecConfig(drafter="ngram", tree_nodes=8, branches=0)
     ec = EngineConfig(cache=ONE_BUCKET, max_slots=SLOTS)
@@ -219,3 +235,41 @@ def test_tree_settings_are_checked():
                     spec=SpecConfig(drafter="ngram", tree_nodes=8))
     with pytest.raises(kvjax.InvalidRequestError, match="pages"):
         engine.submit(Request(tokens=list(range(20)), max_new_tokens=6))  # 26 + 7 > 32
+
+
+def test_adaptive_widths_are_the_policy_s_from_measured_costs(target, monkeypatch):
+    """Without pinned costs the engine times a tree verify at each width it chooses from
+    (`spec_cost`'s timers faked with known durations: a one-token step 8 ticks, trees of 2,
+    4 and 8 nodes 9, 12 and 20), then every call's width is `WidthPolicy`'s after the calls
+    before it; what a call tells the policy is its verifications' counts at each cut."""
+    from kvjax.speculative import cost as spec_cost
+    from kvjax.speculative.tree_policy import WidthPolicy
+
+    timed = []
+
+    def fake_step_timer(models, batch, context, tree=False):
+        ((_, _, _, width, _),) = models
+        timed.append((width, tree, batch, context))
+        return lambda: {1: 8, 2: 9, 4: 12, 8: 20}[width] / 1024
+
+    monkeypatch.setattr(spec_cost, "step_timer", fake_step_timer)
+    engine = tree_engine(target, SpecConfig(drafter="ngram", gamma=3, tree_nodes=8,
+                                            adaptive=True))
+    seen = []
+    observe = engine.spec.width_policy.observe
+    engine.spec.width_policy.observe = lambda *a: (seen.append(a), observe(*a))
+    first, second = prompts()
+    engine.generate(first), engine.generate(second)
+    m = engine.metrics()["spec"]
+    assert m["verify_costs"] == {2: 9 / 8, 4: 12 / 8, 8: 20 / 8}
+    assert sorted(timed) == [(1, False, SLOTS, 128), (2, True, SLOTS, 128),
+                             (4, True, SLOTS, 128), (8, True, SLOTS, 128)]
+    replay, want = WidthPolicy([2, 4, 8]), []
+    for width, verifications, by_width in seen:
+        want.append(replay.choose(m["verify_costs"]))
+        replay.observe(width, verifications, by_width)
+        assert by_width[0] == 0 and list(by_width) == sorted(by_width)  # a cut keeps less
+    assert engine.spec.widths == [w for w, _, _ in seen] == want
+    assert want[0] == 8 and len(set(want)) > 1  # measured: 8, then 9 calls of 2
+    assert sum(int(v) for _, v, _ in seen) == m["verifications"]
+    assert sum(int(b[w - 1]) for w, _, b in seen) == m["accepted"]  # each call's own width

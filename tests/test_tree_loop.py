@@ -14,7 +14,7 @@ from kvjax.model.plan import INVARIANT
 from kvjax.speculative.ngram_tree_device import ngram_tree
 from kvjax.speculative.tree import NGramTreeDrafter, greedy_path, tree_arrays
 from kvjax.speculative.tree_host import device_tree_generate, tree_generate
-from kvjax.speculative.tree_loop import greedy_tree_path, tree_layout
+from kvjax.speculative.tree_loop import accepted_within, greedy_tree_path, tree_layout
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,55 @@ def test_layout_and_greedy_path_are_the_host_s():
         assert path[i, :on_path[i]].tolist() == want, i
         lengths.add(len(want))
     assert len(lengths) > 2
+
+
+def test_a_smaller_budget_builds_the_first_nodes_of_the_larger_tree():
+    """What lets one verify tell the engine's width policy what every narrower tree would
+    have accepted (`tree_policy.WidthPolicy`)."""
+    histories = _histories(11, rows=40)
+    table = np.zeros((len(histories), 48), np.int32)
+    for i, h in enumerate(histories):
+        table[i, :len(h)] = h
+    lengths = np.array([len(h) for h in histories], np.int32)
+    reach = np.full(len(histories), 7, np.int32)
+    big_parents, big_tokens, big_nodes = (np.asarray(x) for x in ngram_tree(
+        table, lengths, reach, 16, 7, 4, 3))
+    assert big_nodes.max() == 16
+    for w in (2, 3, 5, 8):
+        parents, tokens, nodes = (np.asarray(x) for x in ngram_tree(
+            table, lengths, reach, w, 7, 4, 3))
+        np.testing.assert_array_equal(nodes, np.minimum(big_nodes, w))
+        for i, n in enumerate(nodes):
+            assert parents[i, :n].tolist() == big_parents[i, :n].tolist(), (w, i)
+            assert tokens[i, :n].tolist() == big_tokens[i, :n].tolist(), (w, i)
+
+
+def test_accepted_within_is_what_each_cut_tree_accepts():
+    """For every width w, the drafts greedy acceptance emits from the tree's first w nodes,
+    with and without a budget cutting the path."""
+    rng = np.random.default_rng(4)
+    n, depth = 10, 9
+    trees = [[-1], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8], [-1] + [0] * 9]  # root, chain, star
+    trees += [[-1] + [int(rng.integers(0, i)) for i in range(1, int(rng.integers(2, n + 1)))]
+              for _ in range(60)]
+    parents = np.full((len(trees), n), -1, np.int32)
+    for i, t in enumerate(trees):
+        parents[i, :len(t)] = t
+    tokens = rng.integers(0, 2, (len(trees), n)).astype(np.int32)  # deep paths accepted
+    choice = rng.integers(0, 2, (len(trees), n)).astype(np.int32)
+    nodes = np.array([len(t) for t in trees], np.int32)
+    path, on_path = greedy_tree_path(parents, tokens, nodes, choice, depth)
+    budget = rng.integers(0, depth + 2, len(trees)).astype(np.int32)  # 0: an idle row
+    n_emit = np.minimum(np.asarray(on_path), budget)
+    got = np.asarray(accepted_within(path, on_path, n_emit, n))
+    longest = 0
+    for w in range(1, n + 1):
+        _, cut = greedy_tree_path(parents, tokens, np.minimum(nodes, w), choice, depth)
+        want = np.maximum(np.minimum(np.asarray(cut), budget) - 1, 0)
+        np.testing.assert_array_equal(got[:, w - 1], want, err_msg=f"width {w}")
+        longest = max(longest, int(np.max(np.asarray(cut))))
+    np.testing.assert_array_equal(got[:, -1], np.maximum(n_emit - 1, 0))  # the whole tree
+    assert longest >= 4 and len(set(got[:, -1].tolist())) >= 3  # measured: 4, and 0..3 drafts
 
 
 def _prompts() -> list[list[int]]:

@@ -1,12 +1,20 @@
-"""The tree-size policy (`kvjax.speculative.tree_policy`) picks the verify width from the
-measured verify cost per node count, the tree's path probabilities, the round's drafting
-cost and its calibration: each case against figures worked out by hand."""
+"""The tree-size policies (`kvjax.speculative.tree_policy`) pick the verify width from the
+measured verify cost per node count and either the tree's path probabilities, the round's
+drafting cost and its calibration (`TreeSizePolicy`) or what earlier calls accepted at
+each width (`WidthPolicy`, the engine's n-gram trees): each case against figures worked
+out by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvjax.speculative.tree_policy import TreeSizePolicy, expected_tokens, interpolated
+from kvjax.speculative.tree_policy import (
+    TreeSizePolicy,
+    WidthPolicy,
+    expected_tokens,
+    interpolated,
+    tree_widths,
+)
 
 COST = {1: 1.0, 2: 1.2, 4: 1.5, 8: 2.5}  # v(N) in decode steps, as `kvjax bench tree` gives
 # a chain of 3 likely drafts (path probabilities .9 .8 .7), then 4 unlikely branches
@@ -91,3 +99,52 @@ def test_trees_cut_by_the_policy_still_emit_plain_greedy_decoding():
     with pytest.raises(ValueError, match="scores its trees"):
         tree_generate(p, CONFIG, prompts, 4, NGramTreeDrafter(), cache=CACHE,
                       size_policy=policy)
+
+
+def test_adaptive_trees_choose_from_powers_of_two_the_chain_and_the_tree():
+    assert tree_widths(4, 8) == [2, 4, 5, 8]  # 5: the chain of γ 4
+    assert tree_widths(7, 8) == [2, 4, 8]
+    assert tree_widths(3, 16) == [2, 4, 8, 16]
+    assert tree_widths(2, 33) == [2, 3, 4, 8, 16, 32, 33]
+    assert tree_widths(1, 2) == [2]
+
+
+# A call of width 8 with 10 verifications; cut to w nodes they would have accepted
+# accepted_by_width[w - 1] drafts: 3 at w = 2, 5 at w = 4, 9 at w = 8.
+WIDE = [0, 3, 3, 5, 5, 5, 5, 9]
+
+
+def test_the_width_policy_tries_the_widest_then_takes_the_most_tokens_per_cost():
+    policy = WidthPolicy([2, 4, 8])
+    assert policy.choose({2: 1.0}) == 8  # nothing observed yet
+    policy.observe(8, 0, WIDE)  # a call that verified nothing teaches nothing
+    assert policy.choose({2: 1.0}) == 8
+    policy.observe(8, 10, WIDE)
+    # tokens per verification: 13 / 10, 15 / 10, 19 / 10
+    assert policy.expected_tokens() == pytest.approx([1.3, 1.5, 1.9])
+    # per cost: 1.3, 1.25, 0.95
+    assert policy.choose({2: 1.0, 4: 1.2, 8: 2.0}) == 2
+    # 1.3, 1.364, 1.357
+    assert policy.choose({2: 1.0, 4: 1.1, 8: 1.4}) == 4
+    # costs between the measured widths are interpolated: v(4) = 1.5 -> 1.3, 1.0, 0.95
+    assert policy.choose({2: 1.0, 8: 2.0}) == 2
+    flat = WidthPolicy([2, 4, 8])
+    flat.observe(8, 10, [0, 4, 4, 4, 4, 4, 4, 4])  # wider trees accepted nothing more
+    assert flat.choose({2: 1.0, 4: 1.0, 8: 1.0}) == 2  # the narrowest on ties
+
+
+def test_a_narrow_call_updates_its_widths_and_keeps_the_wider_ones_gains():
+    policy = WidthPolicy([2, 4, 8])
+    policy.observe(8, 10, WIDE)
+    policy.observe(2, 10, [0, 8])  # only width 2 learns: 8 drafts in 10 verifications
+    # width 2: (0.8 * 13 + 18) / (0.8 * 10 + 10) = 28.4 / 18 = 1.5778; 4 keeps its gain over
+    # 2 (15 / 13), 8 its gain over 4 (19 / 15): 1.8205, 2.3060
+    assert policy.expected_tokens() == pytest.approx([28.4 / 18, 28.4 / 18 * 15 / 13,
+                                                      28.4 / 18 * 19 / 13])
+    assert policy.choose({2: 1.0, 4: 1.2, 8: 2.0}) == 2  # 1.578, 1.517, 1.153
+    assert policy.choose({2: 1.0, 4: 1.1, 8: 1.4}) == 4  # 1.578, 1.655, 1.647
+    policy.observe(4, 10, [0, 2, 2, 10])  # width 4 over 2 now: (0.8 * 15 + 20) /
+    # (0.8 * 13 + 12) = 32 / 22.4 (the 4-over-2 gain of both calls of width 4 or more)
+    two = (0.8 * 28.4 + 12) / (0.8 * 18 + 10)
+    assert policy.expected_tokens() == pytest.approx([two, two * 32 / 22.4,
+                                                      two * 32 / 22.4 * 19 / 15])

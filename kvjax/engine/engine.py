@@ -146,8 +146,9 @@ class Engine:
         if self.spec is not None and spec.adaptive and not self.spec.calibrated \
                 and jax.process_count() > 1:
             raise ConfigError("spec.adaptive", "with several processes every process must "
-                              "choose the same γ: pin spec.cost_ratio and spec.verify_slope "
-                              "(timings measured in each process differ)")
+                              "choose the same γ: pin spec.cost_ratio and spec.verify_slope, "
+                              "or spec.verify_costs for trees (timings measured in each "
+                              "process differ)")
         self.attention = resolve_backend(ec.attention, config, cache=ec.cache,
                                          poison_freed=ec.poison_freed)
         if self.attention != "reference":

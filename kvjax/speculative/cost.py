@@ -25,6 +25,7 @@ from kvjax.config import CacheConfig
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.decode.steps import model_variables
 from kvjax.model.transformer import Transformer
+from kvjax.speculative.tree import tree_arrays
 
 STEPS = 16
 
@@ -52,10 +53,11 @@ def _steps(params: tuple, configs: tuple, plans: tuple, caches: tuple, tokens: t
     return jax.lax.fori_loop(0, steps, body, (caches, jnp.float32(0)))
 
 
-def step_timer(models: list[tuple], batch: int, context: int):
+def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False):
     """A compiled, warmed-up callable returning the seconds of one composite step: for each
     (params, config, plan, width, repeats) in `models`, `repeats` steps of `width` new
-    tokens per sequence (`batch` sequences with `context` cached tokens each)."""
+    tokens per sequence (`batch` sequences with `context` cached tokens each); with `tree`,
+    the tokens are a tree verify's nodes (a chain's layout: the tree mask's arithmetic)."""
     ps = 16
     state, args = {}, {"params": [], "configs": [], "plans": [], "tokens": [], "batches": [],
                        "repeats": []}
@@ -65,9 +67,14 @@ def step_timer(models: list[tuple], batch: int, context: int):
         cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
         caches.append(init_cache(config, cc))
         rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+        layout = {}
+        if tree:
+            depth, ancestors = tree_arrays(list(range(-1, width - 1)))  # a chain's layout
+            layout = dict(depth=np.tile(depth, (batch, 1)),
+                          ancestors=np.tile(ancestors, (batch, 1, 1)))
         args["batches"].append(BatchInfo(page_table=page_table(rows, batch, cc.block_pages),
                                          lengths=np.full(batch, context, np.int32),
-                                         num_new=np.full(batch, width, np.int32)))
+                                         num_new=np.full(batch, width, np.int32), **layout))
         args["params"].append(jax.device_put(params))
         args["configs"].append(config)
         args["plans"].append(plan)
@@ -116,3 +123,12 @@ def verify_slope(target: tuple, batch: int, context: int, width: int) -> float:
     ratio = timed_ratio(step_timer([(*target, width, 1)], batch, context),
                         step_timer([(*target, 1, 1)], batch, context))
     return max(ratio - 1.0, 0.0) / (width - 1)
+
+
+def verify_costs(target: tuple, batch: int, context: int, widths) -> dict[int, float]:
+    """v(w) for each node count in `widths`: a tree verify of w nodes in plain decoding's
+    one-token target steps. Measured, not fitted: on CPUs v is not linear in w, and a plan
+    that tiles attention by node makes a tree dearer than a chain of as many tokens."""
+    one = step_timer([(*target, 1, 1)], batch, context)
+    return {w: timed_ratio(step_timer([(*target, w, 1)], batch, context, tree=True), one)
+            for w in widths}

@@ -6,7 +6,8 @@ keyed by the draft's namespace: the draft's weights and attention structure, no 
 the draft runs without one). A reused prompt therefore skips prefill for both models. This
 module holds the draft's weights, runs `spec_loop` over both caches through the manager (or,
 with `SpecConfig.tree_nodes`, `tree_loop`'s n-gram trees on a greedy call) and keeps the
-statistics.
+statistics. With `SpecConfig.adaptive` and `tree_nodes`, each greedy call's tree width comes
+from `tree_policy.WidthPolicy` and the verify costs measured per node count.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ from kvjax.speculative.loop import DraftState, RowStats, SpecLoopResult, spec_lo
 from kvjax.speculative.rules import predicted_speedup
 from kvjax.speculative.stats import SpecStats
 from kvjax.speculative.tree_loop import TreeLoopResult, tree_loop
+from kvjax.speculative.tree_policy import WidthPolicy, tree_widths
 
 
-def write_ahead(spec: SpecConfig, gamma: int | None = None) -> int:
-    """The most cache slots a verify writes past the kept history: a chain's γ drafts
-    (`gamma`, or the config's), a tree's nodes but the root."""
+def write_ahead(spec: SpecConfig, size: int | None = None) -> int:
+    """The most cache slots a call writes past the kept history: a chain's γ drafts (`size`,
+    or the config's γ); a tree's nodes but the root (`size` nodes, or `tree_nodes`), and
+    at least the chain of γ that a call with a sampled row verifies instead."""
     if spec.tree_nodes is not None:
-        return spec.tree_nodes - 1
-    return spec.gamma if gamma is None else gamma
+        return max((spec.tree_nodes if size is None else size) - 1, spec.gamma)
+    return spec.gamma if size is None else size
 
 
 class Speculator:
@@ -66,7 +69,12 @@ class Speculator:
             self.fingerprint = model_fingerprint(draft_config, params, plan)
         self.totals = SpecStats.empty(spec.gamma)
         self.tree_calls = 0  # target calls that verified trees (the others: chains)
+        self.widths: list[int] = []  # the width of each call that verified trees
         self.policy = GammaPolicy(spec.gamma)
+        self.width_policy = self.verify_costs = None
+        if spec.tree_nodes is not None and spec.adaptive:
+            self.width_policy = WidthPolicy(tree_widths(spec.gamma, spec.tree_nodes))
+            self.verify_costs = None if spec.verify_costs is None else dict(spec.verify_costs)
         self.cost_ratio = spec.cost_ratio if spec.drafter == "model" else 0.0
         self.verify_slope = spec.verify_slope
 
@@ -79,12 +87,19 @@ class Speculator:
         """The draft's own step shardings (its prefill runs `steps.extend` on its cache)."""
         return None if self.sharding is None else self.sharding.steps()
 
-    def write_ahead(self, gamma: int) -> int:
-        """The cache slots a call of γ `gamma` may write past a row's kept history."""
-        return write_ahead(self.spec, gamma)
+    def write_ahead(self, size: int) -> int:
+        """The cache slots a call of `size` (`next_gamma`'s) may write past a row's kept
+        history."""
+        return write_ahead(self.spec, size)
 
     def next_gamma(self) -> int:
-        """This call's γ: fixed, or (adaptive) the policy's (`kvjax.speculative.gamma`)."""
+        """This call's size: a chain's γ, fixed or (adaptive) the policy's
+        (`kvjax.speculative.gamma`); with trees, the node count of a greedy call's trees,
+        `tree_nodes` or (adaptive) `WidthPolicy`'s."""
+        if self.width_policy is not None:
+            return self.width_policy.choose(self.verify_costs)
+        if self.spec.tree_nodes is not None:
+            return self.spec.tree_nodes
         if not self.spec.adaptive:
             return self.spec.gamma
         return self.policy.choose(self.cost_ratio, self.verify_slope)
@@ -94,8 +109,8 @@ class Speculator:
                want_logits: bool, min_context: int = 0) -> SpecLoopResult:
         """One `spec_loop` (or `tree_loop`) call over the engine's slots (`state`: a row
         per slot); updates the draft state of `live` and the statistics. `model`: the target
-        (`kvjax.engine.runner.TargetModel`), `kv`: the pools; `min_context` as in
-        `EngineConfig`. Returns the result as numpy."""
+        (`kvjax.engine.runner.TargetModel`), `kv`: the pools; `gamma`: `next_gamma`'s size;
+        `min_context` as in `EngineConfig`. Returns the result as numpy."""
         slots = len(state.lengths)
         kwargs = {}
         if kv.draft is not None:
@@ -120,14 +135,22 @@ class Speculator:
 
         sampled = any_sampled(state.temperature)
         if self.spec.tree_nodes is not None and not sampled:
-            out = kv.run_both(lambda cache, _: (*tree_loop(
+            tree = kv.run_both(lambda cache, _: (*tree_loop(
                 model.params, model.config, cache, state, kwargs["history"],
-                max_nodes=self.spec.tree_nodes, depth=gamma, branches=self.spec.branches,
+                max_nodes=gamma, depth=self.spec.gamma, branches=self.spec.branches,
                 max_out=decode_steps, ngram_max=self.spec.ngram_max,
                 return_logits=want_logits, plan=model.plan), None))
-            out = _as_chain_result(jax.tree.map(np.asarray, out))
-            self.tree_calls += int(out.rounds)
+            tree = jax.tree.map(np.asarray, tree)
+            self.tree_calls += int(tree.rounds)
+            self.widths.append(gamma)
+            if self.width_policy is not None:
+                slots = [seq.slot for seq in live]
+                self.width_policy.observe(gamma, int(tree.verifications[slots].sum()),
+                                          tree.accepted_by_width[slots].sum(axis=0))
+            out, gamma = _as_chain_result(tree), self.spec.gamma
         else:
+            if self.spec.tree_nodes is not None:
+                gamma = self.spec.gamma  # a call with a sampled row: the chain of γ
             out = kv.run_both(lambda cache, draft_cache: spec_loop(
                 model.params, model.config, cache, state, drafter=self.spec.drafter,
                 gamma=gamma, max_out=decode_steps, return_logits=want_logits, lora=model.lora,
@@ -164,15 +187,21 @@ class Speculator:
 
     @property
     def calibrated(self) -> bool:
+        if self.width_policy is not None:
+            return self.verify_costs is not None
         return self.cost_ratio is not None and self.verify_slope is not None
 
     def calibrate(self, params, config: ModelConfig, plan: NumericsPlan, batch: int,
                   context: int = 128) -> None:
         """Measures what is not pinned in the SpecConfig: c (the draft's step time over the
-        target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch."""
-        from kvjax.speculative.cost import cost_ratio, verify_slope
+        target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch;
+        for adaptive trees the verify cost at each width the policy chooses from."""
+        from kvjax.speculative.cost import cost_ratio, verify_costs, verify_slope
 
         target = (params, config, plan)
+        if self.width_policy is not None:
+            self.verify_costs = verify_costs(target, batch, context, self.width_policy.widths)
+            return
         if self.cost_ratio is None:
             self.cost_ratio = cost_ratio(target, (self.params, self.config, self.plan), batch,
                                          context)
@@ -188,7 +217,8 @@ class Speculator:
         gamma = round(mean_gamma)
         summary.update(
             drafter=self.spec.drafter, tree_nodes=self.spec.tree_nodes,
-            tree_calls=self.tree_calls, cost_ratio=c, verify_slope=slope,
+            tree_calls=self.tree_calls, tree_widths=_counts(self.widths),
+            verify_costs=self.verify_costs, cost_ratio=c, verify_slope=slope,
             predicted_speedup=predicted_speedup(summary["alpha"], gamma, c) if known else None,
             predicted_speedup_verify=(predicted_speedup(summary["alpha"], gamma, c, slope)
                                       if known and slope is not None else None))
@@ -208,3 +238,8 @@ def _as_chain_result(out: TreeLoopResult) -> SpecLoopResult:
             emitted=out.accepted + out.verifications, alpha_sum=zeros.astype(np.float32),
             alpha_count=zeros, drafted_by_position=out.drafted_by_depth,
             accepted_by_position=out.accepted_by_depth))
+
+
+def _counts(values: list[int]) -> dict[int, int]:
+    """How many times each value occurs, by value."""
+    return {v: values.count(v) for v in sorted(set(values))}

@@ -61,6 +61,9 @@ class TreeLoopResult:
     accepted: jax.Array  # int32[B] drafts emitted
     drafted_by_depth: jax.Array  # int32[B, D] draft nodes verified at depth 1 .. D
     accepted_by_depth: jax.Array  # int32[B, D] drafts emitted at depth 1 .. D
+    # int32[B, N]: [b, w - 1] the drafts row b's verifications would have emitted with
+    # every tree cut to its first w nodes (`accepted_within`)
+    accepted_by_width: jax.Array
     head: HeadDraft | None = None  # the EAGLE head's state (`loop_state`), where it drafted
 
 
@@ -80,6 +83,7 @@ class _Carry:
     accepted: jax.Array  # int32[B]
     drafted_by_depth: jax.Array  # int32[B, D]
     accepted_by_depth: jax.Array  # int32[B, D]
+    accepted_by_width: jax.Array  # int32[B, N]
     head: HeadDraft | None
 
 
@@ -128,6 +132,20 @@ def greedy_tree_path(parents: jax.Array, tokens: jax.Array, nodes: jax.Array,
     return path, 1 + jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
 
 
+def accepted_within(path: jax.Array, on_path: jax.Array, n_emit: jax.Array, max_nodes: int
+                    ) -> jax.Array:
+    """int32[B, N]: [b, w - 1] the drafts a verify of row b's tree cut to its first w nodes
+    would have emitted. The greedy path's nodes (`path` int32[B, D + 1], `on_path` of them)
+    have growing indices, so the cut keeps the path's drafts below w, a prefix of it; the
+    budget and stop ids cut it as they cut the whole path (`n_emit` tokens, the last the
+    target's own)."""
+    drafts = jnp.arange(1, path.shape[1])[None, :] < on_path[:, None]  # [B, D]
+    widths = jnp.arange(1, max_nodes + 1, dtype=jnp.int32)  # [N]
+    within = jnp.sum(drafts[:, :, None] & (path[:, 1:, None] < widths), axis=1,
+                     dtype=jnp.int32)  # [B, N]
+    return jnp.minimum(within, jnp.maximum(n_emit - 1, 0)[:, None])
+
+
 @partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
                                    "ngram_max", "ngram_min", "top_k", "return_logits",
                                    "plan"),
@@ -167,6 +185,7 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         verifications=zeros, drafted=zeros, accepted=zeros,
         drafted_by_depth=jnp.zeros((b, depth), jnp.int32),
         accepted_by_depth=jnp.zeros((b, depth), jnp.int32),
+        accepted_by_width=jnp.zeros((b, max_nodes), jnp.int32),
         head=None if head is None else loop_state(head).replace(cache=head_cache))
 
     def body(s: _Carry) -> _Carry:
@@ -225,6 +244,8 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
             drafted_by_depth=s.drafted_by_depth + jnp.sum(at_level, axis=1, dtype=jnp.int32),
             accepted_by_depth=s.accepted_by_depth
             + (levels < n_emit[:, None]).astype(jnp.int32),
+            accepted_by_width=s.accepted_by_width
+            + accepted_within(path, on_path, n_emit, max_nodes),
             head=None if hd is None else loop_state(hd))
 
     end = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, carry)
@@ -232,4 +253,5 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         tokens=end.tokens, logits=end.logits if return_logits else None, lengths=end.lengths,
         rounds=end.round, verifications=end.verifications, drafted=end.drafted,
         accepted=end.accepted, drafted_by_depth=end.drafted_by_depth,
-        accepted_by_depth=end.accepted_by_depth, head=end.head), end.cache
+        accepted_by_depth=end.accepted_by_depth, accepted_by_width=end.accepted_by_width,
+        head=end.head), end.cache

@@ -12,6 +12,13 @@ the most expected tokens per unit of the round's time, (1 + k Σ p_i) / (v(N) + 
 running calibration of predicted to observed acceptance (draft probabilities are
 over-confident where the head is weak). Nodes come in the drafter's order, parents before
 children, so every prefix is a tree.
+
+The engine's n-gram trees have no scores: `WidthPolicy` picks each call's width from what
+the calls before it accepted. An n-gram tree built with a budget of w nodes is the first w
+nodes of the tree built with more (`ngram_tree_device`: nodes are appended in one order and
+a chain past the budget only stops), and a greedy path's node indices grow with its depth,
+so a verify of N nodes also tells what every cut to w < N nodes would have accepted: the
+path's drafts with index below w (`tree_loop` counts them, `accepted_by_width`).
 """
 
 from __future__ import annotations
@@ -82,3 +89,64 @@ class TreeSizePolicy:
         predicted = float(np.sum(path_probs[1:]))
         self._calibration = [DECAY * self._calibration[0] + accepted,
                              DECAY * self._calibration[1] + predicted]
+
+
+WIDTH_DECAY = 0.8  # weight of the older calls in the width policy's estimates
+
+
+def tree_widths(depth: int, tree_nodes: int) -> list[int]:
+    """The widths an adaptive tree call chooses from: 2, 4, 8, ... below `tree_nodes`, the
+    chain of the full depth (depth + 1 nodes) and `tree_nodes`; one compiled verify each."""
+    powers = [1 << i for i in range(1, tree_nodes.bit_length())]
+    return sorted({w for w in [*powers, depth + 1, tree_nodes] if 2 <= w <= tree_nodes})
+
+
+class WidthPolicy:
+    """Each call's tree width: the one with the most expected tokens per verify cost,
+    tokens(w) / v(w), from running, decayed counts of what calls accepted at each width
+    (module docstring). A call of width W informs every width up to W; a wider width keeps
+    the gain over the next narrower one that calls wide enough last measured, applied to
+    the fresh estimate below it."""
+
+    def __init__(self, widths: Sequence[int]):
+        self.widths = sorted(widths)
+        n = len(self.widths)
+        self.verifications = np.zeros(n)  # decayed verifications of calls of width >= w
+        self.tokens = np.zeros(n)  # the tokens they emit cut to w: 1 + accepted each
+        self.narrower = np.zeros(n)  # the same verifications' tokens cut to the width below
+
+    def observe(self, width: int, verifications: int, accepted_by_width: Sequence[int]) -> None:
+        """Folds in one call of `width` nodes: its verifications and accepted_by_width[w - 1],
+        the drafts they would have accepted with every tree cut to w nodes (w = 1 .. width).
+        Only the widths the call could inform age."""
+        if verifications <= 0:
+            return
+        for i, w in enumerate(self.widths):
+            if w > width:
+                break
+            self.verifications[i] = WIDTH_DECAY * self.verifications[i] + verifications
+            self.tokens[i] = WIDTH_DECAY * self.tokens[i] + verifications + accepted_by_width[w - 1]
+            if i:
+                below = verifications + accepted_by_width[self.widths[i - 1] - 1]
+                self.narrower[i] = WIDTH_DECAY * self.narrower[i] + below
+
+    def expected_tokens(self) -> list[float]:
+        """Expected tokens per verification at each width (one-based, `widths` order): the
+        narrowest's running mean, then each wider one's measured gain over the one below."""
+        if self.verifications[0] <= 0:
+            raise ValueError("no call observed yet")
+        out = [self.tokens[0] / self.verifications[0]]
+        for i in range(1, len(self.widths)):
+            out.append(out[-1] * self.tokens[i] / self.narrower[i])
+        return [float(x) for x in out]
+
+    def choose(self, verify_cost: Mapping[int, float]) -> int:
+        """The next call's width: the widest until a call was observed, then the one with
+        the most expected tokens per v(w) (interpolated from `verify_cost`; the narrowest on
+        ties)."""
+        if self.verifications[-1] <= 0:
+            return self.widths[-1]
+        tokens = self.expected_tokens()
+        cost = [interpolated(verify_cost, w) for w in self.widths]
+        best = max(range(len(self.widths)), key=lambda i: (tokens[i] / cost[i], -i))
+        return self.widths[best]
