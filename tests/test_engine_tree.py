@@ -228,6 +228,10 @@ def test_tree_settings_are_checked():
         Engine(kvjax.init_params(CONFIG, seed=1), CONFIG, ec,
                adapters={"a": kvjax.init_adapter(CONFIG, rank=4, seed=1)},
                spec=SpecConfig(drafter="ngram", tree_nodes=8))
+    with pytest.raises(ConfigError, match="one device"):  # even a mesh of one device
+        Engine(kvjax.init_params(CONFIG, seed=1), CONFIG,
+               dataclasses.replace(ec, mesh="data=1,model=1"),
+               spec=SpecConfig(drafter="ngram", tree_nodes=8))
     # a request is checked against the pages a tree writes past its history (7, not γ 4)
     tight = dataclasses.replace(ONE_BUCKET, num_pages=4)
     engine = Engine(kvjax.init_params(CONFIG, seed=1), CONFIG,

@@ -148,3 +148,21 @@ def test_a_narrow_call_updates_its_widths_and_keeps_the_wider_ones_gains():
     two = (0.8 * 28.4 + 12) / (0.8 * 18 + 10)
     assert policy.expected_tokens() == pytest.approx([two, two * 32 / 22.4,
                                                       two * 32 / 22.4 * 19 / 15])
+
+
+def test_every_eighth_choice_tries_the_next_wider_width():
+    policy = WidthPolicy([2, 4, 8])
+    policy.observe(8, 10, [0, 4, 4, 4, 4, 4, 4, 4])  # width 2 is best: 1.4 for any cost
+    costs = {2: 1.0, 8: 2.0}
+    assert [policy.choose(costs) for _ in range(16)] == [2] * 7 + [4] + [2] * 7 + [4]
+    # the probe finds 4 worth it: 4 over 2 is now (0.8 * 14 + 24) / (0.8 * 14 + 14) = 1.397,
+    # times width 2's 1.4 = 1.956 tokens over v(4) = 1.333: 1.467 > 1.4
+    policy.observe(4, 10, [0, 4, 4, 14])
+    assert policy.expected_tokens()[1] == pytest.approx(1.4 * 35.2 / 25.2)
+    assert policy.choose(costs) == 4
+    never = WidthPolicy([2, 4, 8], explore=0)
+    never.observe(8, 10, [0, 4, 4, 4, 4, 4, 4, 4])
+    assert {never.choose(costs) for _ in range(16)} == {2}
+    wide = WidthPolicy([2, 4, 8])
+    wide.observe(8, 10, [0, 1, 1, 3, 3, 3, 3, 9])  # the widest is best: nothing wider
+    assert {wide.choose({2: 1.0, 8: 1.0}) for _ in range(16)} == {8}

@@ -106,10 +106,12 @@ class WidthPolicy:
     tokens(w) / v(w), from running, decayed counts of what calls accepted at each width
     (module docstring). A call of width W informs every width up to W; a wider width keeps
     the gain over the next narrower one that calls wide enough last measured, applied to
-    the fresh estimate below it."""
+    the fresh estimate below it. So that a gain that grows later is seen, every `explore`-th
+    call verifies the next width wider than the best (0: never)."""
 
-    def __init__(self, widths: Sequence[int]):
+    def __init__(self, widths: Sequence[int], explore: int = 8):
         self.widths = sorted(widths)
+        self.explore, self._calls = explore, 0
         n = len(self.widths)
         self.verifications = np.zeros(n)  # decayed verifications of calls of width >= w
         self.tokens = np.zeros(n)  # the tokens they emit cut to w: 1 + accepted each
@@ -143,10 +145,13 @@ class WidthPolicy:
     def choose(self, verify_cost: Mapping[int, float]) -> int:
         """The next call's width: the widest until a call was observed, then the one with
         the most expected tokens per v(w) (interpolated from `verify_cost`; the narrowest on
-        ties)."""
+        ties), or every `explore`-th time the next wider one."""
         if self.verifications[-1] <= 0:
             return self.widths[-1]
         tokens = self.expected_tokens()
         cost = [interpolated(verify_cost, w) for w in self.widths]
         best = max(range(len(self.widths)), key=lambda i: (tokens[i] / cost[i], -i))
+        self._calls += 1
+        if self.explore and self._calls % self.explore == 0 and best + 1 < len(self.widths):
+            best += 1
         return self.widths[best]
