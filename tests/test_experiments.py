@@ -260,6 +260,13 @@ def test_bad_config_is_a_clear_error_before_any_work(overrides, message, tmp_pat
     assert not (tmp_path / "o").exists()
 
 
+def test_adaptive_mtbench_points_need_trees(tmp_path, no_work, capsys):
+    args = ["run", str(ROOT / "configs/mtbench_spec.toml"), "--out", str(tmp_path / "o"),
+            "--set", "params.adaptive=true"]
+    assert main(args) == 2
+    assert "params.adaptive: adaptive widths are for trees" in capsys.readouterr().err
+
+
 def test_unknown_experiment_in_a_config_file(tmp_path, no_work):
     config = tmp_path / "x.toml"
     config.write_text('experiment = "not_an_experiment"\n')
