@@ -265,6 +265,7 @@ def test_adaptive_mtbench_points_need_trees(tmp_path, no_work, capsys):
             "--set", "params.adaptive=true"]
     assert main(args) == 2
     assert "params.adaptive: adaptive widths are for trees" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_unknown_experiment_in_a_config_file(tmp_path, no_work):

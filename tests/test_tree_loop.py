@@ -125,7 +125,8 @@ def test_a_smaller_budget_builds_the_first_nodes_of_the_larger_tree():
 
 def test_accepted_within_is_what_each_cut_tree_accepts():
     """For every width w, the drafts greedy acceptance emits from the tree's first w nodes,
-    with and without a budget cutting the path."""
+    with and without a budget cutting the path (a stop id cuts the emitted count as a
+    budget does: the cut tree's tokens are a prefix of the whole tree's)."""
     rng = np.random.default_rng(4)
     n, depth = 10, 9
     trees = [[-1], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8], [-1] + [0] * 9]  # root, chain, star

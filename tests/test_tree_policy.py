@@ -26,6 +26,7 @@ def test_costs_between_and_past_the_measured_node_counts():
     assert interpolated({1: 1.0, 4: 1.6}, 2) == pytest.approx(1.2)
     assert interpolated({1: 1.0, 4: 1.6}, 8) == pytest.approx(2.4)  # the last slope on
     assert interpolated({4: 1.6}, 8) == pytest.approx(1.6)
+    assert interpolated({2: 2.0, 4: 1.0}, 8) == pytest.approx(1.0)  # not -1: the cheapest
     with pytest.raises(ValueError, match="no measured"):
         interpolated({}, 2)
 
@@ -126,7 +127,7 @@ def test_the_width_policy_tries_the_widest_then_takes_the_most_tokens_per_cost()
     assert policy.choose({2: 1.0, 4: 1.2, 8: 2.0}) == 2
     # 1.3, 1.364, 1.357
     assert policy.choose({2: 1.0, 4: 1.1, 8: 1.4}) == 4
-    # costs between the measured widths are interpolated: v(4) = 1.5 -> 1.3, 1.0, 0.95
+    # costs between the measured widths are interpolated: v(4) = 1.333 -> 1.3, 1.125, 0.95
     assert policy.choose({2: 1.0, 8: 2.0}) == 2
     flat = WidthPolicy([2, 4, 8])
     flat.observe(8, 10, [0, 4, 4, 4, 4, 4, 4, 4])  # wider trees accepted nothing more
@@ -150,19 +151,24 @@ def test_a_narrow_call_updates_its_widths_and_keeps_the_wider_ones_gains():
                                                       two * 32 / 22.4 * 19 / 15])
 
 
-def test_every_eighth_choice_tries_the_next_wider_width():
+def test_every_eighth_choice_verifies_the_widest_width():
     policy = WidthPolicy([2, 4, 8])
     policy.observe(8, 10, [0, 4, 4, 4, 4, 4, 4, 4])  # width 2 is best: 1.4 for any cost
     costs = {2: 1.0, 8: 2.0}
-    assert [policy.choose(costs) for _ in range(16)] == [2] * 7 + [4] + [2] * 7 + [4]
+    assert [policy.choose(costs) for _ in range(16)] == [2] * 7 + [8] + [2] * 7 + [8]
     # the probe finds 4 worth it: 4 over 2 is now (0.8 * 14 + 24) / (0.8 * 14 + 14) = 1.397,
-    # times width 2's 1.4 = 1.956 tokens over v(4) = 1.333: 1.467 > 1.4
-    policy.observe(4, 10, [0, 4, 4, 14])
-    assert policy.expected_tokens()[1] == pytest.approx(1.4 * 35.2 / 25.2)
+    # times width 2's 1.4 = 1.956 tokens over v(4) = 1.333: 1.467 > 1.4 (and 8 over 4:
+    # (0.8 * 14 + 25) / (0.8 * 14 + 24) = 1.028, 2.011 over v(8) = 2: 1.006)
+    policy.observe(8, 10, [0, 4, 4, 14, 14, 14, 14, 15])
+    assert policy.expected_tokens() == pytest.approx([1.4, 1.4 * 35.2 / 25.2,
+                                                      1.4 * 36.2 / 25.2])
     assert policy.choose(costs) == 4
     never = WidthPolicy([2, 4, 8], explore=0)
     never.observe(8, 10, [0, 4, 4, 4, 4, 4, 4, 4])
     assert {never.choose(costs) for _ in range(16)} == {2}
     wide = WidthPolicy([2, 4, 8])
-    wide.observe(8, 10, [0, 1, 1, 3, 3, 3, 3, 9])  # the widest is best: nothing wider
+    wide.observe(8, 10, [0, 1, 1, 3, 3, 3, 3, 9])  # the widest is best: it stays
     assert {wide.choose({2: 1.0, 8: 1.0}) for _ in range(16)} == {8}
+    narrow = WidthPolicy([2, 4, 8])
+    narrow.observe(2, 10, [0, 3])  # only width 2 seen: no gain measured above it
+    assert narrow.expected_tokens() == pytest.approx([1.3, 1.3, 1.3])

@@ -167,7 +167,7 @@ class LiveRequest:
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     admitted_order: int = -1
     operator_miss: tuple[str | None, tuple[str, ...]] = (None, ())  # metrics() only
-    gammas: list[int] = dataclasses.field(default_factory=list)  # γ of each decode call
+    gammas: list[int] = dataclasses.field(default_factory=list)  # each call's size (γ, nodes)
     calls: int = 0  # decode calls since its (latest) admission
     prefilling: bool = False  # seated, its prompt not fully prefilled yet
     dropped: Dropped = dataclasses.field(default_factory=lambda: Dropped())

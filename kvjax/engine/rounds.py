@@ -302,18 +302,18 @@ class Rounds:
     # -- decode --------------------------------------------------------------------------------
     def _decode(self, events: list[StreamEvent]) -> None:
         ec, spec = self.engine_config, self.spec
-        gamma = 0
+        gamma, replay = 0, None
         if spec is not None:
             if spec.spec.adaptive and not spec.calibrated:
                 model = self.runner.model
                 spec.calibrate(model.params, model.config, model.plan, ec.max_slots)
-            replay = self._replay_gamma()
+            replay = self._replay_gamma() if spec.replays else None
             gamma = spec.next_gamma() if replay is None else replay
         budgets = {}
         for seq in self.scheduler.decode_order():
             if seq.slot is None or seq.done or seq.req.prefilling:
                 continue  # preempted while growing another sequence, or not prefilled yet
-            if spec is not None and seq.req.replaying and seq.req.gammas[seq.req.calls] != gamma:
+            if replay is not None and seq.req.replaying and seq.req.gammas[seq.req.calls] != gamma:
                 continue  # recomputing under another γ: it waits for a call with its own
             budget = min(ec.decode_steps, seq.req.request.max_new_tokens - len(seq.generated))
             if self._grow(seq, budget + (0 if spec is None else spec.write_ahead(gamma))):

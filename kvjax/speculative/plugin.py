@@ -87,6 +87,14 @@ class Speculator:
         """The draft's own step shardings (its prefill runs `steps.extend` on its cache)."""
         return None if self.sharding is None else self.sharding.steps()
 
+    @property
+    def replays(self) -> bool:
+        """Whether a recomputed request must decode under the γ each of its calls had: under
+        adaptive γ (sampled tokens depend on where rounds start). Not for trees: a call with
+        a sampled row verifies the fixed chain of γ, and a greedy row's tokens depend on the
+        width no more than on the batch."""
+        return self.spec.adaptive and self.spec.tree_nodes is None
+
     def write_ahead(self, size: int) -> int:
         """The cache slots a call of `size` (`next_gamma`'s) may write past a row's kept
         history."""
@@ -144,9 +152,9 @@ class Speculator:
             self.tree_calls += int(tree.rounds)
             self.widths.append(gamma)
             if self.width_policy is not None:
-                slots = [seq.slot for seq in live]
-                self.width_policy.observe(gamma, int(tree.verifications[slots].sum()),
-                                          tree.accepted_by_width[slots].sum(axis=0))
+                rows = [seq.slot for seq in live]
+                self.width_policy.observe(gamma, int(tree.verifications[rows].sum()),
+                                          tree.accepted_by_width[rows].sum(axis=0))
             out, gamma = _as_chain_result(tree), self.spec.gamma
         else:
             if self.spec.tree_nodes is not None:

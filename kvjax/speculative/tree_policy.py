@@ -32,7 +32,8 @@ DECAY = 0.9  # weight of the older calls in the calibration
 
 def interpolated(measured: Mapping[int, float], n: int) -> float:
     """v(n) from costs measured at some node counts: piecewise linear between them, and
-    past the last along the last segment's slope (flat with one point)."""
+    past the last along the last segment's slope (flat with one point), never below the
+    cheapest measured cost (a falling last segment would reach 0)."""
     points = sorted(measured.items())
     if not points:
         raise ValueError("no measured verify costs")
@@ -40,7 +41,7 @@ def interpolated(measured: Mapping[int, float], n: int) -> float:
     if n <= xs[-1] or len(xs) == 1:
         return float(np.interp(n, xs, ys))
     slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return float(ys[-1] + slope * (n - xs[-1]))
+    return float(max(ys[-1] + slope * (n - xs[-1]), min(ys)))
 
 
 def expected_tokens(path_probs: Sequence[float], k: float = 1.0) -> list[float]:
@@ -107,7 +108,7 @@ class WidthPolicy:
     (module docstring). A call of width W informs every width up to W; a wider width keeps
     the gain over the next narrower one that calls wide enough last measured, applied to
     the fresh estimate below it. So that a gain that grows later is seen, every `explore`-th
-    call verifies the next width wider than the best (0: never)."""
+    call verifies the widest width (0: never): it refreshes every width's gain at once."""
 
     def __init__(self, widths: Sequence[int], explore: int = 8):
         self.widths = sorted(widths)
@@ -138,20 +139,20 @@ class WidthPolicy:
         if self.verifications[0] <= 0:
             raise ValueError("no call observed yet")
         out = [self.tokens[0] / self.verifications[0]]
-        for i in range(1, len(self.widths)):
-            out.append(out[-1] * self.tokens[i] / self.narrower[i])
+        for i in range(1, len(self.widths)):  # a gain never measured counts as none
+            out.append(out[-1] * (self.tokens[i] / self.narrower[i] if self.narrower[i] else 1))
         return [float(x) for x in out]
 
     def choose(self, verify_cost: Mapping[int, float]) -> int:
         """The next call's width: the widest until a call was observed, then the one with
         the most expected tokens per v(w) (interpolated from `verify_cost`; the narrowest on
-        ties), or every `explore`-th time the next wider one."""
+        ties), or every `explore`-th time the widest."""
         if self.verifications[-1] <= 0:
             return self.widths[-1]
         tokens = self.expected_tokens()
         cost = [interpolated(verify_cost, w) for w in self.widths]
         best = max(range(len(self.widths)), key=lambda i: (tokens[i] / cost[i], -i))
         self._calls += 1
-        if self.explore and self._calls % self.explore == 0 and best + 1 < len(self.widths):
-            best += 1
+        if self.explore and self._calls % self.explore == 0:
+            return self.widths[-1]
         return self.widths[best]
