@@ -12,6 +12,8 @@ from `tree_policy.WidthPolicy` and the verify costs measured per node count.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import jax
 import numpy as np
 
@@ -225,7 +227,7 @@ class Speculator:
         gamma = round(mean_gamma)
         summary.update(
             drafter=self.spec.drafter, tree_nodes=self.spec.tree_nodes,
-            tree_calls=self.tree_calls, tree_widths=_counts(self.widths),
+            tree_calls=self.tree_calls, tree_widths=dict(sorted(Counter(self.widths).items())),
             verify_costs=self.verify_costs, cost_ratio=c, verify_slope=slope,
             predicted_speedup=predicted_speedup(summary["alpha"], gamma, c) if known else None,
             predicted_speedup_verify=(predicted_speedup(summary["alpha"], gamma, c, slope)
@@ -246,8 +248,3 @@ def _as_chain_result(out: TreeLoopResult) -> SpecLoopResult:
             emitted=out.accepted + out.verifications, alpha_sum=zeros.astype(np.float32),
             alpha_count=zeros, drafted_by_position=out.drafted_by_depth,
             accepted_by_position=out.accepted_by_depth))
-
-
-def _counts(values: list[int]) -> dict[int, int]:
-    """How many times each value occurs, by value."""
-    return {v: values.count(v) for v in sorted(set(values))}
