@@ -186,8 +186,7 @@ class CacheConfig:
         _require(self.prefill_chunk % self.page_size == 0, "prefill_chunk",
                  f"{self.prefill_chunk} is not a multiple of page_size ({self.page_size})")
         _require(self.attn_block % self.page_size == 0 or self.attn_block < self.page_size,
-                 "attn_block", f"{self.attn_block} is not a multiple of page_size "
-                 f"({self.page_size})")
+                 "attn_block", f"{self.attn_block}: not a multiple of page_size {self.page_size}")
 
     @property
     def block_pages(self) -> int:
@@ -260,8 +259,7 @@ class EngineConfig:
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")
-        _require(self.prefill_calls_per_round >= 0, "prefill_calls_per_round",
-                 f"must be >= 0, got {self.prefill_calls_per_round}")
+        _require(self.prefill_calls_per_round >= 0, "prefill_calls_per_round", "must be >= 0")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
         _choice(self.cpu_kernel, "cpu_kernel", ("off", "products", "auto"))
@@ -275,28 +273,30 @@ class EngineConfig:
 class SpecConfig:
     """Speculative decoding: which drafter, how many tokens it drafts per target call."""
 
-    drafter: str = "model"  # "model" | "ngram"
+    drafter: str = "model"  # "model" | "ngram" | "eagle" (an EAGLE-style head's trees)
     gamma: int = 4  # drafts a round: a chain's length, a tree's depth
     adaptive: bool = False  # each call's gamma (<= gamma), or tree width (<= tree_nodes)
     ngram_max: int = 3
     cost_ratio: float | None = None  # c for adaptive gamma; None: measured by the engine
     verify_slope: float | None = None  # extra verify cost per drafted token; None: measured
     tree_nodes: int | None = None  # n-gram trees (greedy calls; sampled: chains). None: chains
-    branches: int = 4
+    branches: int = 4  # an n-gram tree's continuations; an EAGLE tree's offers per level
     # adaptive trees: (node count, verify cost in one-token steps) pairs; None: measured
     verify_costs: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
-        _choice(self.drafter, "drafter", ("model", "ngram"))
+        _choice(self.drafter, "drafter", ("model", "ngram", "eagle"))
         for key in ("cost_ratio", "verify_slope"):
             value = getattr(self, key)
             _require(value is None or value >= 0, key, f"must be >= 0, got {value}")
         _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
         for key in ("ngram_max", "branches"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        _require(self.tree_nodes is None or (self.drafter == "ngram"
-                 and self.gamma < self.tree_nodes <= 33), "tree_nodes", f"{self.tree_nodes}: "
-                 "n-gram trees (drafter 'ngram') of gamma + 1 to 33 nodes")
+        _require((self.tree_nodes is None and self.drafter != "eagle") or (
+                 self.drafter != "model" and self.gamma < (self.tree_nodes or 0) <= 33),
+                 "tree_nodes", f"{self.tree_nodes}: n-gram or EAGLE trees (drafter 'ngram' "
+                 "or 'eagle', which drafts trees only) of gamma + 1 to 33 nodes")
+        _require(not self.adaptive or self.drafter != "eagle", "adaptive", "for n-gram trees")
         if (costs := self.verify_costs) is not None:  # hashable, whatever lists gave them
             costs = tuple((int(n), float(c)) for n, c in costs)
             object.__setattr__(self, "verify_costs", costs)

@@ -16,7 +16,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kvjax.cache.allocator import pages_for
-from kvjax.cache.trie import Match, Node
+from kvjax.cache.trie import Match, Node, history_digests
 
 if TYPE_CHECKING:  # the pool holds the device cache; the plan uses its host methods only
     from kvjax.cache.pool import PagePool
@@ -107,6 +107,25 @@ class Admission:
                 plan.abort()
 
 
+def pool_keys(pool: PagePool, tokens: list[int], salts, digests
+              ) -> tuple[list[int], list, list[bytes]]:
+    """(tokens, salts, digests) under which `pool`'s pages of a history `tokens` enter and
+    match its trie. A pool whose slot j depends on `pool.lead` tokens past token j (an
+    EAGLE head's pairs) keys block i by tokens[lead + iP : lead + (i + 1)P], salted as the
+    page of its last token (a public page's pairs may read a tenant's first token), and
+    names the first `lead` tokens in block 0's salt: a page matches only where every token
+    it depends on does. `tokens` then holds `lead` more tokens than the pool's slots."""
+    lead, ps = pool.lead, pool.page_size
+    if not lead or not tokens:
+        return tokens, salts, digests
+    salts = [salts[min(((i + 1) * ps + lead - 1) // ps, len(salts) - 1)]
+             for i in range(len(salts))] or [None]
+    first = f"after:{list(tokens[:lead])}"
+    salts[0] = first if salts[0] is None else f"{salts[0]}|{first}"
+    rest = list(tokens[lead:])
+    return rest, salts, history_digests(rest, ps)
+
+
 def match(pool: PagePool, req, prefix_cache: bool, draft: bool = False) -> Match:
     """The pool's longest cached prefix of the request's context (the draft's namespace
     has no adapter)."""
@@ -114,7 +133,7 @@ def match(pool: PagePool, req, prefix_cache: bool, draft: bool = False) -> Match
         return Match([], "prefix_cache_off")
     namespace = pool.namespace(req.request.position_base) if draft else req.namespace
     ctx = req.context
-    return pool.match(namespace, ctx.tokens, ctx.salts, ctx.digests)
+    return pool.match(namespace, *pool_keys(pool, ctx.tokens, ctx.salts, ctx.digests))
 
 
 def plan_admission(req, target: PagePool, draft: PagePool | None, prefix_cache: bool,
@@ -124,9 +143,14 @@ def plan_admission(req, target: PagePool, draft: PagePool | None, prefix_cache: 
     ps, n_tok = target.page_size, len(req.context.tokens)
     found = match(target, req, prefix_cache)
     reuse = min(len(found.nodes), (n_tok - 1) // ps)  # at least one token is computed
+    lead = draft is not None and draft.lead > 0
+    if lead:  # an EAGLE head's pairs are made from the target's prefill: the target
+        # recomputes what the head does not hold (pages the head matched, no partial copy)
+        draft_found = match(draft, req, prefix_cache, draft=True)
+        reuse = min(reuse, len(draft_found.nodes))
     # Every matched node is touched, the last full page's too when it is recomputed.
     plan = PoolPlan(target, found.nodes, found.pages[:reuse], pages_for(n_tok, ps) - reuse)
-    if partial_page_copy:
+    if partial_page_copy and not lead:
         room = n_tok - 1 - reuse * ps
         if reuse < len(found.nodes):
             plan.copy_from, plan.copied = found.nodes[reuse].page, min(ps, room)
@@ -136,8 +160,9 @@ def plan_admission(req, target: PagePool, draft: PagePool | None, prefix_cache: 
             plan.copy_from, plan.copied = None, 0
     draft_plan = None
     if draft is not None:
-        draft_found = match(draft, req, prefix_cache, draft=True)
-        reused = draft_found.pages[: n_tok // ps]
+        if not lead:
+            draft_found = match(draft, req, prefix_cache, draft=True)
+        reused = draft_found.pages[: reuse if lead else n_tok // ps]
         draft_plan = PoolPlan(draft, draft_found.nodes[: len(reused)], reused,
                               pages_for(n_tok, ps) - len(reused))
         draft_plan.hold()

@@ -32,7 +32,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from kvjax.cache.admission import Admission, match, plan_admission
+from kvjax.cache.admission import Admission, match, plan_admission, pool_keys
 from kvjax.cache.paged import PagedKVCache
 from kvjax.cache.pool import PagePool, Preempt
 from kvjax.cache.trie import Match
@@ -130,12 +130,15 @@ class KVCacheManager:
         """The full pages of `tokens` held in `pages` enter the target's trie under the
         request's namespace (None: the target commits nothing); the full pages of
         `draft_tokens` held in `draft_pages`, the draft's under the request's draft
-        namespace. `salts` and `digests` are per page of the request's history."""
+        namespace (an EAGLE head's: `draft_tokens` one token longer than its pairs,
+        `admission.pool_keys`). `salts` and `digests` are per page of the request's
+        history."""
         if tokens is not None:
             self.target.insert(req.namespace, tokens, salts, digests, pages)
         if self.draft is not None and draft_tokens is not None and draft_pages:
             self.draft.insert(self.draft.namespace(req.request.position_base),
-                              draft_tokens, salts, digests, list(draft_pages))
+                              *pool_keys(self.draft, draft_tokens, salts, digests),
+                              list(draft_pages))
 
     def unbounded_blocks(self, req) -> int:
         """How many full pages of the request's context an unbounded cache would hold."""

@@ -73,6 +73,9 @@ class PagePool:
                                evicted_record=evicted_record,
                                **({} if hash_fn is None else {"hash_fn": hash_fn}))
         self.fingerprint: str | None = None  # the weights' (set by whoever loads them)
+        # tokens past slot j that slot j's state depends on: 0 for a model's K/V, 1 for an
+        # EAGLE head's pair [F_j, e(h_{j+1})] (its trie keys: `eagle_engine.head_keys`)
+        self.lead = 0
         # Host and disk tiers for evicted pages (kvjax.cache.tiers): the trie hands over
         # what each eviction dropped while the pages still hold it (`_spill`).
         self.tiers = Tiers.for_cache(cache, page_layout(self.cache))

@@ -31,12 +31,15 @@ class PrefillRow:
     position_base: int = 0
     adapter_index: int = 0
     open_row: int | None = None  # int4_kivi pages: its slot's open page (kvjax.cache.kivi)
+    # an EAGLE head's row (`kvjax.speculative.eagle_engine`): the context's last feature
+    # [D] once its prefill is done, the root pair's
+    feature: np.ndarray | None = None
 
 
 def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
                  rows: list[PrefillRow], lora: dict | None = None, sharding=None,
                  calls: int | None = None, width: int | None = None,
-                 plan: NumericsPlan = FAST, min_pages: int = 1
+                 plan: NumericsPlan = FAST, min_pages: int = 1, features: bool = False
                  ) -> tuple[list[jax.Array | None], PagedKVCache]:
     """Prefills every row's tokens[start:] (or its first `calls` chunks); returns (each
     row's last token logits [V], or None when its last token was not in these calls, and
@@ -44,7 +47,11 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
     padded to a power of two; a row whose tokens are done rides along with no new token
     (it writes and attends nothing). `width`: tokens per row per call (default the cache's
     chunk; another width changes a token's bits unless `plan` is invariant). `min_pages`:
-    the page table's least width (`EngineConfig.min_context`)."""
+    the page table's least width (`EngineConfig.min_context`). `features` (one call,
+    `calls=1`): (logits, cache, the final norm's output [B, chunk, D] at each row's new
+    tokens: what an EAGLE-style head reads)."""
+    if features and calls != 1:
+        raise ValueError("prefill_rows returns features of one call (calls=1)")
     chunk, n = width or cache_config.prefill_chunk, len(rows)
     b = bucket(n)
     table = page_table([r.pages for r in rows], b, cache_config.block_pages, min_pages)
@@ -59,6 +66,7 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
     needed = max(-(-(len(r.tokens) - r.start) // chunk) for r in rows)
     calls = needed if calls is None else min(calls, needed)
     out: list[jax.Array | None] = [None] * n
+    feats = None
     for c in range(calls):
         tokens = np.zeros((b, chunk), np.int32)
         lengths, num_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -70,11 +78,14 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
         batch = BatchInfo(page_table=table, lengths=lengths, num_new=num_new,
                           position_offset=offsets, open_rows=prefill_open_rows(cache, rows, b))
         logits, cache = steps.extend(params, config, cache, tokens, batch, lora, ids,
-                                     last_only=True, sharding=sharding, plan=plan)
+                                     last_only=True, sharding=sharding, plan=plan,
+                                     features=features)
+        if features:
+            logits, feats = logits
         for i, r in enumerate(rows):
             if num_new[i] and lengths[i] + num_new[i] == len(r.tokens):
                 out[i] = logits[i, 0]
-    return out, cache
+    return (out, cache, feats) if features else (out, cache)
 
 
 def open_rows(cache: PagedKVCache, of_row: dict[int, int], b: int) -> np.ndarray | None:

@@ -72,6 +72,8 @@ from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.layout import canonical, store
 from kvjax.model.lora import stack_adapters, stacked_shapes
+from kvjax.speculative import eagle_engine
+from kvjax.speculative.eagle import head_config
 from kvjax.speculative.plugin import Speculator, write_ahead
 
 
@@ -82,18 +84,24 @@ class Engine:
     are the `tokenizer`'s `eos_ids` (the checkpoint's end of sequence, where transformers,
     vLLM and llama.cpp stop by default) that are inside the model's vocabulary, or none
     without a tokenizer; `()` stops at no EOS.
+
+    `draft`, with `spec`: a draft model's (params, config), or for `drafter="eagle"` an
+    EAGLE-style head's `HeadFile` (`kvjax.speculative.eagle_engine`); its pages are the
+    draft pool.
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig | None = None,
                  adapters: dict | None = None, hash_fn=None, tokenizer=None,
-                 chat_template=None, draft: tuple | None = None,
+                 chat_template=None, draft=None,
                  spec: SpecConfig | None = None, eos_tokens: Sequence[int] | None = None):
         if not config.causal:
             raise NonCausalCacheError()
         self.engine_config = ec = engine_config or EngineConfig()
         if draft is not None and spec is None:
             spec = SpecConfig()
-        configs = [config] + ([] if draft is None else [draft[1]])
+        eagle = spec is not None and spec.drafter == "eagle"  # `draft` is a HeadFile
+        configs = [config] + ([] if draft is None else [head_config(config) if eagle
+                                                        else draft[1]])
         ahead = 0 if spec is None else write_ahead(spec)
         self.adapters = dict(adapters or {})
         lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
@@ -135,7 +143,8 @@ class Engine:
         self._timers = Timers()
         self._backlog: list[StreamEvent] = []
         self.spec = None if spec is None else Speculator(
-            spec, draft, config, mesh, draft_plan[0].check(draft[1]) if draft_plan else plan)
+            spec, draft, config, mesh, draft_plan[0].check(configs[1]) if draft_plan else plan,
+            target_plan=self.plan)
         drafting = self.spec is not None and self.spec.config is not None
         self.kv = KVCacheManager.for_engine(
             config, ec, hash_fn, self.sharding,
@@ -143,6 +152,7 @@ class Engine:
             draft_sharding=self.spec.sharding if drafting else None)
         if drafting:
             self.kv.draft.fingerprint = self.spec.fingerprint
+            self.kv.draft.lead = 0 if self.spec.eagle is None else eagle_engine.LEAD
         if self.spec is not None and spec.adaptive and not self.spec.calibrated \
                 and jax.process_count() > 1:
             raise ConfigError("spec.adaptive", "with several processes every process must "
@@ -215,6 +225,8 @@ class Engine:
         if live:
             raise RuntimeError(f"load_params with {len(live)} live requests: finish or "
                                f"cancel them first")
+        if self.spec is not None and self.spec.eagle is not None:
+            self.spec.eagle.bind(params)  # before anything changes: refuses other weights
         # Host arrays would be copied at every step: weights live on the device(s).
         self.model.params = (jax.device_put(store(params, self.plan))
                               if self.sharding is None else self.sharding.place_params(params))
@@ -330,7 +342,8 @@ class Engine:
         tokens = validate(request, render(request, self.tokenizer, self.chat_template),
                           self.config, self.cache_config, self.engine_config.max_slots,
                           self.adapters, None if self.spec is None else self.spec.max_seq_len,
-                          0 if self.spec is None else write_ahead(self.spec.spec))
+                          0 if self.spec is None else write_ahead(self.spec.spec),
+                          greedy_only=self.spec is not None and self.spec.eagle is not None)
         req = LiveRequest(id=-1, request=request, tokens=tokens,
                           namespace=self.namespace(request),
                           context=context(request, tokens, self.cache_config.page_size),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -121,6 +122,8 @@ class Seq:
     draft_pages: list[int] = dataclasses.field(default_factory=list)
     draft_length: int = 0  # tokens in the draft's cache: `length` or `length - 1`
     prev: int = -1  # the token at index length - 1, when the draft lags one behind
+    head: Any = None  # an EAGLE head's side (`eagle_engine.HeadState`); its pairs cached:
+    # `draft_length` (one behind `length`, and the pending ones)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +230,12 @@ def stop_ids(request: Request, eos: Sequence[int] = ()) -> tuple[int, ...]:
 
 def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
              max_slots: int, adapters, draft_max_seq_len: int | None = None,
-             write_ahead: int = 0) -> list[int]:
+             write_ahead: int = 0, greedy_only: bool = False) -> list[int]:
     """The prompt's ids as ints, or InvalidRequestError naming what cannot be served.
 
     `adapters`: the loaded adapter names; `draft_max_seq_len`: the draft model's context,
-    if any; `write_ahead`: cache slots a decode call may write past the kept history (γ).
+    if any; `write_ahead`: cache slots a decode call may write past the kept history (γ);
+    `greedy_only`: sampled requests are refused.
     """
     ids = np.asarray(check_token_ids(tokens, config.vocab_size))
     if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
@@ -252,6 +256,9 @@ def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
         raise InvalidRequestError(
             f"position_base {request.position_base} + {ids.size} prompt tokens + "
             f"{request.max_new_tokens} new tokens exceed max_seq_len={config.max_seq_len}")
+    if greedy_only and request.sampling.temperature > 0:  # an EAGLE engine (tree_loop)
+        raise InvalidRequestError(f"temperature {request.sampling.temperature}: EAGLE trees "
+                                  f"verify greedy requests only (temperature 0)")
     if draft_max_seq_len is not None and end > draft_max_seq_len:
         raise InvalidRequestError(
             f"position_base {request.position_base} + {ids.size} prompt tokens + "

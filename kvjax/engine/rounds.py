@@ -19,6 +19,7 @@ from kvjax.engine import results, scheduler, stop_strings
 from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent, context
 from kvjax.engine.runner import StepRunner
 from kvjax.engine.stats import Timers, record_admission, record_dropped
+from kvjax.speculative.eagle_engine import HeadState
 
 
 @dataclasses.dataclass(eq=False)
@@ -221,6 +222,9 @@ class Rounds:
             seq.done = (len(seq.generated) == req.request.max_new_tokens
                         or seq.last in req.stops)
             seq.draft_length, seq.prev = n_tok, -1
+            if self.spec is not None and self.spec.eagle is not None:  # one pair behind
+                seq.draft_length = n_tok - 1
+                seq.head = HeadState.start(entry.draft.feature, self.spec.spec.gamma + 1)
             if fresh[j]:  # a resumed answer's stop strings were checked as it was generated
                 stop_strings.apply(seq, self.tokenizer, 0)
         for seq in req.seqs:
@@ -265,7 +269,7 @@ class Rounds:
             keep = min(len(seq.generated), cached + 1) if resumes else 0  # + the next one
             seq.generated, seq.logits = seq.generated[:keep], seq.logits[:keep]
             seq.done, seq.length, seq.checked = False, 0, min(seq.checked, keep)
-            seq.draft_length, seq.prev = 0, -1
+            seq.draft_length, seq.prev, seq.head = 0, -1, None
         if not resumes:  # it decodes its answer again, replaying its calls' γ
             req.calls = 0
             req.stats.spec = None  # counts the tokens it returns, not discarded work

@@ -89,15 +89,28 @@ class StepRunner:
         calls. Returns (the last token logits [V] of each row this call finished, else
         None; seconds of the target's call)."""
         m, kv = self.model, self.kv
+        eagle = None if self.spec is None else self.spec.eagle
         width = self.call_width(len(rows), widen, _longest_left(rows))
-        before = self.timers["prefill_s"]
-        with self.timers("prefill_s"):
-            logits = kv.run(lambda cache: prefill_rows(
+        before, starts = self.timers["prefill_s"], [r.start for r in rows]
+
+        def step(cache):  # with an EAGLE head: (logits, features), cache
+            out = prefill_rows(
                 m.params, m.config, cache, kv.target.cache_config, rows, m.lora, m.shardings,
-                calls=1, width=width, plan=m.plan, min_pages=self.min_pages(kv.target)))
+                calls=1, width=width, plan=m.plan, min_pages=self.min_pages(kv.target),
+                features=eagle is not None)
+            return (out[0], out[2]) if eagle is not None else out[0], out[1]
+
+        with self.timers("prefill_s"):
+            logits = kv.run(step)
+            if eagle is not None:
+                logits, features = logits
             logits = [None if x is None else np.asarray(x) for x in logits]
         seconds = self.timers["prefill_s"] - before
         _advance(rows, width)
+        if eagle is not None:  # the pairs the call's features complete (`eagle_engine`)
+            with self.timers("draft_prefill_s"):
+                eagle.prefill(kv, rows, draft_rows, features, starts, self.min_pages(kv.draft))
+            return logits, seconds
         left = [r for r in draft_rows if r.start < len(r.tokens)]
         if left:
             spec = self.spec
@@ -147,9 +160,10 @@ class StepRunner:
         """Inserts the full pages a prompt's prefill has written so far (up to each row's
         start) into the target's trie and the draft's."""
         ctx = req.context
+        lead = 0 if draft is None else self.kv.draft.lead  # `PagePool.lead`
         with self.timers("host_s"):
             self.kv.commit(req, ctx.tokens[:row.start], ctx.salts, ctx.digests, row.pages,
-                           None if draft is None else ctx.tokens[:draft.start],
+                           None if draft is None else ctx.tokens[:draft.start + lead],
                            [] if draft is None else draft.pages)
 
     def cache_history(self, seq: Seq) -> None:
@@ -164,14 +178,16 @@ class StepRunner:
         with self.timers("host_s"):
             salts = salts_per_page(req.request, len(history), ps)
             digests = history_digests(history, ps)
+            lead = 0 if self.kv.draft is None else self.kv.draft.lead  # `PagePool.lead`
             self.kv.commit(req, history, salts, digests, seq.pages,
-                           history[: seq.draft_length], seq.draft_pages)
+                           history[: seq.draft_length + lead], seq.draft_pages)
 
     def prefill_draft(self, req: LiveRequest, row: PrefillRow) -> list[int]:
         """Prefills what is left of the draft's prompt (its row's pages, committed and
         written) and caches its full pages. Returns the pages."""
         spec, kv = self.spec, self.kv
-        if row.start < len(row.tokens):
+        if row.start < len(row.tokens) and spec.eagle is None:  # a head's row is done: its
+            # pairs came with the target's prefill and stop one token short
             with self.timers("draft_prefill_s"):
                 kv.run(lambda cache: prefill_rows(
                     spec.params, spec.config, cache, kv.draft.cache_config, [row],

@@ -180,9 +180,9 @@ class Transformer(nn.Module):
     With `sharding` (a mesh, see `kvjax.sharding`) the hidden state's batch axis is split
     over the mesh's "data" axis; the weights' and cache's own shardings do the rest.
     `kernel` picks the decode-attention kernel (`kvjax.model.kernels`). `features`: return
-    (logits, the final norm's output [B, T, D]) in place of the logits: the output head's
-    input, what an EAGLE-style drafter reads (`kvjax.speculative.eagle`); the logits are
-    the same computation either way.
+    (logits, the final norm's output [B, T, D] at every token, `logits_at` or not) in place
+    of the logits: the output head's input, what an EAGLE-style drafter reads
+    (`kvjax.speculative.eagle`); the logits are the same computation either way.
     """
 
     config: ModelConfig
@@ -225,11 +225,15 @@ class Transformer(nn.Module):
             x, cache = Block(cfg, layer, self.sharding, self.kernel, self.plan,
                              name=f"layer_{layer}")(
                 x, positions, cache, batch, adapter_ids, groups)
+        final_norm = make_norm(cfg, "final_norm")
+        # features of every token, also where the head reads one per row (`logits_at`): the
+        # norm is per token, and the head's rows are normed as they are without features
+        features = final_norm(x) if self.features else None  # [B, T, D]
         if logits_at is not None and groups is not None:
             x = x[logits_at]  # [K, 1, D]
         elif logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
-        x = make_norm(cfg, "final_norm")(x)
+        x = final_norm(x) if logits_at is not None or features is None else features
         dot = row_dot(self.plan, "head")
         if cfg.tie_embeddings:  # x [B, T, D] . embedding [V, D], one product: Flax's
             # `attend` transposes the embedding, and XLA CPU fuses that transpose into a
@@ -242,7 +246,7 @@ class Transformer(nn.Module):
         logits = logits.astype(jnp.float32)
         if cfg.final_softcap is not None:
             logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
-        return ((logits, x) if self.features else logits), cache
+        return ((logits, features) if self.features else logits), cache
 
 
 def output_head(params: dict, config: ModelConfig, features: jax.Array) -> jax.Array:

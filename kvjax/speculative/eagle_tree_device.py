@@ -78,32 +78,38 @@ def _best(d: HeadDraft, config: ModelConfig, pred: jax.Array, k: int
     return jax.lax.top_k(jax.nn.log_softmax(head_logits(config, pred, d.head_w), axis=-1), k)
 
 
-def catch_up(d: HeadDraft, config: ModelConfig, last: jax.Array
+def catch_up(d: HeadDraft, config: ModelConfig, last: jax.Array, active: jax.Array
              ) -> tuple[jax.Array, HeadDraft]:
-    """The pending pairs into the head cache, and the root pair [feature, e(last)] after them
-    in the same extend (its slot is the tree's root's, scratch until a level's pass writes
-    the tree there): (the root's prediction [B, D], the draft)."""
+    """The pending pairs of the `active` rows into the head cache, and the root pair
+    [feature, e(last)] after them in the same extend (its slot is the tree's root's,
+    scratch until a level's pass writes the tree there): (the root's prediction [B, D], the
+    draft). An inactive row writes nothing (an engine's empty slot has no pages) and keeps
+    its pending pairs."""
     rows = jnp.arange(last.shape[0])
     features = jnp.concatenate([d.pending_features, jnp.zeros_like(d.feature)[:, None]], 1)
     features = features.at[rows, d.pending].set(d.feature.astype(features.dtype))
     tokens = jnp.concatenate([d.pending_tokens, jnp.zeros_like(last)[:, None]], 1)
     tokens = tokens.at[rows, d.pending].set(last)  # [B, W + 1]
-    pred, d = _run(d, config, features, tokens, BatchInfo(d.page_table, d.cached, d.pending + 1))
-    return pred[rows, d.pending], d.replace(cached=d.cached + d.pending,
-                                            pending=jnp.zeros_like(d.pending))
+    pred, d = _run(d, config, features, tokens, BatchInfo(
+        d.page_table, d.cached, jnp.where(active, d.pending + 1, 0)))
+    caught = jnp.where(active, d.pending, 0)
+    return pred[rows, d.pending], d.replace(cached=d.cached + caught,
+                                            pending=d.pending - caught)
 
 
 def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth: int,
-         top_k: int, config: ModelConfig, layout
+         top_k: int, config: ModelConfig, layout, active: jax.Array | None = None
          ) -> tuple[jax.Array, jax.Array, jax.Array, HeadDraft]:
     """(parents int32[B, N] (-1: the root and padding), tokens int32[B, N], nodes int32[B],
     the draft) of each row's tree from the root `last` int32[B], the pending pairs caught up
     first (`catch_up`): at most min(`depth`, `reach[b]`) levels, each adding the `top_k`
     best offers of the last level's nodes by cumulative log-probability (float32, ties to
-    the earlier offer), within `max_nodes`. `layout`: `tree_loop.tree_layout`."""
+    the earlier offer), within `max_nodes`. `layout`: `tree_loop.tree_layout`. Rows not
+    `active` (bool[B]; None: all are) write nothing to the head's cache."""
     b, k = last.shape[0], top_k
     rows = jnp.arange(b)
-    root, d = catch_up(d, config, last)  # [B, D]
+    active = jnp.ones((b,), bool) if active is None else active
+    root, d = catch_up(d, config, last, active)  # [B, D]
     parents = jnp.full((b, max_nodes), -1, jnp.int32)
     tokens = jnp.zeros((b, max_nodes), jnp.int32).at[:, 0].set(last)
     score = jnp.zeros((b, max_nodes), jnp.float32)
@@ -139,8 +145,8 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
     def level(i, carry):
         parents, tokens, score, inputs, nodes, frontier, d = carry
         tree_depth, ancestors = layout(parents, nodes)
-        batch = BatchInfo(d.page_table, d.cached, nodes, depth=tree_depth,
-                          ancestors=ancestors)
+        batch = BatchInfo(d.page_table, d.cached, jnp.where(active, nodes, 0),
+                          depth=tree_depth, ancestors=ancestors)
         pred, d = _run(d, config, inputs, tokens, batch)
         front = pred[rows[:, None], jnp.maximum(frontier, 0)]  # [B, K, D]
         # the draft vocabulary's head on the last level's nodes only: the rest is not read
@@ -165,13 +171,18 @@ def absorb(d: HeadDraft, path: jax.Array, kept: jax.Array, fed: jax.Array,
     """After a verify: the pairs of the `kept[b]` tokens cached (the root and the emitted
     drafts, path int32[B, W] into the tree's nodes `fed` int32[B, N]) become pending, each
     with the target's feature before it (`features` [B, N, D]: the verify's), and the
-    feature of the last kept node the next root pair's."""
+    feature of the last kept node the next root pair's. A row that kept nothing (not
+    active) keeps its state."""
     rows = jnp.arange(path.shape[0])
     node_feats = features[rows[:, None], path]  # [B, W, D]
     before = jnp.concatenate([d.feature[:, None], node_feats[:, :-1]], axis=1)
     last = jnp.take_along_axis(path, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0]
+    kept_any = kept > 0
     return d.replace(
-        pending_features=before.astype(d.pending_features.dtype),
-        pending_tokens=jnp.take_along_axis(fed, path, 1), pending=kept,
-        feature=jnp.where((kept > 0)[:, None], features[rows, last].astype(d.feature.dtype),
+        pending_features=jnp.where(kept_any[:, None, None], before.astype(
+            d.pending_features.dtype), d.pending_features),
+        pending_tokens=jnp.where(kept_any[:, None], jnp.take_along_axis(fed, path, 1),
+                                 d.pending_tokens),
+        pending=jnp.where(kept_any, kept, d.pending),
+        feature=jnp.where(kept_any[:, None], features[rows, last].astype(d.feature.dtype),
                           d.feature))

@@ -27,6 +27,9 @@ from kvjax.errors import NonCausalCacheError
 from kvjax.model.layout import store
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.sharding.plan import ShardingPlan
+from kvjax.speculative.eagle import head_config
+from kvjax.speculative.eagle_engine import EagleSide
+from kvjax.speculative.eagle_file import HeadFile
 from kvjax.speculative.gamma import GammaPolicy
 from kvjax.speculative.loop import DraftState, RowStats, SpecLoopResult, spec_loop
 from kvjax.speculative.rules import predicted_speedup
@@ -38,7 +41,11 @@ from kvjax.speculative.tree_policy import WidthPolicy, tree_widths
 def write_ahead(spec: SpecConfig, size: int | None = None) -> int:
     """The most cache slots a call writes past the kept history: a chain's γ drafts (`size`,
     or the config's γ); a tree's nodes but the root (`size` nodes, or `tree_nodes`), and
-    at least the chain of γ that a call with a sampled row verifies instead."""
+    at least the chain of γ that a call with a sampled row verifies instead; an EAGLE
+    tree's nodes (its head's pages, one pair behind the target's, hold the root's pair
+    past them too)."""
+    if spec.drafter == "eagle":
+        return spec.tree_nodes if size is None else size
     if spec.tree_nodes is not None:
         return max((spec.tree_nodes if size is None else size) - 1, spec.gamma)
     return spec.gamma if size is None else size
@@ -48,13 +55,21 @@ class Speculator:
     """Runs speculative decode calls for the engine and keeps their statistics."""
 
     def __init__(self, spec: SpecConfig, draft, config: ModelConfig, mesh=None,
-                 plan: NumericsPlan = FAST):
+                 plan: NumericsPlan = FAST, target_plan: NumericsPlan = FAST):
         self.spec = spec
         # the draft model's (None: the n-gram drafter); its pool is the manager's `draft`;
         # `plan`: how its steps run (the engine's, `kvjax.engine.plans.numerics_plans`)
-        self.params = self.config = self.sharding = self.fingerprint = None
+        self.params = self.config = self.sharding = self.fingerprint = self.eagle = None
         self.plan = plan
-        if spec.drafter == "model":
+        if spec.drafter == "eagle":  # the head's pool is the draft pool (`eagle_engine`)
+            if not isinstance(draft, HeadFile):
+                raise ConfigError("spec.drafter", "the eagle drafter needs draft=HeadFile "
+                                  "(kvjax.speculative.eagle_file.load_head)")
+            if mesh is not None:
+                raise ConfigError("spec.drafter", "EAGLE trees run on one device")
+            self.eagle = EagleSide(draft, config, plan, target_plan, spec.gamma)
+            self.config, self.fingerprint = head_config(config), self.eagle.fingerprint
+        elif spec.drafter == "model":
             if draft is None:
                 raise ConfigError("spec.drafter", "the model drafter needs "
                                   "draft=(draft_params, draft_config)")
@@ -123,7 +138,7 @@ class Speculator:
         `min_context` as in `EngineConfig`. Returns the result as numpy."""
         slots = len(state.lengths)
         kwargs = {}
-        if kv.draft is not None:
+        if kv.draft is not None and self.eagle is None:
             rows = [[] for _ in range(slots)]
             lengths = np.zeros(slots, np.int32)
             prev = np.zeros(slots, np.int32)
@@ -144,13 +159,27 @@ class Speculator:
             kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
 
         sampled = any_sampled(state.temperature)
+        if self.eagle is not None and sampled:
+            raise ValueError("EAGLE trees verify greedy rows only")  # requests are checked
         if self.spec.tree_nodes is not None and not sampled:
-            tree = kv.run_both(lambda cache, _: (*tree_loop(
-                model.params, model.config, cache, state, kwargs["history"],
-                max_nodes=gamma, depth=self.spec.gamma, branches=self.spec.branches,
-                max_out=decode_steps, ngram_max=self.spec.ngram_max,
-                return_logits=want_logits, plan=model.plan), None))
-            tree = jax.tree.map(np.asarray, tree)
+            head = None if self.eagle is None else self.eagle.draft(
+                live, slots, kv.draft.cache_config.block_pages,
+                pages_for(min_context, kv.draft.cache_config.page_size))
+
+            def step(cache, head_cache):
+                out, cache = tree_loop(
+                    model.params, model.config, cache, state, kwargs["history"],
+                    max_nodes=gamma, depth=self.spec.gamma, branches=self.spec.branches,
+                    max_out=decode_steps, ngram_max=self.spec.ngram_max, head=head,
+                    head_cache=head_cache, top_k=self.spec.branches,
+                    return_logits=want_logits, plan=model.plan)
+                if head is None:
+                    return out, cache, None
+                return out.replace(head=out.head.replace(cache=None)), cache, out.head.cache
+
+            tree = jax.tree.map(np.asarray, kv.run_both(step))
+            if self.eagle is not None:
+                self.eagle.absorb(live, tree.head)
             self.tree_calls += int(tree.rounds)
             self.widths.append(gamma)
             if self.width_policy is not None:

@@ -197,7 +197,8 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
                                              depth, branches, ngram_max, ngram_min)
         else:
             parents, fed, nodes, hd = grow(hd, s.last, jnp.where(active, reach, 0),
-                                           max_nodes, depth, top_k, config, tree_layout)
+                                           max_nodes, depth, top_k, config, tree_layout,
+                                           active)
         nodes = jnp.where(active, nodes, 0)
         tree_depth, ancestors = tree_layout(parents, nodes)
         batch = BatchInfo(state.page_table, s.lengths, nodes, state.position_offset,
