@@ -1,11 +1,13 @@
-"""The n-gram drafter on MT-Bench, per category, on the real model: tokens per call, speedup.
+"""The n-gram drafter (or an EAGLE-style head) on MT-Bench, per category, on the real model:
+tokens per call, speedup.
 
 MT-Bench's questions (`kvjax.data.mtbench`: 80 questions of two user turns, 10 in each of
 8 categories) are rendered with SmolLM2-135M-Instruct's chat template. Turn 1: the first
 question alone; turn 2: the first question, the model's own greedy answer to it (up to
 `new_tokens`, ended at the end of turn) and the second question, as a chat client sends it.
 Each point decodes one category's prompts, one at a time (batch 1, greedy, answers ended at
-the end of turn), with the target alone and with the n-gram drafter at `gamma`
+the end of turn), with the target alone and with the n-gram drafter at `gamma` (or the
+trees of an EAGLE-style head: `drafter="eagle"`, `head` its folder)
 (`kvjax.speculative.operating_point.measure_point`: the engine's own decode timer, prefill
 excluded, the median of `reps` paired ratios after an untimed run of each on the same
 prompts: the decode steps compile per context-length bucket, so a category of longer
@@ -50,6 +52,10 @@ class Params:
     tree_nodes: int | None = None  # n-gram trees of up to this many nodes (None: chains)
     branches: int = 4  # a tree's continuations of the history's n-gram matches
     adaptive: bool = False  # trees: each call's width by the measured verify costs
+    # "eagle": the trees of an EAGLE-style head (`head`: its folder, `scripts/train_eagle`;
+    # branches: its offers per level)
+    drafter: str = "ngram"
+    head: str | None = None
     new_tokens: int = 128  # per answer, at most (it ends at the end of turn)
     decode_steps: int = 16
     reps: int = 1
@@ -58,8 +64,12 @@ class Params:
     def __post_init__(self):
         common.check_positive(self, "questions", "gamma", "new_tokens", "decode_steps", "reps",
                               "page_size")
-        SpecConfig(drafter="ngram", gamma=self.gamma, tree_nodes=self.tree_nodes,
+        common.check_choice(self, "drafter", ("ngram", "eagle"))
+        SpecConfig(drafter=self.drafter, gamma=self.gamma, tree_nodes=self.tree_nodes,
                    branches=self.branches)  # a ConfigError names what is wrong
+        if (self.head is None) == (self.drafter == "eagle"):
+            raise ConfigError("head", "the eagle drafter needs a head folder "
+                              "(scripts/train_eagle), and only it reads one")
         if self.adaptive and self.tree_nodes is None:
             raise ConfigError("adaptive", "adaptive widths are for trees: set tree_nodes")
         common.check_choice(self, "turn", (1, 2))
@@ -126,6 +136,17 @@ def _verify_costs(p: Params) -> tuple[tuple[int, float], ...]:
     return tuple(costs.items())
 
 
+@functools.cache
+def _head(p: Params):
+    """The EAGLE-style head `p.head` names, checked against the model (None: n-gram)."""
+    if p.head is None:
+        return None
+    from kvjax.speculative.eagle_file import load_head
+
+    model = common.real_model(p.model)
+    return load_head(p.head, model.config, model.params)
+
+
 def run(config) -> list[dict]:
     p = config.params
     model = common.real_model(p.model)
@@ -134,7 +155,7 @@ def run(config) -> list[dict]:
     for category, questions in _questions(p).items():
         prompts = [_render(model, q, p.turn, a)
                    for q, a in zip(questions, answers[category], strict=True)]
-        r = measure_point((model.params, model.config), None, prompts, "ngram", p.gamma,
+        r = measure_point((model.params, model.config), _head(p), prompts, p.drafter, p.gamma,
                           p.adaptive, 0.0, 0.0, p.decode_steps, gen_tokens=p.new_tokens,
                           slots=1, reps=p.reps, base=_engine_config(p),
                           eos_tokens=model.stop_tokens, tree_nodes=p.tree_nodes,
@@ -148,7 +169,8 @@ def run(config) -> list[dict]:
                      "target_calls": r["target_calls"], "tree_nodes": p.tree_nodes,
                      "branches": p.branches, "adaptive": p.adaptive,
                      "tree_widths": r["tree_widths"],
-                     "same_as_plain": r["same"] == r["prompts"], "model": p.model})
+                     "same_as_plain": r["same"] == r["prompts"], "model": p.model,
+                     "drafter": p.drafter})
     return rows
 
 
@@ -167,7 +189,7 @@ COLUMNS = [
 
 
 def headline(rows: list[dict]) -> str:
-    lines = [f"MT-Bench, n-gram drafter ({_drafts(rows[0])}) on {rows[0]['model']}, "
+    lines = [f"MT-Bench, {_drafter(rows[0])} ({_drafts(rows[0])}) on {rows[0]['model']}, "
              "batch 1, greedy"]
     for numerics, turn in dict.fromkeys((r["numerics"], r["turn"]) for r in rows):
         rs = [r for r in rows if (r["numerics"], r["turn"]) == (numerics, turn)]
@@ -180,12 +202,17 @@ def headline(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _drafter(row: dict) -> str:
+    return "EAGLE-style head" if row.get("drafter") == "eagle" else "n-gram drafter"
+
+
 def _drafts(row: dict) -> str:
     """What a round drafted: a chain of γ, or a tree."""
     if row.get("tree_nodes") is None:
         return f"γ {row['gamma']}"
+    per = "offers a level" if row.get("drafter") == "eagle" else "branches"
     return (f"{'adaptive ' if row.get('adaptive') else ''}trees of {row['tree_nodes']} "
-            f"nodes, depth {row['gamma']}, {row['branches']} branches")
+            f"nodes, depth {row['gamma']}, {row['branches']} {per}")
 
 
 def _span(values) -> str:
@@ -211,6 +238,6 @@ def plot(rows: list[dict], out) -> list:
         ax.set_ylabel(name)
         ax.legend(fontsize=7)
     ax2.axhline(1.0, color="grey", linewidth=0.8)
-    fig.suptitle(f"n-gram drafter on MT-Bench ({rows[0]['model']}, {_drafts(rows[0])})",
+    fig.suptitle(f"{_drafter(rows[0])} on MT-Bench ({rows[0]['model']}, {_drafts(rows[0])})",
                  fontsize=10)
     return [common.save(plt, fig, out, "mtbench_spec.png")]

@@ -503,3 +503,18 @@ def test_sharegpt_reuse_sums_the_metrics_of_every_engine_a_restart_used():
     assert m["misses_by_cause"] == {"cold": 4, "capacity": 1}
     assert m["by_tier"] == {"device": 70, "disk": 40}
     assert (m["evictions"], m["preemptions"], m["restore_s"]) == (7, 1, 0.5)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["params.drafter=eagle", "params.tree_nodes=8"], "params.head: the eagle drafter needs"),
+    (["params.head=/nowhere"], "params.head: the eagle drafter needs"),
+    (["params.drafter=eagle", "params.head=/nowhere"], "params.tree_nodes"),
+    (["params.drafter=model"], "params.drafter: 'model' is not one of")])
+def test_eagle_mtbench_points_need_a_head_and_trees(tmp_path, no_work, capsys, overrides,
+                                                    message):
+    args = ["run", str(ROOT / "configs/mtbench_spec.toml"), "--out", str(tmp_path / "o")]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
