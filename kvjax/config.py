@@ -259,7 +259,8 @@ class EngineConfig:
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         _require(self.row_block >= 2, "row_block", f"must be >= 2, got {self.row_block}")
-        _require(self.prefill_calls_per_round >= 0, "prefill_calls_per_round", "must be >= 0")
+        _require(self.prefill_calls_per_round >= 0, "prefill_calls_per_round",
+                 f"must be >= 0, got {self.prefill_calls_per_round}")
         _choice(self.schedule, "schedule", ("fcfs", "lpm"))
         _choice(self.numerics, "numerics", ("fast", "invariant"))
         _choice(self.cpu_kernel, "cpu_kernel", ("off", "products", "auto"))
@@ -286,8 +287,7 @@ class SpecConfig:
 
     def __post_init__(self):
         _choice(self.drafter, "drafter", ("model", "ngram", "eagle"))
-        for key in ("cost_ratio", "verify_slope"):
-            value = getattr(self, key)
+        for key, value in (("cost_ratio", self.cost_ratio), ("verify_slope", self.verify_slope)):
             _require(value is None or value >= 0, key, f"must be >= 0, got {value}")
         _require(1 <= self.gamma <= 32, "gamma", f"must be in [1, 32], got {self.gamma}")
         for key in ("ngram_max", "branches"):

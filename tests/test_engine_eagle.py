@@ -161,6 +161,8 @@ def test_the_head_reuses_a_page_only_with_the_token_after_it(target, head):
     assert got[0].stats["reused_tokens"] == got[0].stats["draft_reused_tokens"] == 8
     got += engine.generate([other])  # token 8 differs: head page 0's last pair differs
     assert got[1].stats["reused_tokens"] == got[1].stats["draft_reused_tokens"] == 0
+    # both were cut by the head's pages, and are told so
+    assert [r.stats["miss_cause"] for r in got] == ["draft", "draft"]
     plain = Engine(target, CONFIG, EngineConfig(cache=ONE_BUCKET, max_slots=SLOTS,
                                                 decode_steps=4, min_context=CONTEXT))
     assert_same(got, plain.generate([longer, other]))
@@ -186,6 +188,26 @@ def test_a_row_done_early_in_a_call_keeps_its_pending_pairs(target, head, runs):
     engine.rounds.runner.decode = one_row_cut
     assert_same(engine.generate(prompts()[1]), runs["plain"][1][1])
     assert len(cut) > 3
+
+
+def test_a_host_tier_restores_no_page_the_head_cannot_pair(target, head):
+    """The head's pages have no lower tiers: with both tries evicted, the target's pages in
+    the host tier would be restored for nothing (the head lacks their pairs), so none is;
+    the request recomputes its prompt and is still plain decoding's."""
+    cache = CacheConfig(page_size=8, num_pages=96, prefill_chunk=16, attn_block=32,
+                        host_bytes=1 << 26)
+    engine = eagle_engine(target, head, cache=cache)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 61, 40)]
+    engine.generate([Request(tokens=prompt, max_new_tokens=4)])
+    assert engine.pool.evict(100) == engine.draft_pool.evict(100) == 5
+    assert engine.kv.target.tiers.stats()["host"]["pages"] == 5  # the target's only
+    request = Request(tokens=prompt + [1, 2], max_new_tokens=4, return_logits=True)
+    got = engine.generate([request])
+    assert engine.kv.target.tiers.stats()["host"].get("restored_pages", 0) == 0
+    assert got[0].stats["reused_tokens"] == 0
+    plain = Engine(target, CONFIG, EngineConfig(cache=ONE_BUCKET, max_slots=SLOTS,
+                                                decode_steps=4, min_context=CONTEXT))
+    assert_same(got, plain.generate([request]))
 
 
 def test_preemption_and_shared_prompts_keep_both_pools(target, head):
@@ -223,6 +245,10 @@ def test_what_an_eagle_engine_cannot_serve_is_refused(target, head):
         SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, adaptive=True)
     with pytest.raises(ConfigError, match="HeadFile"):
         Engine(target, CONFIG, spec=SPEC, draft=(target, CONFIG))
+    with pytest.raises(ConfigError, match="drafter='eagle'"):
+        Engine(target, CONFIG, spec=SpecConfig(drafter="model"), draft=head)
+    with pytest.raises(ConfigError, match="partial_page_copy"):
+        eagle_engine(target, head, partial_page_copy=True)
     other = kvjax.init_params(CONFIG, seed=2)
     with pytest.raises(CheckpointError, match="another target"):
         Engine(other, CONFIG, spec=SPEC, draft=head)

@@ -147,7 +147,11 @@ def plan_admission(req, target: PagePool, draft: PagePool | None, prefix_cache: 
     if lead:  # an EAGLE head's pairs are made from the target's prefill: the target
         # recomputes what the head does not hold (pages the head matched, no partial copy)
         draft_found = match(draft, req, prefix_cache, draft=True)
-        reuse = min(reuse, len(draft_found.nodes))
+        if len(draft_found.nodes) < reuse:  # the request is told why: cause "draft"
+            reuse = len(draft_found.nodes)
+            found = dataclasses.replace(found, nodes=found.nodes[:reuse], cause="draft",
+                                        position=None, fields=[], partial=None,
+                                        hidden_fields=None)
     # Every matched node is touched, the last full page's too when it is recomputed.
     plan = PoolPlan(target, found.nodes, found.pages[:reuse], pages_for(n_tok, ps) - reuse)
     if partial_page_copy and not lead:

@@ -60,7 +60,7 @@ class KVCacheManager:
         target = PagePool.for_engine(config, ec, hash_fn, sharding)
         draft = (None if draft_config is None
                  else PagePool.for_engine(draft_config, ec, hash_fn, draft_sharding,
-                                          tiers=False))  # the draft's pages are recomputed
+                                          tiers=False))  # a draft recomputes its pages
         return cls(target, draft, prefix_cache=ec.prefix_cache,
                    partial_page_copy=ec.partial_page_copy)
 
@@ -83,8 +83,11 @@ class KVCacheManager:
         first (`PagePool.restore`), so the plan reuses them like any cached page."""
         if self.prefix_cache and self.target.tiers is not None:
             ctx = req.context
-            self.target.restore(req.namespace, ctx.tokens, ctx.salts, ctx.digests,
-                                (len(ctx.tokens) - 1) // self.page_size)
+            limit = (len(ctx.tokens) - 1) // self.page_size
+            if self.draft is not None and self.draft.lead:  # an EAGLE head's: the target
+                # reuses no more pages than the head holds (its pages have no tiers)
+                limit = min(limit, len(match(self.draft, req, True, draft=True).nodes))
+            self.target.restore(req.namespace, ctx.tokens, ctx.salts, ctx.digests, limit)
         return plan_admission(req, self.target, self.draft, self.prefix_cache,
                               self.partial_page_copy)
 

@@ -74,7 +74,7 @@ class PagePool:
                                **({} if hash_fn is None else {"hash_fn": hash_fn}))
         self.fingerprint: str | None = None  # the weights' (set by whoever loads them)
         # tokens past slot j that slot j's state depends on: 0 for a model's K/V, 1 for an
-        # EAGLE head's pair [F_j, e(h_{j+1})] (its trie keys: `eagle_engine.head_keys`)
+        # EAGLE head's pair [F_j, e(h_{j+1})] (its trie keys: `admission.pool_keys`)
         self.lead = 0
         # Host and disk tiers for evicted pages (kvjax.cache.tiers): the trie hands over
         # what each eviction dropped while the pages still hold it (`_spill`).

@@ -74,6 +74,7 @@ from kvjax.model.layout import canonical, store
 from kvjax.model.lora import stack_adapters, stacked_shapes
 from kvjax.speculative import eagle_engine
 from kvjax.speculative.eagle import head_config
+from kvjax.speculative.eagle_file import HeadFile
 from kvjax.speculative.plugin import Speculator, write_ahead
 
 
@@ -100,6 +101,12 @@ class Engine:
         if draft is not None and spec is None:
             spec = SpecConfig()
         eagle = spec is not None and spec.drafter == "eagle"  # `draft` is a HeadFile
+        if isinstance(draft, HeadFile) and not eagle:
+            raise ConfigError("spec.drafter", "an EAGLE head's HeadFile drafts with "
+                              "SpecConfig(drafter='eagle', tree_nodes=N)")
+        if eagle and ec.partial_page_copy:
+            raise ConfigError("engine.partial_page_copy", "an EAGLE head's pairs come from "
+                              "the target's prefill, which starts at a page boundary")
         configs = [config] + ([] if draft is None else [head_config(config) if eagle
                                                         else draft[1]])
         ahead = 0 if spec is None else write_ahead(spec)

@@ -36,7 +36,7 @@ import numpy as np
 from kvjax.cache.identity import model_fingerprint
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
-from kvjax.decode.batching import page_table, pages_for
+from kvjax.decode.batching import page_table
 from kvjax.decode.prefill import PrefillRow
 from kvjax.io.hf import CheckpointError
 from kvjax.model.layout import store, unstored
@@ -160,7 +160,3 @@ class EagleSide:
             seq.head = HeadState(out.feature[i].copy(), out.pending_features[i].copy(),
                                  out.pending_tokens[i].copy(), int(out.pending[i]))
 
-
-def head_pages_for(tokens: int, page_size: int) -> int:
-    """Pages of the head's pairs of a `tokens`-token context (one pair fewer)."""
-    return pages_for(max(tokens - LEAD, 0), page_size)
