@@ -65,6 +65,12 @@ def test_the_methods_at_one_verify_cost_share_node_count_and_depth():
     assert not set(named) & set(eagle.methods(model, head, None))  # not run by default
     assert {(nodes, depth, device) for _, nodes, depth, _, device in named.values()} == {
         (8, 7, True)}
+    reranked = {k: v for k, v in table.items() if "rerank" in k}
+    assert not set(reranked) & set(eagle.methods(model, head, None))
+    assert len(reranked) == 2
+    for name, (make, nodes, depth, _, device) in reranked.items():
+        d = make()  # wide enough for every candidate, which outnumber the tree's nodes
+        assert d.rerank and device and d.width == 1 + d.top_k * depth > nodes, name
     drafters = {k: v[0]() for k, v in named.items()}
     assert drafters["n-gram chain 8 on device"].branches == 1
     assert drafters["n-gram tree 8 on device"].branches == 4

@@ -161,13 +161,15 @@ def test_eagle_tree_speculation_emits_plain_greedy_decodings_tokens_and_logits(t
     assert drafter.pool.num_free == 64  # every page back
 
 
-@pytest.mark.parametrize(("max_nodes", "max_depth", "stop"), [(8, None, ()), (6, 2, (25,))])
-def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, stop):
+@pytest.mark.parametrize(("max_nodes", "max_depth", "stop", "rerank"), [
+    (8, None, (), False), (6, 2, (25,), False), (6, 3, (), True)])
+def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, stop, rerank):
     """`device_tree_generate` (the head drafting inside `tree_loop`: its cache caught up
     with the target's features from every verify, EAGLE-2's growth as fori loops) against
     the host loop with the same head and settings, invariant numerics: the same tokens and
     logits, bitwise, and the same verify calls, drafts and acceptances (the same trees, node
-    for node, or the counts would part); the tokens plain decoding's."""
+    for node, or the counts would part); the tokens plain decoding's. With EAGLE-2's rerank
+    too (10 candidates, 3 levels of 3, cut to 6 nodes)."""
     from kvjax.decode.generate import generate
     from kvjax.model.plan import INVARIANT
     from kvjax.speculative.eagle_drafter import EagleTreeDrafter
@@ -180,8 +182,9 @@ def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, sto
 
     def drafter():
         return EagleTreeDrafter(trained["head"], target, config,
-                                CacheConfig(page_size=4, num_pages=96), top_k=3, width=8,
-                                chunk=8, plan=INVARIANT)
+                                CacheConfig(page_size=4, num_pages=96), top_k=3,
+                                width=10 if rerank else 8, chunk=8, plan=INVARIANT,
+                                rerank=rerank)
 
     want = generate(target, config, prompts, 30, cache=cache, return_logits=True,
                     plan=INVARIANT)
@@ -223,3 +226,26 @@ def test_a_head_checkpoint_of_other_windows_is_not_resumed(tmp_path):
     with pytest.raises(ValueError, match="trained on other windows"):
         run(1)
     assert run(0)["step"] == 4  # the same windows resume
+
+
+def test_the_rerank_keeps_the_best_nodes_of_every_level():
+    """EAGLE-2's rerank (`grow_tree(rerank=True)`), by hand: every node offers tokens of
+    log-probability -0.1 and -2.0; two levels of two offers give the candidates 1 (-0.1),
+    2 (-2.0), 3 (-0.2, under 1), 4 (-2.1, under 1; the tie with 2's first offer goes to the
+    earlier). Three nodes keep the root, 1 and 3: a path two deep where the level-by-level
+    tree (no rerank) stops at depth one."""
+    from kvjax.speculative.tree_model import grow_tree
+
+    def best_of(parents, tokens):
+        n = len(tokens)
+        return (np.tile(np.float32([-0.1, -2.0]), (n, 1)),
+                np.asarray([[10 * i + 1, 10 * i + 2] for i in range(n)]))
+
+    parents, tokens, probs = grow_tree(7, best_of, 3, 2, 2, rerank=True)
+    assert (parents, tokens) == ([-1, 0, 1], [7, 1, 11])
+    np.testing.assert_allclose(probs, np.exp([0, -0.1, -0.2]), rtol=1e-6)
+    assert grow_tree(7, best_of, 3, 2, 2)[:2] == ([-1, 0, 0], [7, 1, 2])
+    # five nodes: every candidate, in their order; two: the root and the best
+    assert grow_tree(7, best_of, 5, 2, 2, rerank=True)[:2] == ([-1, 0, 0, 1, 1],
+                                                               [7, 1, 2, 11, 12])
+    assert grow_tree(7, best_of, 2, 2, 2, rerank=True)[:2] == ([-1, 0], [7, 1])

@@ -62,9 +62,10 @@ def methods(model, head, policy_costs: dict[int, float] | None,
             head_plan: NumericsPlan = FAST, one_cost: bool = False) -> dict:
     """name -> (a fresh drafter, max_nodes, max_depth, size policy or None, on device): the
     host's rounds (`tree_generate`) or the device loop's (`device_tree_generate`; no size
-    policy there). The EAGLE head runs `head_plan`. `one_cost` adds the chains and the
-    n-gram tree of 8 nodes and 7 drafts deep ("... 8 on device"), which verify at one cost
-    (run when named)."""
+    policy there). The EAGLE head runs `head_plan`. `one_cost` adds the methods run only
+    when named: the chains and the n-gram tree of 8 nodes and 7 drafts deep ("... 8 on
+    device"), which verify at one cost, and the EAGLE trees cut by EAGLE-2's rerank ("...
+    rerank on device")."""
     from kvjax.speculative.eagle_drafter import EagleTreeDrafter
 
     out = {"n-gram chain": (lambda: NGramTreeDrafter(branches=1), 6, 5, None, False),
@@ -80,9 +81,9 @@ def methods(model, head, policy_costs: dict[int, float] | None,
         out["n-gram tree 8 on device"] = (lambda: NGramTreeDrafter(branches=4), 8, 7, None,
                                           True)
     if head is not None:
-        def eagle(top_k, width):
+        def eagle(top_k, width, rerank=False):
             return lambda: EagleTreeDrafter(head, model.params, model.config, top_k=top_k,
-                                            width=width, plan=head_plan)
+                                            width=width, plan=head_plan, rerank=rerank)
         for device in (False, True):
             where = " on device" if device else ""
             out["eagle chain" + where] = (eagle(1, 6), 6, 5, None, device)
@@ -90,6 +91,9 @@ def methods(model, head, policy_costs: dict[int, float] | None,
             out["eagle tree 16" + where] = (eagle(4, 16), 16, 6, None, device)
         if one_cost:
             out["eagle chain 8 on device"] = (eagle(1, 8), 8, 7, None, True)
+            # EAGLE-2's rerank: every level's offers grown (1 + top_k x depth), the best kept
+            out["eagle tree rerank on device"] = (eagle(2, 11, True), 8, 5, None, True)
+            out["eagle tree 16 rerank on device"] = (eagle(4, 25, True), 16, 6, None, True)
         # one draft token a round: this head's operating point (its later drafts are
         # rarely accepted; each costs a head pass and a wider verify)
         out["eagle chain 2 on device"] = (eagle(1, 2), 2, 1, None, True)

@@ -27,7 +27,7 @@ from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.speculative.drafters import common_prefix
 from kvjax.speculative.eagle import draft_head, head_config, head_extend
 from kvjax.speculative.eagle_file import HeadFile
-from kvjax.speculative.eagle_tree_device import HeadDraft
+from kvjax.speculative.eagle_tree_device import HeadDraft, candidates
 from kvjax.speculative.tree_host import tree_batch
 from kvjax.speculative.tree_model import grow_tree
 
@@ -41,7 +41,7 @@ class EagleTreeDrafter:
 
     def __init__(self, head: HeadFile, target_params, config: ModelConfig,
                  cache_config: CacheConfig | None = None, top_k: int = 4, width: int = 16,
-                 chunk: int = 32, plan: NumericsPlan = FAST):
+                 chunk: int = 32, plan: NumericsPlan = FAST, rerank: bool = False):
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         self.head = store(head.params, plan)  # as the plan's steps take them
@@ -51,6 +51,7 @@ class EagleTreeDrafter:
         self.pool = KVPool(head_config(config), cache_config or CacheConfig(
             page_size=16, num_pages=1024))
         self.top_k, self.width, self.chunk = top_k, width, chunk
+        self.rerank = rerank  # EAGLE-2's final cut (`grow_tree`): width >= 1 + top_k x depth
         self._state: dict[int, tuple[list[int], list[int]]] = {}  # id -> (history, pages)
         self.last_path_probs: list[float] = []  # the last tree's (`tree_policy`)
 
@@ -63,8 +64,9 @@ class EagleTreeDrafter:
         """(parents, tokens) of a tree of at most `max_nodes` nodes (the root, the history's
         newest token, included) and `depth` levels below it; `features` float32[m, D] are
         the target's at history[:-1]."""
-        if max_nodes > self.width:
-            raise ValueError(f"max_nodes {max_nodes} > the drafter's width {self.width}")
+        if candidates(max_nodes, depth, self.top_k, self.rerank) > self.width:
+            raise ValueError(f"{candidates(max_nodes, depth, self.top_k, self.rerank)} "
+                             f"candidate nodes > the drafter's width {self.width}")
         history = [int(t) for t in history]
         features = np.asarray(features, np.float32)
         m = len(history) - 1
@@ -91,7 +93,7 @@ class EagleTreeDrafter:
             return best[0, :len(tokens)], self.vocab[columns[0, :len(tokens)]]
 
         parents, tokens, self.last_path_probs = grow_tree(history[-1], logp_of, max_nodes,
-                                                          depth, self.top_k)
+                                                          depth, self.top_k, self.rerank)
         return parents, tokens
 
     def device_draft(self, history: np.ndarray, lengths: np.ndarray, features, room: int,

@@ -98,17 +98,22 @@ def catch_up(d: HeadDraft, config: ModelConfig, last: jax.Array, active: jax.Arr
 
 
 def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth: int,
-         top_k: int, config: ModelConfig, layout, active: jax.Array | None = None
-         ) -> tuple[jax.Array, jax.Array, jax.Array, HeadDraft]:
+         top_k: int, config: ModelConfig, layout, active: jax.Array | None = None,
+         rerank: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, HeadDraft]:
     """(parents int32[B, N] (-1: the root and padding), tokens int32[B, N], nodes int32[B],
     the draft) of each row's tree from the root `last` int32[B], the pending pairs caught up
     first (`catch_up`): at most min(`depth`, `reach[b]`) levels, each adding the `top_k`
     best offers of the last level's nodes by cumulative log-probability (float32, ties to
-    the earlier offer), within `max_nodes`. `layout`: `tree_loop.tree_layout`. Rows not
-    `active` (bool[B]; None: all are) write nothing to the head's cache."""
+    the earlier offer), within `max_nodes`; with `rerank` (EAGLE-2's final step) every level
+    adds its `top_k` (1 + top_k x depth candidates, `candidates`) and the tree is the
+    max_nodes - 1 best of them by that score (`rerank_nodes`). `layout`:
+    `tree_loop.tree_layout`. Rows not `active` (bool[B]; None: all are) write nothing to the
+    head's cache."""
     b, k = last.shape[0], top_k
     rows = jnp.arange(b)
     active = jnp.ones((b,), bool) if active is None else active
+    width, max_nodes_out = candidates(max_nodes, depth, k, rerank), max_nodes
+    max_nodes = width  # the tree grown before the rerank
     root, d = catch_up(d, config, last, active)  # [B, D]
     parents = jnp.full((b, max_nodes), -1, jnp.int32)
     tokens = jnp.zeros((b, max_nodes), jnp.int32).at[:, 0].set(last)
@@ -162,8 +167,41 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
         best, cols = _best(d, config, root[:, None], k)  # [B, 1, K]
         carry = add(0, jnp.broadcast_to(root[:, None], (b, k, root.shape[-1])),
                     jnp.broadcast_to(best, (b, k, k)), jnp.broadcast_to(cols, (b, k, k)), carry)
-    parents, tokens, _, _, nodes, _, d = jax.lax.fori_loop(1, max(full, 1), level, carry)
+    parents, tokens, score, _, nodes, _, d = jax.lax.fori_loop(1, max(full, 1), level, carry)
+    if rerank:
+        parents, tokens, nodes = rerank_nodes(parents, tokens, score, nodes, max_nodes_out)
     return parents, tokens, nodes, d
+
+
+def candidates(max_nodes: int, depth: int, top_k: int, rerank: bool) -> int:
+    """The nodes a tree is grown to before it is cut to `max_nodes`: with `rerank`, every
+    level's `top_k` offers (1 + top_k x depth, at least max_nodes); else max_nodes."""
+    return max(max_nodes, 1 + top_k * depth) if rerank else max_nodes
+
+
+def rerank_nodes(parents: jax.Array, tokens: jax.Array, score: jax.Array, nodes: jax.Array,
+                 max_nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """EAGLE-2's rerank: (parents int32[B, max_nodes], tokens, nodes) of each row's tree
+    ([B, C] candidates, `nodes[b]` of them real) cut to the root and its max_nodes - 1 best
+    nodes by cumulative log-probability `score` (ties: the lower index), in their order. A
+    node's score is at most its parent's (log-probabilities are <= 0) and a parent comes
+    first, so a kept node's ancestors are kept: the cut is a tree."""
+    b, c = parents.shape
+    rows = jnp.arange(b)[:, None]
+    real = (jnp.arange(c)[None, :] > 0) & (jnp.arange(c)[None, :] < nodes[:, None])
+    _, pick = jax.lax.top_k(jnp.where(real, score, -jnp.inf), max_nodes - 1)  # [B, N - 1]
+    ok = jnp.take_along_axis(real, pick, 1)
+    keep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                            jnp.sort(jnp.where(ok, pick, c), axis=1).astype(jnp.int32)], 1)
+    # new index of each candidate (c: a padding column, for the dropped slots)
+    index = jnp.full((b, c + 1), -1, jnp.int32).at[rows, keep].set(
+        jnp.arange(max_nodes, dtype=jnp.int32)[None, :])
+    padded = jnp.concatenate([parents, jnp.full((b, 1), -1, jnp.int32)], 1)
+    old = jnp.take_along_axis(padded, keep, 1)  # [B, N]: each kept node's parent, old index
+    new_parents = jnp.where(old >= 0, jnp.take_along_axis(index, jnp.maximum(old, 0), 1), -1)
+    new_tokens = jnp.take_along_axis(jnp.concatenate([tokens, jnp.zeros((b, 1), tokens.dtype)],
+                                                     1), keep, 1)
+    return new_parents, new_tokens, (1 + ok.sum(1)).astype(jnp.int32)
 
 
 def absorb(d: HeadDraft, path: jax.Array, kept: jax.Array, fed: jax.Array,

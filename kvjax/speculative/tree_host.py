@@ -25,6 +25,7 @@ from kvjax.decode.prompts import validate_prompts
 from kvjax.decode.sampling import jitted_probabilities, sampling_rows
 from kvjax.decode.state import decode_state
 from kvjax.model.plan import INVARIANT, NumericsPlan
+from kvjax.speculative.eagle_tree_device import candidates
 from kvjax.speculative.tree import NGramTreeDrafter, greedy_path, sampled_path, tree_arrays
 from kvjax.speculative.tree_loop import tree_loop
 
@@ -164,13 +165,15 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
         kw = dict(max_nodes=max_nodes, depth=depth, max_out=max(max_new_tokens - 1, 1),
                   return_logits=True, plan=plan)
         if eagle:
+            grown = candidates(max_nodes, depth, drafter.top_k, drafter.rerank)
             head = drafter.device_draft(history, lengths, [d[1] for d in done],
-                                        max_new_tokens + max_nodes, depth)
+                                        max_new_tokens + grown, depth)
 
             def run(c):
                 def inner(hc):
                     res, c2 = tree_loop(params, config, c, state, history, head=head,
-                                        head_cache=hc, top_k=drafter.top_k, **kw)
+                                        head_cache=hc, top_k=drafter.top_k,
+                                        rerank=drafter.rerank, **kw)
                     return (res, c2), res.head.cache
                 return drafter.pool.run(inner)
         else:

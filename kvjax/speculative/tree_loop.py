@@ -147,14 +147,14 @@ def accepted_within(path: jax.Array, on_path: jax.Array, n_emit: jax.Array, max_
 
 
 @partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
-                                   "ngram_max", "ngram_min", "top_k", "return_logits",
-                                   "plan"),
+                                   "ngram_max", "ngram_min", "top_k", "rerank",
+                                   "return_logits", "plan"),
          donate_argnames=("cache", "head_cache"))
 def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: jax.Array, *,
               max_nodes: int, depth: int, branches: int = 1, max_out: int, ngram_max: int = 3,
               ngram_min: int = 1, head: HeadDraft | None = None, head_cache=None,
-              top_k: int = 4, return_logits: bool = False, plan: NumericsPlan = FAST
-              ) -> tuple[TreeLoopResult, Cache]:
+              top_k: int = 4, rerank: bool = False, return_logits: bool = False,
+              plan: NumericsPlan = FAST) -> tuple[TreeLoopResult, Cache]:
     """Emits up to `state.budget[b]` tokens per row by greedy tree rounds on device.
 
     Donates `cache` and `head_cache` (the head's cache; `head.cache` is not read).
@@ -162,9 +162,10 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
     budget + 1. Each round verifies a tree of up to
     `max_nodes` nodes with paths of up to `depth` drafts: an n-gram tree (`branches`
     continuations: `NGramTreeDrafter`'s), or with `head` an EAGLE-style head's tree
-    (`top_k` offers a level: `EagleTreeDrafter`'s, see `eagle_tree_device`). A row's pages
-    must hold lengths + budget + max_nodes - 1 slots (a round that drafts starts before
-    count budget - 1) and its head pages lengths + budget + max_nodes pairs. Every row
+    (`top_k` offers a level, `rerank`: EAGLE-2's cut of every level's offers to the best
+    max_nodes; `EagleTreeDrafter`'s, see `eagle_tree_device`). A row's pages must hold
+    lengths + budget + max_nodes - 1 slots (a round that drafts starts before count
+    budget - 1) and its head pages lengths + budget + `candidates(...)` pairs. Every row
     greedy (temperature 0; the knobs are not read); no adapters. Returns (TreeLoopResult
     (with the head's side after the loop), the cache)."""
     if state.adapter_ids is not None:
@@ -198,7 +199,7 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         else:
             parents, fed, nodes, hd = grow(hd, s.last, jnp.where(active, reach, 0),
                                            max_nodes, depth, top_k, config, tree_layout,
-                                           active)
+                                           active, rerank)
         nodes = jnp.where(active, nodes, 0)
         tree_depth, ancestors = tree_layout(parents, nodes)
         batch = BatchInfo(state.page_table, s.lengths, nodes, state.position_offset,

@@ -24,15 +24,19 @@ from kvjax.speculative.drafters import catch_up
 from kvjax.speculative.tree_host import tree_batch
 
 
-def grow_tree(root: int, best_of, max_nodes: int, depth: int, top_k: int
-              ) -> tuple[list[int], list[int], list[float]]:
+def grow_tree(root: int, best_of, max_nodes: int, depth: int, top_k: int,
+              rerank: bool = False) -> tuple[list[int], list[int], list[float]]:
     """(parents, tokens, path probabilities) of a tree grown from `root` by cumulative draft
     log-probability (module docstring); the root's path probability is 1.
     `best_of(parents, tokens)` gives the draft's `top_k` likeliest next tokens at every node
     of the tree so far, best first: (log-probabilities [nodes, top_k], token ids
-    [nodes, top_k])."""
+    [nodes, top_k]). With `rerank` (EAGLE-2's final step) every level adds its `top_k`
+    offers and the tree is the root and the max_nodes - 1 best nodes by score (ties: the
+    earlier), in their order (`eagle_tree_device.rerank_nodes` on device)."""
     # float32 sums, as the device's trees add them (`eagle_tree_device.grow`): the same
     # order of offers, ties to the earlier (stable sort)
+    budget, max_nodes = max_nodes, (max(max_nodes, 1 + top_k * depth) if rerank
+                                    else max_nodes)
     parents, tokens, score = [-1], [int(root)], [np.float32(0)]
     frontier = [0]
     for _ in range(depth):
@@ -48,6 +52,12 @@ def grow_tree(root: int, best_of, max_nodes: int, depth: int, top_k: int
             parents.append(node)
             tokens.append(token)
             score.append(s)
+    if rerank:  # a node's score is at most its parent's, which comes first: still a tree
+        best = sorted(range(1, len(tokens)), key=lambda i: (-score[i], i))[:budget - 1]
+        keep = [0, *sorted(best)]
+        index = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [index[parents[i]] for i in keep[1:]]
+        tokens, score = [tokens[i] for i in keep], [score[i] for i in keep]
     return parents, tokens, np.exp(np.asarray(score, np.float64)).tolist()
 
 
