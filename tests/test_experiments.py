@@ -252,7 +252,12 @@ def no_work(monkeypatch):
 ])
 def test_bad_config_is_a_clear_error_before_any_work(overrides, message, tmp_path, no_work,
                                                      capsys):
-    args = ["run", str(ROOT / "configs/prefix_page_size.toml"), "--out", str(tmp_path / "o")]
+    _refused("prefix_page_size", overrides, message, tmp_path, capsys)
+
+
+def _refused(config: str, overrides: list[str], message: str, tmp_path, capsys) -> None:
+    """`kvjax run configs/<config>.toml --set ...` exits 2 naming `message`, writing nothing."""
+    args = ["run", str(ROOT / "configs" / f"{config}.toml"), "--out", str(tmp_path / "o")]
     for o in overrides:
         args += ["--set", o]
     assert main(args) == 2
@@ -261,11 +266,8 @@ def test_bad_config_is_a_clear_error_before_any_work(overrides, message, tmp_pat
 
 
 def test_adaptive_mtbench_points_need_trees(tmp_path, no_work, capsys):
-    args = ["run", str(ROOT / "configs/mtbench_spec.toml"), "--out", str(tmp_path / "o"),
-            "--set", "params.adaptive=true"]
-    assert main(args) == 2
-    assert "params.adaptive: adaptive widths are for trees" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    _refused("mtbench_spec", ["params.adaptive=true"],
+             "params.adaptive: adaptive widths are for trees", tmp_path, capsys)
 
 
 def test_unknown_experiment_in_a_config_file(tmp_path, no_work):
@@ -512,9 +514,4 @@ def test_sharegpt_reuse_sums_the_metrics_of_every_engine_a_restart_used():
     (["params.drafter=model"], "params.drafter: 'model' is not one of")])
 def test_eagle_mtbench_points_need_a_head_and_trees(tmp_path, no_work, capsys, overrides,
                                                     message):
-    args = ["run", str(ROOT / "configs/mtbench_spec.toml"), "--out", str(tmp_path / "o")]
-    for o in overrides:
-        args += ["--set", o]
-    assert main(args) == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    _refused("mtbench_spec", overrides, message, tmp_path, capsys)
