@@ -1,5 +1,4 @@
-"""The n-gram drafter (or an EAGLE-style head) on MT-Bench, per category, on the real model:
-tokens per call, speedup.
+"""N-gram or EAGLE-style head drafts on MT-Bench per category, real model: tokens per call.
 
 MT-Bench's questions (`kvjax.data.mtbench`: 80 questions of two user turns, 10 in each of
 8 categories) are rendered with SmolLM2-135M-Instruct's chat template. Turn 1: the first
