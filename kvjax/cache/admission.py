@@ -149,9 +149,7 @@ def plan_admission(req, target: PagePool, draft: PagePool | None, prefix_cache: 
         draft_found = match(draft, req, prefix_cache, draft=True)
         if len(draft_found.nodes) < reuse:  # the request is told why: cause "draft"
             reuse = len(draft_found.nodes)
-            found = dataclasses.replace(found, nodes=found.nodes[:reuse], cause="draft",
-                                        position=None, fields=[], partial=None,
-                                        hidden_fields=None)
+            found = Match(found.nodes[:reuse], "draft")
     # Every matched node is touched, the last full page's too when it is recomputed.
     plan = PoolPlan(target, found.nodes, found.pages[:reuse], pages_for(n_tok, ps) - reuse)
     if partial_page_copy and not lead:

@@ -224,7 +224,7 @@ class Rounds:
             seq.draft_length, seq.prev = n_tok, -1
             if self.spec is not None and self.spec.eagle is not None:  # one pair behind
                 seq.draft_length = n_tok - 1
-                seq.head = HeadState.start(entry.draft.feature, self.spec.spec.gamma + 1)
+                seq.head = HeadState.start(entry.draft.feature, self.spec.eagle.width)
             if fresh[j]:  # a resumed answer's stop strings were checked as it was generated
                 stop_strings.apply(seq, self.tokenizer, 0)
         for seq in req.seqs:

@@ -112,8 +112,7 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
     b, k = last.shape[0], top_k
     rows = jnp.arange(b)
     active = jnp.ones((b,), bool) if active is None else active
-    width, max_nodes_out = candidates(max_nodes, depth, k, rerank), max_nodes
-    max_nodes = width  # the tree grown before the rerank
+    out_nodes, max_nodes = max_nodes, candidates(max_nodes, depth, k, rerank)  # grown first
     root, d = catch_up(d, config, last, active)  # [B, D]
     parents = jnp.full((b, max_nodes), -1, jnp.int32)
     tokens = jnp.zeros((b, max_nodes), jnp.int32).at[:, 0].set(last)
@@ -169,7 +168,7 @@ def grow(d: HeadDraft, last: jax.Array, reach: jax.Array, max_nodes: int, depth:
                     jnp.broadcast_to(best, (b, k, k)), jnp.broadcast_to(cols, (b, k, k)), carry)
     parents, tokens, score, _, nodes, _, d = jax.lax.fori_loop(1, max(full, 1), level, carry)
     if rerank:
-        parents, tokens, nodes = rerank_nodes(parents, tokens, score, nodes, max_nodes_out)
+        parents, tokens, nodes = rerank_nodes(parents, tokens, score, nodes, out_nodes)
     return parents, tokens, nodes, d
 
 
