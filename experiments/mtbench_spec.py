@@ -30,9 +30,7 @@ from kvjax.data.mtbench import CATEGORIES
 from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import Request
-from kvjax.speculative.cost import verify_costs
 from kvjax.speculative.operating_point import measure_point
-from kvjax.speculative.tree_policy import tree_widths
 
 # the longest prompt and answer a point holds: MT-Bench's longest turn-2 prompt with the
 # model's answer is under 1,600 tokens at new_tokens 256 (one pool for every category lets
@@ -52,9 +50,10 @@ class Params:
     branches: int = 4  # a tree's continuations of the history's n-gram matches
     adaptive: bool = False  # trees: each call's width by the measured verify costs
     # "eagle": the trees of an EAGLE-style head (`head`: its folder, `scripts/train_eagle`;
-    # branches: its offers per level)
+    # branches: its offers per level; rerank: EAGLE-2's cut of every level's offers)
     drafter: str = "ngram"
     head: str | None = None
+    rerank: bool = False
     new_tokens: int = 128  # per answer, at most (it ends at the end of turn)
     decode_steps: int = 16
     reps: int = 1
@@ -65,7 +64,7 @@ class Params:
                               "page_size")
         common.check_choice(self, "drafter", ("ngram", "eagle"))
         SpecConfig(drafter=self.drafter, gamma=self.gamma, tree_nodes=self.tree_nodes,
-                   branches=self.branches)  # a ConfigError names what is wrong
+                   branches=self.branches, rerank=self.rerank)  # a ConfigError names it
         if (self.head is None) == (self.drafter == "eagle"):
             raise ConfigError("head", "the eagle drafter needs a head folder "
                               "(scripts/train_eagle), and only it reads one")
@@ -124,15 +123,16 @@ def _render(model, question, turn: int, answer: list[int] | None = None) -> list
 
 @functools.cache
 def _verify_costs(p: Params) -> tuple[tuple[int, float], ...]:
-    """The verify cost of each width adaptive trees choose from, measured once for the
-    points of a run (every engine would measure them again): the engine's own target plan,
-    batch 1, a 128-token context."""
+    """A round's cost at each width adaptive trees choose from (the verify's, and an EAGLE
+    head's drafting), measured once for the points of a run (every engine would measure
+    them again) as an engine calibrates: its own target plan, batch 1, a 128-token context."""
     model = common.real_model(p.model)
-    engine = Engine(model.params, model.config, _engine_config(p))
-    widths = tree_widths(p.gamma, p.tree_nodes)
-    target = engine.model  # its weights as the plan stores them, as the engine calibrates
-    costs = verify_costs((target.params, target.config, target.plan), 1, 128, widths)
-    return tuple(costs.items())
+    spec = SpecConfig(drafter=p.drafter, gamma=p.gamma, tree_nodes=p.tree_nodes,
+                      branches=p.branches, adaptive=True)
+    engine = Engine(model.params, model.config, _engine_config(p), spec=spec, draft=_head(p))
+    target = engine.model  # its weights as the plan stores them
+    engine.spec.calibrate(target.params, target.config, target.plan, 1, 128)
+    return tuple(engine.spec.verify_costs.items())
 
 
 @functools.cache
@@ -158,7 +158,7 @@ def run(config) -> list[dict]:
                           p.adaptive, 0.0, 0.0, p.decode_steps, gen_tokens=p.new_tokens,
                           slots=1, reps=p.reps, base=_engine_config(p),
                           eos_tokens=model.stop_tokens, tree_nodes=p.tree_nodes,
-                          branches=p.branches,
+                          branches=p.branches, rerank=p.rerank,
                           verify_costs=_verify_costs(p) if p.adaptive else None)
         rows.append({"category": category, "prompts": r["prompts"],
                      "prompt_tokens": sum(map(len, prompts)),
@@ -169,7 +169,7 @@ def run(config) -> list[dict]:
                      "branches": p.branches, "adaptive": p.adaptive,
                      "tree_widths": r["tree_widths"],
                      "same_as_plain": r["same"] == r["prompts"], "model": p.model,
-                     "drafter": p.drafter})
+                     "drafter": p.drafter, "rerank": p.rerank})
     return rows
 
 

@@ -1,5 +1,4 @@
-"""Frozen configuration dataclasses (TOML loading and `--set a.b=c` overrides:
-`kvjax.config_files`).
+"""Frozen configuration dataclasses (TOML and `--set a.b=c` overrides: kvjax.config_files).
 
 Every config is a frozen (hashable) dataclass, a static argument of jitted functions;
 variants are made with `dataclasses.replace`. Each error of validation names its key.
@@ -134,9 +133,8 @@ class ModelConfig:
 
     def window(self, layer: int) -> int | None:
         """The attention window of `layer` (None: full attention)."""
-        if self.layer_types and self.layer_types[layer] == "full":
-            return None
-        return self.sliding_window
+        full = bool(self.layer_types) and self.layer_types[layer] == "full"
+        return None if full else self.sliding_window
 
     def rope(self, layer: int) -> tuple[float, tuple[tuple[str, Any], ...]]:
         """(theta, scaling) of `layer`'s RoPE: sliding layers of a model with a
@@ -282,7 +280,8 @@ class SpecConfig:
     verify_slope: float | None = None  # extra verify cost per drafted token; None: measured
     tree_nodes: int | None = None  # n-gram trees (greedy calls; sampled: chains). None: chains
     branches: int = 4  # an n-gram tree's continuations; an EAGLE tree's offers per level
-    # adaptive trees: (node count, verify cost in one-token steps) pairs; None: measured
+    rerank: bool = False  # EAGLE trees: EAGLE-2's cut of every level's offers to the best
+    # adaptive trees: (node count, v(w) + h(w): kvjax.speculative.cost) pairs; None: measured
     verify_costs: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
@@ -296,7 +295,8 @@ class SpecConfig:
                  self.drafter != "model" and self.gamma < (self.tree_nodes or 0) <= 33),
                  "tree_nodes", f"{self.tree_nodes}: n-gram or EAGLE trees (drafter 'ngram' "
                  "or 'eagle', which drafts trees only) of gamma + 1 to 33 nodes")
-        _require(not self.adaptive or self.drafter != "eagle", "adaptive", "for n-gram trees")
+        _require(not self.rerank or (self.drafter == "eagle" and not self.adaptive), "rerank",
+                 "for EAGLE trees of a fixed size (a cut tree is no prefix of a wider one)")
         if (costs := self.verify_costs) is not None:  # hashable, whatever lists gave them
             costs = tuple((int(n), float(c)) for n, c in costs)
             object.__setattr__(self, "verify_costs", costs)

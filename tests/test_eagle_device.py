@@ -163,3 +163,24 @@ def test_the_host_drafter_grows_a_rewound_or_repeated_history_s_tree_afresh(setu
     used.propose_tree(seq[:31], MAX_NODES, DEPTH, features=feats[:30])
     assert used.propose_tree(seq[:21], MAX_NODES, DEPTH, features=feats[:20]) == want
     assert used.propose_tree(seq[:21], MAX_NODES, DEPTH, features=feats[:20]) == want
+
+
+@pytest.mark.parametrize("budget", [2, 4, 6])
+def test_a_smaller_budget_grows_the_first_nodes_of_the_wider_tree(setup, budget):
+    """What lets the engine's width policy score every narrower width from one verify
+    (`tree_policy`): the tree grown within `budget` nodes is the first `budget` nodes of the
+    tree grown within more, parents and tokens (a level's offers come best first, and the
+    budget only cuts the last level short)."""
+    config, _, _, seq, feats = setup
+    device = _drafter(setup)
+    history = np.zeros((1, 64), np.int32)
+    history[0, :21] = seq[:21]
+    d = dataclasses.replace(device.device_draft(history, np.asarray([20]), [feats[:20]], 16,
+                                                DEPTH), cache=device.pool.cache)
+    cut = jax.jit(lambda d, last, reach: grow(d, last, reach, budget, DEPTH, TOP_K, config,
+                                              tree_layout))
+    last, reach = np.asarray([seq[20]], np.int32), np.asarray([DEPTH])
+    wide = _tree(*_grow(d, last, reach, config)[:3])
+    narrow = _tree(*cut(d, last, reach)[:3])
+    assert len(wide[0]) == MAX_NODES and len(narrow[0]) == budget
+    assert narrow == (wide[0][:budget], wide[1][:budget])

@@ -9,6 +9,8 @@ engine cannot serve is refused. (The head's trees themselves: tests/test_eagle_d
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from engine_helpers import CONFIG, CONTEXT, SLOTS, assert_same
@@ -28,9 +30,12 @@ from kvjax.errors import InvalidRequestError
 from kvjax.io.hf import CheckpointError
 from kvjax.speculative.eagle import head_config
 from kvjax.speculative.eagle_engine import head_prefill
+from kvjax.speculative.plugin import write_ahead
 from kvjax.train.eagle import train_head
 
 SPEC = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3)
+# EAGLE-2's rerank: 1 + 3 x 3 = 10 candidates grown, cut to 8 (the head's pages hold 10)
+RERANK = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3, rerank=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +64,24 @@ def eagle_engine(target, head, spec=SPEC, cache=ONE_BUCKET, **kw) -> Engine:
 
 @pytest.fixture(scope="module")
 def runs(target, head):
-    """Plain decoding's and an EAGLE engine's two waves, then second turns (each first-wave
-    prompt + its answer + 3 tokens, over pages the verifications wrote)."""
+    """Plain decoding's and EAGLE engines' (level by level, and reranked) two waves, then
+    second turns (each first-wave prompt + its answer + 3 tokens, over pages the
+    verifications wrote)."""
     first, second = prompts()
     out = {}
     for name, engine in (("plain", Engine(target, CONFIG, EngineConfig(
             cache=ONE_BUCKET, max_slots=SLOTS, decode_steps=4, min_context=CONTEXT))),
-                         ("eagle", eagle_engine(target, head))):
+                         ("eagle", eagle_engine(target, head)),
+                         ("rerank", eagle_engine(target, head, RERANK))):
         got = [engine.generate(first), engine.generate(second)]
         got.append(engine.generate(second_turns(first, got[0])))
         out[name] = (engine, got)
     return out
 
 
-def test_greedy_eagle_trees_equal_plain_decoding_bitwise(runs):
-    engine, got = runs["eagle"]
+@pytest.mark.parametrize("name", ["eagle", "rerank"])
+def test_greedy_eagle_trees_equal_plain_decoding_bitwise(runs, name):
+    engine, got = runs[name]
     for mine, plain in zip(got, runs["plain"][1], strict=True):
         assert_same(mine, plain)  # tokens and each emitted token's logits, bitwise
     s = engine.metrics()["spec"]
@@ -118,13 +126,32 @@ def _head_reference(engine: Engine, history: list[int]):
                                   num_new=np.asarray([n - 1], np.int32)), eagle.plan)
 
 
-def test_the_head_pages_hold_the_pairs_of_their_history(runs):
+def test_the_engine_s_tree_calls_cut_by_the_rerank(target, head, monkeypatch):
+    """`SpecConfig(rerank=True)` reaches every tree call (`tree_loop(rerank=True)`, whose
+    trees tests/test_eagle.py checks; this head's reranked trees happen to be its
+    level-by-level ones: its deeper offers never outrank a first-level one)."""
+    from kvjax.speculative import plugin
+
+    seen, real = [], plugin.tree_loop
+
+    def spy(*args, **kw):
+        seen.append(kw["rerank"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(plugin, "tree_loop", spy)
+    eagle_engine(target, head, RERANK).generate(prompts()[0][:1])
+    assert seen and all(seen)
+
+
+@pytest.mark.parametrize("name", ["eagle", "rerank"])
+def test_the_head_pages_hold_the_pairs_of_their_history(runs, name):
     """Every head page in the trie after the runs (prompts' prefills, answers' pages
     written by the head's catch-ups in tree calls, second turns) holds what a fresh
     prefill of its history's pairs writes, bitwise: the features and tokens the engine
-    paired, at the slots it paired them."""
+    paired, at the slots it paired them. With the rerank the head writes more candidates'
+    pairs than the tree keeps, past the kept ones (the engine's write-ahead holds them)."""
     first, second = prompts()
-    engine, got = runs["eagle"]
+    engine, got = runs[name]
     pool, ps = engine.draft_pool, engine.cache_config.page_size
     requests = [*first, *second, *second_turns(first, got[0])]
     answers = [*got[0], *got[1], *got[2]]
@@ -142,6 +169,50 @@ def test_the_head_pages_hold_the_pairs_of_their_history(runs):
             np.testing.assert_array_equal(got_kv, want_kv)
         checked += len(pages) * ps > len(request.tokens)  # pages past the prompt: decode's
     assert checked >= 2
+
+
+def test_adaptive_widths_keep_plain_decoding_and_follow_the_round_costs(target, head, runs):
+    """Adaptive EAGLE trees: each call's width from the round costs (here pinned: a width
+    of 2 costs a sixth of 8's, which no tree of depth 3 can repay), so after the first call
+    (the widest) the calls verify 2 nodes but every 8th (the policy's exploration); the
+    answers stay plain decoding's, bitwise."""
+    spec = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3, adaptive=True,
+                      verify_costs=((2, 1.0), (4, 3.0), (8, 6.0)))
+    engine = eagle_engine(target, head, spec)
+    first, second = prompts()
+    for wave, plain in zip((first, second), runs["plain"][1][:2], strict=True):
+        assert_same(engine.generate(wave), plain)
+    s = engine.metrics()["spec"]
+    widths = engine.spec.widths
+    assert s["tree_calls"] >= len(widths) > 8 and widths[0] == 8  # rounds >= engine calls
+    assert [i for i, w in enumerate(widths) if w != 2] == [
+        i for i in range(len(widths)) if i == 0 or i % 8 == 0]
+
+
+def test_a_round_s_cost_counts_the_head_s_drafting(target, head, runs, monkeypatch):
+    """Unpinned, an adaptive EAGLE engine measures each width's round at start-up: the
+    verify's cost plus the head's drafting (`cost.draft_costs`; stand-ins here, so the
+    sum is known), and the policy follows the sum. Then the real `draft_costs`, with the
+    engine's own head: one-token target steps per width (a timing: only its form)."""
+    from kvjax.speculative import cost
+    from kvjax.speculative.cost import draft_costs
+
+    monkeypatch.setattr(cost, "verify_costs", lambda t, b, c, widths: dict.fromkeys(widths, 1.0))
+    monkeypatch.setattr(cost, "draft_costs", lambda t, e, b, c, widths, depth, top_k: {
+        2: 0.5, 4: 10.0, 8: 20.0})
+    engine = eagle_engine(target, head, SpecConfig(drafter="eagle", gamma=3, tree_nodes=8,
+                                                   branches=3, adaptive=True))
+    assert_same(engine.generate(prompts()[0]), runs["plain"][1][0])
+    assert engine.spec.verify_costs == {2: 1.5, 4: 11.0, 8: 21.0}
+    widths = engine.spec.widths
+    assert len(widths) > 1 and widths[0] == 8 and set(widths[1:8]) == {2}
+    monkeypatch.undo()
+
+    engine, _ = runs["eagle"]
+    model = engine.model
+    costs = draft_costs((model.params, model.config, model.plan), engine.spec.eagle, 2, 32,
+                        [2, 8], 3, 3)
+    assert set(costs) == {2, 8} and all(0 < c < 100 for c in costs.values())
 
 
 def test_the_head_reuses_a_page_only_with_the_token_after_it(target, head):
@@ -241,8 +312,10 @@ def test_what_an_eagle_engine_cannot_serve_is_refused(target, head):
     assert engine.generate([Request(tokens=prompt, max_new_tokens=4)])[0].status == "finished"
     with pytest.raises(ConfigError, match="tree_nodes"):
         SpecConfig(drafter="eagle", gamma=3)  # EAGLE drafts trees only
-    with pytest.raises(ConfigError, match="adaptive"):
-        SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, adaptive=True)
+    with pytest.raises(ConfigError, match="rerank: for EAGLE trees of a fixed size"):
+        SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, adaptive=True, rerank=True)
+    with pytest.raises(ConfigError, match="rerank: for EAGLE trees"):
+        SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, rerank=True)
     with pytest.raises(ConfigError, match="HeadFile"):
         Engine(target, CONFIG, spec=SPEC, draft=(target, CONFIG))
     with pytest.raises(ConfigError, match="drafter='eagle'"):
@@ -255,6 +328,15 @@ def test_what_an_eagle_engine_cannot_serve_is_refused(target, head):
     with pytest.raises(CheckpointError, match="another target"):
         engine.load_params(other)
     assert engine.generate([Request(tokens=prompt, max_new_tokens=4)])[0].status == "finished"
+
+
+def test_the_write_ahead_holds_every_candidate_s_pair():
+    """The slots a call may write past a row's kept history (pages are allocated for them):
+    an EAGLE tree's nodes, or with the rerank every candidate grown before the cut
+    (1 + 3 x 3 = 10 for trees of 8, depth 3, 3 offers a level), at every width."""
+    assert write_ahead(SPEC) == 8 and write_ahead(SPEC, 2) == 2
+    assert write_ahead(RERANK) == write_ahead(RERANK, 8) == 10
+    assert write_ahead(dataclasses.replace(RERANK, tree_nodes=16)) == 16
 
 
 def test_head_keys_name_every_token_a_page_depends_on():

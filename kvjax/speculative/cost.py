@@ -6,6 +6,10 @@ textbook prediction assumes v = 1; on hardware where a step is not purely bandwi
 v(w) > 1, and fits v(w) = 1 + s·(w − 1) well (this CPU, 9.5M target: 1.25 at w = 3, 1.52
 at w = 5, 2.0 at w = 9); `verify_slope` measures s.
 
+An EAGLE-style head drafts a round's tree itself (its catch-up and one pass per level):
+h(w) = that drafting for a tree of w nodes over a one-token target step (`draft_costs`);
+a round of w nodes costs v(w) + h(w).
+
 Each figure is the median of several timed calls of a jitted loop of `STEPS` steps after a
 warm-up call (so no Python dispatch is timed); the cache holds zeros, as a step's cost does
 not depend on the values.
@@ -132,3 +136,63 @@ def verify_costs(target: tuple, batch: int, context: int, widths) -> dict[int, f
     one = step_timer([(*target, 1, 1)], batch, context)
     return {w: timed_ratio(step_timer([(*target, w, 1)], batch, context, tree=True), one)
             for w in widths}
+
+
+@partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "top_k", "steps"),
+         donate_argnames=("cache",))
+def _grow_steps(d, cache, last, config, max_nodes: int, depth: int, top_k: int, steps: int):
+    """`steps` times: the head's drafting of a round (`eagle_tree_device.grow`) from the same
+    cached pairs (each rewrites the same slots)."""
+    from kvjax.speculative.eagle_tree_device import grow
+    from kvjax.speculative.tree_loop import tree_layout
+
+    reach = jnp.full(last.shape, depth, jnp.int32)
+
+    def body(_, carry):
+        cache, acc = carry
+        _, tokens, nodes, out = grow(d.replace(cache=cache), last, reach, max_nodes, depth,
+                                     top_k, config, tree_layout)
+        return out.cache, acc + tokens.sum() + nodes.sum()  # every output is used
+
+    return jax.lax.fori_loop(0, steps, body, (cache, jnp.int32(0)))
+
+
+def draft_costs(target: tuple, eagle, batch: int, context: int, widths, depth: int,
+                top_k: int) -> dict[int, float]:
+    """h(w) for each node count in `widths`: an EAGLE-style head's drafting of a tree of w
+    nodes, `depth` levels at most, `top_k` offers a level (`eagle`: the engine's bound
+    `eagle_engine.EagleSide`), in plain decoding's one-token target steps; the head's
+    cache holds `context` pairs per row."""
+    from kvjax.speculative.eagle import head_config
+    from kvjax.speculative.eagle_tree_device import HeadDraft
+
+    config, ps = target[1], 16
+    one = step_timer([(*target, 1, 1)], batch, context)
+    out = {}
+    for w in widths:
+        per_seq = pages_for(context + w + depth + 1, ps)
+        cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
+        rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+        d, width = config.d_model, depth + 1
+        draft = HeadDraft(
+            head=eagle.head, embedding=eagle.embedding, head_w=eagle.head_w,
+            vocab=jnp.asarray(eagle.vocab), cache=None,
+            page_table=jnp.asarray(page_table(rows, batch, cc.block_pages)),
+            cached=jnp.full((batch,), context, jnp.int32),
+            feature=jnp.zeros((batch, d), jnp.float32),
+            pending_features=jnp.zeros((batch, width, d), jnp.float32),
+            pending_tokens=jnp.zeros((batch, width), jnp.int32),
+            pending=jnp.ones((batch,), jnp.int32), plan=eagle.plan)
+        state = {"cache": init_cache(head_config(config), cc)}
+        last = jnp.zeros((batch,), jnp.int32)
+
+        def timed(draft=draft, state=state, last=last, w=w) -> float:
+            t0 = time.perf_counter()
+            state["cache"], acc = _grow_steps(draft, state["cache"], last, config, w, depth,
+                                              top_k, STEPS)
+            jax.block_until_ready(acc)
+            return (time.perf_counter() - t0) / STEPS
+
+        timed()  # compiles
+        out[w] = timed_ratio(timed, one)
+    return out

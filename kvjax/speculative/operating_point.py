@@ -97,7 +97,7 @@ def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bo
                   slope: float, decode_steps: int, *, gen_tokens: int, slots: int,
                   reps: int, base: EngineConfig | None = None, eos_tokens: tuple[int, ...] = (),
                   warmup: bool = True, tree_nodes: int | None = None, branches: int = 4,
-                  verify_costs: tuple | None = None) -> dict:
+                  verify_costs: tuple | None = None, rerank: bool = False) -> dict:
     """One operating point: `gen_tokens` new tokens per prompt from the target alone and with
     `drafter` at `gamma` (adaptive: γ re-chosen from c and `slope` at every engine call of
     `decode_steps` tokens), on `slots` engine slots, paired `reps` times (`_paired`); the
@@ -106,10 +106,11 @@ def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bo
     `eos_tokens`: where an answer stops (none: every prompt gets `gen_tokens`); `warmup`:
     False where the caller already ran these shapes (a warm-up runs every prompt once);
     `tree_nodes`, `branches`: n-gram trees instead of chains (`SpecConfig`; adaptive: each
-    call's width from `verify_costs`, the verify cost per node count)."""
+    call's width from `verify_costs`, the verify cost per node count); `rerank`: EAGLE
+    trees' (`SpecConfig.rerank`)."""
     spec = SpecConfig(drafter=drafter, gamma=gamma, adaptive=adaptive,
                       cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None,
-                      tree_nodes=tree_nodes, branches=branches,
+                      tree_nodes=tree_nodes, branches=branches, rerank=rerank,
                       verify_costs=verify_costs if adaptive and tree_nodes else None)
     speedup, plain_s, seconds, metrics, same = _paired(
         target, draft, prompts, spec, decode_steps, gen_tokens, slots, reps, warmup,

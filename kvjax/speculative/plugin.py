@@ -5,9 +5,10 @@ The draft model's pages are the second pool of the engine's `KVCacheManager`
 keyed by the draft's namespace: the draft's weights and attention structure, no adapter:
 the draft runs without one). A reused prompt therefore skips prefill for both models. This
 module holds the draft's weights, runs `spec_loop` over both caches through the manager (or,
-with `SpecConfig.tree_nodes`, `tree_loop`'s n-gram trees on a greedy call) and keeps the
-statistics. With `SpecConfig.adaptive` and `tree_nodes`, each greedy call's tree width comes
-from `tree_policy.WidthPolicy` and the verify costs measured per node count.
+with `SpecConfig.tree_nodes`, `tree_loop`'s n-gram or EAGLE trees on a greedy call) and
+keeps the statistics. With `SpecConfig.adaptive` and `tree_nodes`, each greedy call's tree
+width comes from `tree_policy.WidthPolicy` and a round's cost measured per node count (the
+verify's, and an EAGLE head's drafting).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvjax.sharding.plan import ShardingPlan
 from kvjax.speculative.eagle import head_config
 from kvjax.speculative.eagle_engine import EagleSide
 from kvjax.speculative.eagle_file import HeadFile
+from kvjax.speculative.eagle_tree_device import candidates
 from kvjax.speculative.gamma import GammaPolicy
 from kvjax.speculative.loop import DraftState, RowStats, SpecLoopResult, spec_loop
 from kvjax.speculative.rules import predicted_speedup
@@ -43,9 +45,10 @@ def write_ahead(spec: SpecConfig, size: int | None = None) -> int:
     or the config's γ); a tree's nodes but the root (`size` nodes, or `tree_nodes`), and
     at least the chain of γ that a call with a sampled row verifies instead; an EAGLE
     tree's nodes (its head's pages, one pair behind the target's, hold the root's pair
-    past them too)."""
+    past them too), or with `rerank` every candidate the head grows before the cut."""
     if spec.drafter == "eagle":
-        return spec.tree_nodes if size is None else size
+        return candidates(spec.tree_nodes if size is None else size, spec.gamma,
+                          spec.branches, spec.rerank)
     if spec.tree_nodes is not None:
         return max((spec.tree_nodes if size is None else size) - 1, spec.gamma)
     return spec.gamma if size is None else size
@@ -171,7 +174,7 @@ class Speculator:
                     model.params, model.config, cache, state, kwargs["history"],
                     max_nodes=gamma, depth=self.spec.gamma, branches=self.spec.branches,
                     max_out=decode_steps, ngram_max=self.spec.ngram_max, head=head,
-                    head_cache=head_cache, top_k=self.spec.branches,
+                    head_cache=head_cache, top_k=self.spec.branches, rerank=self.spec.rerank,
                     return_logits=want_logits, plan=model.plan)
                 if head is None:
                     return out, cache, None
@@ -234,12 +237,19 @@ class Speculator:
                   context: int = 128) -> None:
         """Measures what is not pinned in the SpecConfig: c (the draft's step time over the
         target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch;
-        for adaptive trees the verify cost at each width the policy chooses from."""
-        from kvjax.speculative.cost import cost_ratio, verify_costs, verify_slope
+        for adaptive trees a round's cost at each width the policy chooses from: the
+        verify's, and an EAGLE head's drafting (`kvjax.speculative.cost`)."""
+        from kvjax.speculative.cost import cost_ratio, draft_costs, verify_costs, verify_slope
 
         target = (params, config, plan)
         if self.width_policy is not None:
-            self.verify_costs = verify_costs(target, batch, context, self.width_policy.widths)
+            widths = self.width_policy.widths
+            costs = verify_costs(target, batch, context, widths)
+            if self.eagle is not None:
+                drafting = draft_costs(target, self.eagle, batch, context, widths,
+                                       self.spec.gamma, self.spec.branches)
+                costs = {w: costs[w] + drafting[w] for w in widths}
+            self.verify_costs = costs
             return
         if self.cost_ratio is None:
             self.cost_ratio = cost_ratio(target, (self.params, self.config, self.plan), batch,

@@ -13,12 +13,16 @@ running calibration of predicted to observed acceptance (draft probabilities are
 over-confident where the head is weak). Nodes come in the drafter's order, parents before
 children, so every prefix is a tree.
 
-The engine's n-gram trees have no scores: `WidthPolicy` picks each call's width from what
-the calls before it accepted. An n-gram tree built with a budget of w nodes is the first w
-nodes of the tree built with more (`ngram_tree_device`: nodes are appended in one order and
-a chain past the budget only stops), and a greedy path's node indices grow with its depth,
-so a verify of N nodes also tells what every cut to w < N nodes would have accepted: the
-path's drafts with index below w (`tree_loop` counts them, `accepted_by_width`).
+The engine's trees come back without scores: `WidthPolicy` picks each call's width from
+what the calls before it accepted. A tree built with a budget of w nodes is the first w
+nodes of the tree built with more: an n-gram tree's (`ngram_tree_device`: nodes are
+appended in one order and a chain past the budget only stops) and an EAGLE head's grown
+level by level (`eagle_tree_device.grow`: each level adds the best offers in order, and a
+budget only cuts the last level short; not after EAGLE-2's rerank, which picks among every
+level's offers). A greedy path's node indices grow with its depth, so a verify of N nodes
+also tells what every cut to w < N nodes would have accepted: the path's drafts with index
+below w (`tree_loop` counts them, `accepted_by_width`). The cost of a width is its round's:
+the verify's, v(w), and for an EAGLE head its drafting, h(w) (`kvjax.speculative.cost`).
 """
 
 from __future__ import annotations
