@@ -64,7 +64,8 @@ class Params:
                               "page_size")
         common.check_choice(self, "drafter", ("ngram", "eagle"))
         SpecConfig(drafter=self.drafter, gamma=self.gamma, tree_nodes=self.tree_nodes,
-                   branches=self.branches, rerank=self.rerank)  # a ConfigError names it
+                   branches=self.branches, rerank=self.rerank,
+                   adaptive=self.adaptive)  # a ConfigError names what is wrong
         if (self.head is None) == (self.drafter == "eagle"):
             raise ConfigError("head", "the eagle drafter needs a head folder "
                               "(scripts/train_eagle), and only it reads one")

@@ -34,8 +34,13 @@ from kvjax.speculative.plugin import write_ahead
 from kvjax.train.eagle import train_head
 
 SPEC = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3)
-# EAGLE-2's rerank: 1 + 3 x 3 = 10 candidates grown, cut to 8 (the head's pages hold 10)
-RERANK = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3, rerank=True)
+# EAGLE-2's rerank: 1 + 4 x 5 = 21 candidates grown (the head runs the 17 of the first
+# four levels, more pairs than the tree's 6 nodes: past them, in rounds far from the call's
+# budget, a write-ahead of the tree's nodes would write into other pages), cut to 6
+RERANK = SpecConfig(drafter="eagle", gamma=5, tree_nodes=6, branches=4, rerank=True)
+# adaptive widths 2, 4, 8 at nearly one cost: the policy moves with what calls accept
+ADAPTIVE = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3, adaptive=True,
+                      verify_costs=((2, 1.0), (4, 1.02), (8, 1.04)))
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +69,27 @@ def eagle_engine(target, head, spec=SPEC, cache=ONE_BUCKET, **kw) -> Engine:
 
 @pytest.fixture(scope="module")
 def runs(target, head):
-    """Plain decoding's and EAGLE engines' (level by level, and reranked) two waves, then
-    second turns (each first-wave prompt + its answer + 3 tokens, over pages the
-    verifications wrote)."""
+    """Plain decoding's and EAGLE engines' (level by level, reranked, adaptive widths) two
+    waves, then second turns (each first-wave prompt + its answer + 3 tokens, over pages
+    the verifications wrote). "observed": what each of the adaptive engine's calls told
+    its width policy."""
     first, second = prompts()
-    out = {}
+    out = {"observed": []}
+    adaptive = eagle_engine(target, head, ADAPTIVE)
+    observe = adaptive.spec.width_policy.observe
+    adaptive.spec.width_policy.observe = lambda *a: (out["observed"].append(a), observe(*a))
     for name, engine in (("plain", Engine(target, CONFIG, EngineConfig(
             cache=ONE_BUCKET, max_slots=SLOTS, decode_steps=4, min_context=CONTEXT))),
                          ("eagle", eagle_engine(target, head)),
-                         ("rerank", eagle_engine(target, head, RERANK))):
+                         ("rerank", eagle_engine(target, head, RERANK)),
+                         ("adaptive", adaptive)):
         got = [engine.generate(first), engine.generate(second)]
         got.append(engine.generate(second_turns(first, got[0])))
         out[name] = (engine, got)
     return out
 
 
-@pytest.mark.parametrize("name", ["eagle", "rerank"])
+@pytest.mark.parametrize("name", ["eagle", "rerank", "adaptive"])
 def test_greedy_eagle_trees_equal_plain_decoding_bitwise(runs, name):
     engine, got = runs[name]
     for mine, plain in zip(got, runs["plain"][1], strict=True):
@@ -143,13 +153,14 @@ def test_the_engine_s_tree_calls_cut_by_the_rerank(target, head, monkeypatch):
     assert seen and all(seen)
 
 
-@pytest.mark.parametrize("name", ["eagle", "rerank"])
+@pytest.mark.parametrize("name", ["eagle", "rerank", "adaptive"])
 def test_the_head_pages_hold_the_pairs_of_their_history(runs, name):
     """Every head page in the trie after the runs (prompts' prefills, answers' pages
     written by the head's catch-ups in tree calls, second turns) holds what a fresh
     prefill of its history's pairs writes, bitwise: the features and tokens the engine
     paired, at the slots it paired them. With the rerank the head writes more candidates'
-    pairs than the tree keeps, past the kept ones (the engine's write-ahead holds them)."""
+    pairs than the tree keeps, past the kept ones (the engine's write-ahead holds them);
+    with adaptive widths each call's narrower or wider tree."""
     first, second = prompts()
     engine, got = runs[name]
     pool, ps = engine.draft_pool, engine.cache_config.page_size
@@ -171,37 +182,44 @@ def test_the_head_pages_hold_the_pairs_of_their_history(runs, name):
     assert checked >= 2
 
 
-def test_adaptive_widths_keep_plain_decoding_and_follow_the_round_costs(target, head, runs):
-    """Adaptive EAGLE trees: each call's width from the round costs (here pinned: a width
-    of 2 costs a sixth of 8's, which no tree of depth 3 can repay), so after the first call
-    (the widest) the calls verify 2 nodes but every 8th (the policy's exploration); the
-    answers stay plain decoding's, bitwise."""
-    spec = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3, adaptive=True,
-                      verify_costs=((2, 1.0), (4, 3.0), (8, 6.0)))
-    engine = eagle_engine(target, head, spec)
-    first, second = prompts()
-    for wave, plain in zip((first, second), runs["plain"][1][:2], strict=True):
-        assert_same(engine.generate(wave), plain)
-    s = engine.metrics()["spec"]
-    widths = engine.spec.widths
-    assert s["tree_calls"] >= len(widths) > 8 and widths[0] == 8  # rounds >= engine calls
-    assert [i for i, w in enumerate(widths) if w != 2] == [
-        i for i in range(len(widths)) if i == 0 or i % 8 == 0]
+def test_adaptive_widths_are_the_policy_s_after_the_calls_before(runs):
+    """Each call's width is `WidthPolicy`'s after what the calls before it told it (a
+    replayed policy chooses the same), the first the widest; what a call tells is its
+    verifications' accepted drafts at each cut to fewer nodes, which its own width's
+    cut sums to the drafts it accepted (the head grows a narrower tree as the first
+    nodes of a wider one: tests/test_eagle_device.py)."""
+    from kvjax.speculative.tree_policy import WidthPolicy
+
+    engine, _ = runs["adaptive"]
+    seen, m = runs["observed"], engine.metrics()["spec"]
+    replay, want = WidthPolicy([2, 4, 8]), []
+    for width, verifications, by_width in seen:
+        want.append(replay.choose(m["verify_costs"]))
+        replay.observe(width, verifications, by_width)
+        assert by_width[0] == 0 and list(by_width) == sorted(by_width)  # a cut keeps less
+    assert engine.spec.widths == [w for w, _, _ in seen] == want
+    assert want[0] == 8 and len(set(want)) > 1
+    assert sum(int(v) for _, v, _ in seen) == m["verifications"]
+    assert sum(int(b[w - 1]) for w, _, b in seen) == m["accepted"] > 0
 
 
-def test_a_round_s_cost_counts_the_head_s_drafting(target, head, runs, monkeypatch):
-    """Unpinned, an adaptive EAGLE engine measures each width's round at start-up: the
-    verify's cost plus the head's drafting (`cost.draft_costs`; stand-ins here, so the
-    sum is known), and the policy follows the sum. Then the real `draft_costs`, with the
-    engine's own head: one-token target steps per width (a timing: only its form)."""
+def test_a_round_s_cost_times_the_head_s_drafting_with_the_verify(target, head, runs,
+                                                                  monkeypatch):
+    """Unpinned, an adaptive EAGLE engine measures each width's round at start-up with
+    `cost.round_costs` (a tree verify, then the head's drafting, timed together; a
+    stand-in here, so the figures are known) and not the verify alone; then the real
+    `round_costs` with the engine's own head: one-token target steps per width (a timing:
+    only its form)."""
     from kvjax.speculative import cost
-    from kvjax.speculative.cost import draft_costs
+    from kvjax.speculative.cost import round_costs
 
-    monkeypatch.setattr(cost, "verify_costs", lambda t, b, c, widths: dict.fromkeys(widths, 1.0))
-    monkeypatch.setattr(cost, "draft_costs", lambda t, e, b, c, widths, depth, top_k: {
-        2: 0.5, 4: 10.0, 8: 20.0})
-    engine = eagle_engine(target, head, SpecConfig(drafter="eagle", gamma=3, tree_nodes=8,
-                                                   branches=3, adaptive=True))
+    def verify_only(*_):
+        raise AssertionError("an EAGLE round's cost is not the verify's alone")
+
+    monkeypatch.setattr(cost, "verify_costs", verify_only)
+    monkeypatch.setattr(cost, "round_costs", lambda t, e, b, c, widths, depth, top_k: {
+        2: 1.5, 4: 11.0, 8: 21.0})
+    engine = eagle_engine(target, head, dataclasses.replace(ADAPTIVE, verify_costs=None))
     assert_same(engine.generate(prompts()[0]), runs["plain"][1][0])
     assert engine.spec.verify_costs == {2: 1.5, 4: 11.0, 8: 21.0}
     widths = engine.spec.widths
@@ -210,7 +228,7 @@ def test_a_round_s_cost_counts_the_head_s_drafting(target, head, runs, monkeypat
 
     engine, _ = runs["eagle"]
     model = engine.model
-    costs = draft_costs((model.params, model.config, model.plan), engine.spec.eagle, 2, 32,
+    costs = round_costs((model.params, model.config, model.plan), engine.spec.eagle, 2, 32,
                         [2, 8], 3, 3)
     assert set(costs) == {2, 8} and all(0 < c < 100 for c in costs.values())
 
@@ -333,10 +351,10 @@ def test_what_an_eagle_engine_cannot_serve_is_refused(target, head):
 def test_the_write_ahead_holds_every_candidate_s_pair():
     """The slots a call may write past a row's kept history (pages are allocated for them):
     an EAGLE tree's nodes, or with the rerank every candidate grown before the cut
-    (1 + 3 x 3 = 10 for trees of 8, depth 3, 3 offers a level), at every width."""
+    (1 + 4 x 5 = 21 for trees of 6, depth 5, 4 offers a level), at every width."""
     assert write_ahead(SPEC) == 8 and write_ahead(SPEC, 2) == 2
-    assert write_ahead(RERANK) == write_ahead(RERANK, 8) == 10
-    assert write_ahead(dataclasses.replace(RERANK, tree_nodes=16)) == 16
+    assert write_ahead(RERANK) == write_ahead(RERANK, 6) == 21
+    assert write_ahead(dataclasses.replace(RERANK, tree_nodes=24)) == 24  # more than grown
 
 
 def test_head_keys_name_every_token_a_page_depends_on():

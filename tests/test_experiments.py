@@ -512,7 +512,9 @@ def test_sharegpt_reuse_sums_the_metrics_of_every_engine_a_restart_used():
     (["params.head=/nowhere"], "params.head: the eagle drafter needs"),
     (["params.drafter=eagle", "params.head=/nowhere"], "params.tree_nodes"),
     (["params.drafter=model"], "params.drafter: 'model' is not one of"),
-    (["params.tree_nodes=8", "params.rerank=true"], "params.rerank: for EAGLE trees")])
+    (["params.tree_nodes=8", "params.rerank=true"], "params.rerank: for EAGLE trees"),
+    (["params.drafter=eagle", "params.head=/nowhere", "params.tree_nodes=8",
+      "params.rerank=true", "params.adaptive=true"], "params.rerank: for EAGLE trees of a")])
 def test_eagle_mtbench_points_need_a_head_and_trees(tmp_path, no_work, capsys, overrides,
                                                     message):
     _refused("mtbench_spec", overrides, message, tmp_path, capsys)

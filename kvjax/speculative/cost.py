@@ -6,9 +6,10 @@ textbook prediction assumes v = 1; on hardware where a step is not purely bandwi
 v(w) > 1, and fits v(w) = 1 + s·(w − 1) well (this CPU, 9.5M target: 1.25 at w = 3, 1.52
 at w = 5, 2.0 at w = 9); `verify_slope` measures s.
 
-An EAGLE-style head drafts a round's tree itself (its catch-up and one pass per level):
-h(w) = that drafting for a tree of w nodes over a one-token target step (`draft_costs`);
-a round of w nodes costs v(w) + h(w).
+An EAGLE-style head drafts a round's tree itself (its catch-up and one pass per level), so
+a round of w nodes costs v(w) + h(w), h the drafting: `round_costs` times the two together,
+the verify then the head's drafting, as a round runs them (each evicts the other's weights
+from the CPU's caches, so timed apart they would add up to less).
 
 Each figure is the median of several timed calls of a jitted loop of `STEPS` steps after a
 warm-up call (so no Python dispatch is timed); the cache holds zeros, as a step's cost does
@@ -34,12 +35,17 @@ from kvjax.speculative.tree import tree_arrays
 STEPS = 16
 
 
-@partial(jax.jit, static_argnames=("configs", "plans", "repeats", "steps"),
+@partial(jax.jit, static_argnames=("configs", "plans", "repeats", "steps", "grow_shape"),
          donate_argnames=("caches",))
 def _steps(params: tuple, configs: tuple, plans: tuple, caches: tuple, tokens: tuple,
-           batches: tuple, repeats: tuple, steps: int):
+           batches: tuple, repeats: tuple, steps: int, head=None, grow_shape=None):
     """`steps` times: model i runs `repeats[i]` extend calls at fixed lengths (each rewrites
-    the same slots), the models one after the other as in a speculative round."""
+    the same slots), the models one after the other as in a speculative round; with `head`
+    (an `eagle_tree_device.HeadDraft`, its cache the last of `caches`) and `grow_shape`
+    (max_nodes, depth, top_k), then the head's drafting of a tree for the first model."""
+    from kvjax.speculative.eagle_tree_device import grow
+    from kvjax.speculative.tree_loop import tree_layout
+
     models = [Transformer(c, plan=p) for c, p in zip(configs, plans, strict=True)]
     positions = [model_positions(b, t.shape[1]) for b, t in zip(batches, tokens, strict=True)]
 
@@ -52,16 +58,27 @@ def _steps(params: tuple, configs: tuple, plans: tuple, caches: tuple, tokens: t
                 logits, caches[i] = model.apply(variables, tokens[i], positions[i],
                                                 caches[i], batches[i])
                 acc = acc + logits.sum()  # every logit is used: none is skipped
+        if head is not None:
+            max_nodes, depth, top_k = grow_shape
+            last = jnp.zeros(head.cached.shape, jnp.int32)
+            _, drafted, nodes, out = grow(head.replace(cache=caches[-1]), last,
+                                          jnp.full(last.shape, depth, jnp.int32), max_nodes,
+                                          depth, top_k, configs[0], tree_layout)
+            caches[-1] = out.cache
+            acc = acc + (drafted.sum() + nodes.sum()).astype(acc.dtype)
         return tuple(caches), acc
 
     return jax.lax.fori_loop(0, steps, body, (caches, jnp.float32(0)))
 
 
-def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False):
+def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False,
+               head: tuple | None = None):
     """A compiled, warmed-up callable returning the seconds of one composite step: for each
     (params, config, plan, width, repeats) in `models`, `repeats` steps of `width` new
     tokens per sequence (`batch` sequences with `context` cached tokens each); with `tree`,
-    the tokens are a tree verify's nodes (a chain's layout: the tree mask's arithmetic)."""
+    the tokens are a tree verify's nodes (a chain's layout: the tree mask's arithmetic);
+    with `head` = (eagle, max_nodes, depth, top_k), then an EAGLE-style head's drafting of
+    a tree (`eagle`: the engine's bound `eagle_engine.EagleSide`; `context` pairs cached)."""
     ps = 16
     state, args = {}, {"params": [], "configs": [], "plans": [], "tokens": [], "batches": [],
                        "repeats": []}
@@ -84,8 +101,13 @@ def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False
         args["plans"].append(plan)
         args["tokens"].append(np.zeros((batch, width), np.int32))
         args["repeats"].append(repeats)
-    state["caches"] = tuple(caches)
     args = {k: tuple(v) for k, v in args.items()}
+    if head is not None:
+        eagle, max_nodes, depth, top_k = head
+        draft, cache = _head_draft(eagle, models[0][1], batch, context, max_nodes + depth + 1)
+        caches.append(cache)
+        args.update(head=draft, grow_shape=(max_nodes, depth, top_k))
+    state["caches"] = tuple(caches)
 
     def timed() -> float:
         t0 = time.perf_counter()
@@ -95,6 +117,27 @@ def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False
 
     timed()  # compiles
     return timed
+
+
+def _head_draft(eagle, config, batch: int, context: int, extra: int):
+    """(a `HeadDraft` of `batch` rows with `context` pairs cached and one pending, its cache
+    with room for `extra` more pairs a row)."""
+    from kvjax.speculative.eagle import head_config
+    from kvjax.speculative.eagle_tree_device import HeadDraft
+
+    ps, d, width = 16, config.d_model, eagle.width
+    per_seq = pages_for(context + extra, ps)
+    cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
+    rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+    draft = HeadDraft(
+        head=eagle.head, embedding=eagle.embedding, head_w=eagle.head_w,
+        vocab=jnp.asarray(eagle.vocab), cache=None,
+        page_table=jnp.asarray(page_table(rows, batch, cc.block_pages)),
+        cached=jnp.full((batch,), context, jnp.int32), feature=jnp.zeros((batch, d)),
+        pending_features=jnp.zeros((batch, width, d)),
+        pending_tokens=jnp.zeros((batch, width), jnp.int32),
+        pending=jnp.ones((batch,), jnp.int32), plan=eagle.plan)
+    return draft, init_cache(head_config(config), cc)
 
 
 def timed_ratio(numerator, denominator, repeats: int = 9) -> float:
@@ -138,61 +181,14 @@ def verify_costs(target: tuple, batch: int, context: int, widths) -> dict[int, f
             for w in widths}
 
 
-@partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "top_k", "steps"),
-         donate_argnames=("cache",))
-def _grow_steps(d, cache, last, config, max_nodes: int, depth: int, top_k: int, steps: int):
-    """`steps` times: the head's drafting of a round (`eagle_tree_device.grow`) from the same
-    cached pairs (each rewrites the same slots)."""
-    from kvjax.speculative.eagle_tree_device import grow
-    from kvjax.speculative.tree_loop import tree_layout
 
-    reach = jnp.full(last.shape, depth, jnp.int32)
-
-    def body(_, carry):
-        cache, acc = carry
-        _, tokens, nodes, out = grow(d.replace(cache=cache), last, reach, max_nodes, depth,
-                                     top_k, config, tree_layout)
-        return out.cache, acc + tokens.sum() + nodes.sum()  # every output is used
-
-    return jax.lax.fori_loop(0, steps, body, (cache, jnp.int32(0)))
-
-
-def draft_costs(target: tuple, eagle, batch: int, context: int, widths, depth: int,
+def round_costs(target: tuple, eagle, batch: int, context: int, widths, depth: int,
                 top_k: int) -> dict[int, float]:
-    """h(w) for each node count in `widths`: an EAGLE-style head's drafting of a tree of w
-    nodes, `depth` levels at most, `top_k` offers a level (`eagle`: the engine's bound
-    `eagle_engine.EagleSide`), in plain decoding's one-token target steps; the head's
-    cache holds `context` pairs per row."""
-    from kvjax.speculative.eagle import head_config
-    from kvjax.speculative.eagle_tree_device import HeadDraft
-
-    config, ps = target[1], 16
+    """v(w) + h(w) for each node count in `widths`: a round of an EAGLE-style head's trees
+    (a tree verify of w nodes, then the head's drafting of a tree of w nodes, `depth`
+    levels at most, `top_k` offers a level; `eagle`: the engine's `EagleSide`) in plain
+    decoding's one-token target steps."""
     one = step_timer([(*target, 1, 1)], batch, context)
-    out = {}
-    for w in widths:
-        per_seq = pages_for(context + w + depth + 1, ps)
-        cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
-        rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
-        d, width = config.d_model, depth + 1
-        draft = HeadDraft(
-            head=eagle.head, embedding=eagle.embedding, head_w=eagle.head_w,
-            vocab=jnp.asarray(eagle.vocab), cache=None,
-            page_table=jnp.asarray(page_table(rows, batch, cc.block_pages)),
-            cached=jnp.full((batch,), context, jnp.int32),
-            feature=jnp.zeros((batch, d), jnp.float32),
-            pending_features=jnp.zeros((batch, width, d), jnp.float32),
-            pending_tokens=jnp.zeros((batch, width), jnp.int32),
-            pending=jnp.ones((batch,), jnp.int32), plan=eagle.plan)
-        state = {"cache": init_cache(head_config(config), cc)}
-        last = jnp.zeros((batch,), jnp.int32)
-
-        def timed(draft=draft, state=state, last=last, w=w) -> float:
-            t0 = time.perf_counter()
-            state["cache"], acc = _grow_steps(draft, state["cache"], last, config, w, depth,
-                                              top_k, STEPS)
-            jax.block_until_ready(acc)
-            return (time.perf_counter() - t0) / STEPS
-
-        timed()  # compiles
-        out[w] = timed_ratio(timed, one)
-    return out
+    return {w: timed_ratio(step_timer([(*target, w, 1)], batch, context, tree=True,
+                                      head=(eagle, w, depth, top_k)), one)
+            for w in widths}

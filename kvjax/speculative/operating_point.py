@@ -105,9 +105,8 @@ def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bo
     and numerics (a fixed pool lets points of different prompts share compiled steps);
     `eos_tokens`: where an answer stops (none: every prompt gets `gen_tokens`); `warmup`:
     False where the caller already ran these shapes (a warm-up runs every prompt once);
-    `tree_nodes`, `branches`: n-gram trees instead of chains (`SpecConfig`; adaptive: each
-    call's width from `verify_costs`, the verify cost per node count); `rerank`: EAGLE
-    trees' (`SpecConfig.rerank`)."""
+    `tree_nodes`, `branches`, `rerank`: trees instead of chains (`SpecConfig`; adaptive:
+    each call's width from `verify_costs`, a round's cost per node count)."""
     spec = SpecConfig(drafter=drafter, gamma=gamma, adaptive=adaptive,
                       cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None,
                       tree_nodes=tree_nodes, branches=branches, rerank=rerank,

@@ -238,18 +238,18 @@ class Speculator:
         """Measures what is not pinned in the SpecConfig: c (the draft's step time over the
         target's; 0 for the n-gram drafter) and the verify slope, at the engine's batch;
         for adaptive trees a round's cost at each width the policy chooses from: the
-        verify's, and an EAGLE head's drafting (`kvjax.speculative.cost`)."""
-        from kvjax.speculative.cost import cost_ratio, draft_costs, verify_costs, verify_slope
+        verify's, and with an EAGLE head the verify's and its drafting timed together
+        (`kvjax.speculative.cost`)."""
+        from kvjax.speculative.cost import cost_ratio, round_costs, verify_costs, verify_slope
 
         target = (params, config, plan)
         if self.width_policy is not None:
             widths = self.width_policy.widths
-            costs = verify_costs(target, batch, context, widths)
-            if self.eagle is not None:
-                drafting = draft_costs(target, self.eagle, batch, context, widths,
-                                       self.spec.gamma, self.spec.branches)
-                costs = {w: costs[w] + drafting[w] for w in widths}
-            self.verify_costs = costs
+            if self.eagle is None:
+                self.verify_costs = verify_costs(target, batch, context, widths)
+            else:  # the head's drafting timed with the verify, as a round runs them
+                self.verify_costs = round_costs(target, self.eagle, batch, context, widths,
+                                                self.spec.gamma, self.spec.branches)
             return
         if self.cost_ratio is None:
             self.cost_ratio = cost_ratio(target, (self.params, self.config, self.plan), batch,

@@ -19,10 +19,13 @@ nodes of the tree built with more: an n-gram tree's (`ngram_tree_device`: nodes 
 appended in one order and a chain past the budget only stops) and an EAGLE head's grown
 level by level (`eagle_tree_device.grow`: each level adds the best offers in order, and a
 budget only cuts the last level short; not after EAGLE-2's rerank, which picks among every
-level's offers). A greedy path's node indices grow with its depth, so a verify of N nodes
-also tells what every cut to w < N nodes would have accepted: the path's drafts with index
-below w (`tree_loop` counts them, `accepted_by_width`). The cost of a width is its round's:
-the verify's, v(w), and for an EAGLE head its drafting, h(w) (`kvjax.speculative.cost`).
+level's offers; exactly under invariant numerics, where a node's bits do not depend on the
+tree's width: under fast numerics a near-tie may differ, which moves only these counts).
+A greedy path's node indices grow with its depth, so a verify of N nodes also tells what
+every cut to w < N nodes would have accepted: the path's drafts with index below w
+(`tree_loop` counts them, `accepted_by_width`). The cost of a width is its round's:
+the verify's, v(w), and for an EAGLE head also its drafting, h(w), timed with the verify
+(`kvjax.speculative.cost.round_costs`).
 """
 
 from __future__ import annotations
@@ -100,8 +103,9 @@ WIDTH_DECAY = 0.8  # weight of the older calls in the width policy's estimates
 
 
 def tree_widths(depth: int, tree_nodes: int) -> list[int]:
-    """The widths an adaptive tree call chooses from: 2, 4, 8, ... below `tree_nodes`, the
-    chain of the full depth (depth + 1 nodes) and `tree_nodes`; one compiled verify each."""
+    """The widths an adaptive tree call chooses from: 2, 4, 8, ... below `tree_nodes`,
+    depth + 1 (an n-gram tree's chain of the full depth) and `tree_nodes`; one compiled
+    verify each."""
     powers = [1 << i for i in range(1, tree_nodes.bit_length())]
     return sorted({w for w in [*powers, depth + 1, tree_nodes] if 2 <= w <= tree_nodes})
 
