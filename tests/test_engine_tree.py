@@ -250,7 +250,6 @@ def test_adaptive_widths_are_the_policy_s_from_measured_costs(target, monkeypatc
     4 and 8 nodes 9, 12 and 20), then every call's width is `WidthPolicy`'s after the calls
     before it; what a call tells the policy is its verifications' counts at each cut."""
     from kvjax.speculative import cost as spec_cost
-    from kvjax.speculative.tree_policy import WidthPolicy
 
     timed = []
 
@@ -271,6 +270,17 @@ def test_adaptive_widths_are_the_policy_s_from_measured_costs(target, monkeypatc
     assert m["verify_costs"] == {2: 9 / 8, 4: 12 / 8, 8: 20 / 8}
     assert sorted(timed) == [(1, False, SLOTS, 128), (2, True, SLOTS, 128),
                              (4, True, SLOTS, 128), (8, True, SLOTS, 128)]
+    assert_widths_replay(engine, seen)
+
+
+def assert_widths_replay(engine, seen: list) -> None:
+    """Every call's width (of 2, 4, 8) is a replayed `WidthPolicy`'s after the calls before
+    it, more than one width is used, the first the widest; `seen`: what each call told the
+    engine's policy (width, verifications, accepted drafts at each cut), which sums to the
+    engine's counts (a call's cut at its own width: the drafts it accepted)."""
+    from kvjax.speculative.tree_policy import WidthPolicy
+
+    m = engine.metrics()["spec"]
     replay, want = WidthPolicy([2, 4, 8]), []
     for width, verifications, by_width in seen:
         want.append(replay.choose(m["verify_costs"]))
@@ -279,4 +289,4 @@ def test_adaptive_widths_are_the_policy_s_from_measured_costs(target, monkeypatc
     assert engine.spec.widths == [w for w, _, _ in seen] == want
     assert want[0] == 8 and len(set(want)) > 1
     assert sum(int(v) for _, v, _ in seen) == m["verifications"]
-    assert sum(int(b[w - 1]) for w, _, b in seen) == m["accepted"]  # each call's own width
+    assert sum(int(b[w - 1]) for w, _, b in seen) == m["accepted"]
