@@ -30,7 +30,10 @@ from kvjax.config import CacheConfig
 from kvjax.decode.batching import page_table, pages_for
 from kvjax.decode.steps import model_variables
 from kvjax.model.transformer import Transformer
+from kvjax.speculative.eagle import head_config
+from kvjax.speculative.eagle_tree_device import grow
 from kvjax.speculative.tree import tree_arrays
+from kvjax.speculative.tree_loop import tree_layout
 
 STEPS = 16
 
@@ -43,9 +46,6 @@ def _steps(params: tuple, configs: tuple, plans: tuple, caches: tuple, tokens: t
     the same slots), the models one after the other as in a speculative round; with `head`
     (an `eagle_tree_device.HeadDraft`, its cache the last of `caches`) and `grow_shape`
     (max_nodes, depth, top_k), then the head's drafting of a tree for the first model."""
-    from kvjax.speculative.eagle_tree_device import grow
-    from kvjax.speculative.tree_loop import tree_layout
-
     models = [Transformer(c, plan=p) for c, p in zip(configs, plans, strict=True)]
     positions = [model_positions(b, t.shape[1]) for b, t in zip(batches, tokens, strict=True)]
 
@@ -79,21 +79,18 @@ def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False
     the tokens are a tree verify's nodes (a chain's layout: the tree mask's arithmetic);
     with `head` = (eagle, max_nodes, depth, top_k), then an EAGLE-style head's drafting of
     a tree (`eagle`: the engine's bound `eagle_engine.EagleSide`; `context` pairs cached)."""
-    ps = 16
     state, args = {}, {"params": [], "configs": [], "plans": [], "tokens": [], "batches": [],
                        "repeats": []}
     caches = []
     for params, config, plan, width, repeats in models:
-        per_seq = pages_for(context + width, ps)
-        cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
+        cc, table = _pages(batch, context + width)
         caches.append(init_cache(config, cc))
-        rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
         layout = {}
         if tree:
             depth, ancestors = tree_arrays(list(range(-1, width - 1)))  # a chain's layout
             layout = dict(depth=np.tile(depth, (batch, 1)),
                           ancestors=np.tile(ancestors, (batch, 1, 1)))
-        args["batches"].append(BatchInfo(page_table=page_table(rows, batch, cc.block_pages),
+        args["batches"].append(BatchInfo(page_table=table,
                                          lengths=np.full(batch, context, np.int32),
                                          num_new=np.full(batch, width, np.int32), **layout))
         args["params"].append(jax.device_put(params))
@@ -104,8 +101,12 @@ def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False
     args = {k: tuple(v) for k, v in args.items()}
     if head is not None:
         eagle, max_nodes, depth, top_k = head
-        draft, cache = _head_draft(eagle, models[0][1], batch, context, max_nodes + depth + 1)
-        caches.append(cache)
+        cc, table = _pages(batch, context + max_nodes + depth + 1)
+        caches.append(init_cache(head_config(models[0][1]), cc))
+        # `context` pairs cached and one pending a row (the shapes are what a round's are)
+        draft = eagle.draft([], batch, cc.block_pages, table.shape[1]).replace(
+            page_table=table, cached=np.full(batch, context, np.int32),
+            pending=np.ones(batch, np.int32))
         args.update(head=draft, grow_shape=(max_nodes, depth, top_k))
     state["caches"] = tuple(caches)
 
@@ -119,25 +120,13 @@ def step_timer(models: list[tuple], batch: int, context: int, tree: bool = False
     return timed
 
 
-def _head_draft(eagle, config, batch: int, context: int, extra: int):
-    """(a `HeadDraft` of `batch` rows with `context` pairs cached and one pending, its cache
-    with room for `extra` more pairs a row)."""
-    from kvjax.speculative.eagle import head_config
-    from kvjax.speculative.eagle_tree_device import HeadDraft
-
-    ps, d, width = 16, config.d_model, eagle.width
-    per_seq = pages_for(context + extra, ps)
+def _pages(batch: int, slots: int, ps: int = 16) -> tuple[CacheConfig, np.ndarray]:
+    """A pool of `batch` rows of `slots` token slots each (pages of `ps`; page 0 left out)
+    and its page table."""
+    per_seq = pages_for(slots, ps)
     cc = CacheConfig(page_size=ps, num_pages=batch * per_seq + 1)
     rows = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
-    draft = HeadDraft(
-        head=eagle.head, embedding=eagle.embedding, head_w=eagle.head_w,
-        vocab=jnp.asarray(eagle.vocab), cache=None,
-        page_table=jnp.asarray(page_table(rows, batch, cc.block_pages)),
-        cached=jnp.full((batch,), context, jnp.int32), feature=jnp.zeros((batch, d)),
-        pending_features=jnp.zeros((batch, width, d)),
-        pending_tokens=jnp.zeros((batch, width), jnp.int32),
-        pending=jnp.ones((batch,), jnp.int32), plan=eagle.plan)
-    return draft, init_cache(head_config(config), cc)
+    return cc, page_table(rows, batch, cc.block_pages)
 
 
 def timed_ratio(numerator, denominator, repeats: int = 9) -> float:
@@ -179,7 +168,6 @@ def verify_costs(target: tuple, batch: int, context: int, widths) -> dict[int, f
     one = step_timer([(*target, 1, 1)], batch, context)
     return {w: timed_ratio(step_timer([(*target, w, 1)], batch, context, tree=True), one)
             for w in widths}
-
 
 
 def round_costs(target: tuple, eagle, batch: int, context: int, widths, depth: int,
