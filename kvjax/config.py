@@ -278,7 +278,7 @@ class SpecConfig:
     ngram_max: int = 3
     cost_ratio: float | None = None  # c for adaptive gamma; None: measured by the engine
     verify_slope: float | None = None  # extra verify cost per drafted token; None: measured
-    tree_nodes: int | None = None  # trees (greedy calls; n-gram sampled: chains). None: chains
+    tree_nodes: int | None = None  # tree nodes (greedy and sampled rows). None: chains
     branches: int = 4  # an n-gram tree's continuations; an EAGLE tree's offers per level
     rerank: bool = False  # EAGLE trees: EAGLE-2's cut of every level's offers to the best
     # adaptive trees: (node count, v(w) + h(w): kvjax.speculative.cost) pairs; None: measured

@@ -3,8 +3,9 @@
 plain decoding's bitwise, the head's pages (the draft pool) hold the pairs
 [F_j, e(h_{j+1})] of their history wherever they were written (prefill, a verify's
 catch-up) and are reused through the trie only where every token they depend on matches,
-preemption and samples sharing a prompt keep both pools consistent, and what an EAGLE
-engine cannot serve is refused. (The head's trees themselves: tests/test_eagle_device.py.)
+preemption and samples sharing a prompt keep both pools consistent, sampled requests
+verify trees too, and what an EAGLE engine cannot serve is refused. (The head's trees
+themselves: tests/test_eagle_device.py.)
 """
 
 from __future__ import annotations
@@ -16,17 +17,22 @@ import pytest
 from engine_helpers import CONFIG, CONTEXT, SLOTS, assert_same
 from helpers import gather_sequence
 from test_eagle import _markov
-from test_engine_tree import ONE_BUCKET, assert_widths_replay, prompts, second_turns
+from test_engine_tree import (
+    ONE_BUCKET,
+    assert_sampled_trees,
+    assert_widths_replay,
+    prompts,
+    second_turns,
+)
 
 import kvjax
-from kvjax import CacheConfig, Engine, EngineConfig, SamplingConfig
+from kvjax import CacheConfig, Engine, EngineConfig
 from kvjax.cache.admission import pool_keys
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import ConfigError, SpecConfig, TrainConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
 from kvjax.engine.requests import Request, salts_per_page
-from kvjax.errors import InvalidRequestError
 from kvjax.io.hf import CheckpointError
 from kvjax.speculative.eagle import head_config
 from kvjax.speculative.eagle_engine import head_prefill
@@ -163,9 +169,14 @@ def test_the_head_pages_hold_the_pairs_of_their_history(runs, name):
     with adaptive widths each call's narrower or wider tree."""
     first, second = prompts()
     engine, got = runs[name]
+    assert_head_pages(engine, [*first, *second, *second_turns(first, got[0])],
+                      [*got[0], *got[1], *got[2]])
+
+
+def assert_head_pages(engine: Engine, requests: list[Request], answers: list) -> None:
+    """Every head page the trie holds for a request's history is a fresh prefill's of its
+    pairs, bitwise; at least two requests' pages reach past their prompts."""
     pool, ps = engine.draft_pool, engine.cache_config.page_size
-    requests = [*first, *second, *second_turns(first, got[0])]
-    answers = [*got[0], *got[1], *got[2]]
     checked = 0
     for request, answer in zip(requests, answers, strict=True):
         history = list(request.tokens) + answer.tokens
@@ -310,14 +321,19 @@ def test_preemption_and_shared_prompts_keep_both_pools(target, head):
     assert engine.draft_pool.num_free + engine.draft_pool.trie.num_nodes == small.num_pages
 
 
+def test_sampled_requests_verify_eagle_trees(target, head, runs):
+    """As n-gram tree engines do (`assert_sampled_trees`: every call a tree call, a seed's
+    tokens and logits the same alone as in a batch, top_k 1 greedy's bitwise, greedy
+    neighbours plain decoding's); and the head's pages written along sampled paths hold
+    their history's pairs, bitwise."""
+    engine, requests, got = assert_sampled_trees(lambda: eagle_engine(target, head),
+                                                 runs["plain"][1])
+    assert_head_pages(engine, requests, got)
+
+
 def test_what_an_eagle_engine_cannot_serve_is_refused(target, head):
     engine = eagle_engine(target, head)
     prompt = prompts()[0][0].tokens
-    with pytest.raises(InvalidRequestError, match="greedy"):
-        engine.submit(Request(tokens=prompt, max_new_tokens=4,
-                              sampling=SamplingConfig(temperature=0.8)))
-    assert engine.num_waiting == 0  # nothing was queued; the engine serves on
-    assert engine.generate([Request(tokens=prompt, max_new_tokens=4)])[0].status == "finished"
     with pytest.raises(ConfigError, match="tree_nodes"):
         SpecConfig(drafter="eagle", gamma=3)  # EAGLE drafts trees only
     with pytest.raises(ConfigError, match="rerank: for EAGLE trees of a fixed size"):

@@ -286,8 +286,8 @@ class SpecEngineMachine(EngineMachine):
 class TreeEngineMachine(EngineMachine):
     """The same rules on an engine verifying n-gram trees (up to 8 nodes, paths of 3, 4
     branches: the suffixes' 6-token alphabet makes bushy trees) of adaptive widths (2, 4
-    or 8 nodes, from pinned verify costs); a call with a hot request verifies chains. No
-    draft pool; packed steps are plain decoding only."""
+    or 8 nodes, from pinned verify costs); hot requests verify trees as well (and replay
+    their widths when recomputed). No draft pool; packed steps are plain decoding only."""
 
     checked: ClassVar[collections.Counter] = collections.Counter()
     answer_writer = "verify"
@@ -296,9 +296,17 @@ class TreeEngineMachine(EngineMachine):
     def start(self):
         self.start_speculating(SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, branches=4,
                                           adaptive=True, verify_costs=((2, 1.0), (8, 2.0))))
+        decode = self.eng.spec.decode
+
+        def counting(model, kv, steps, live, budgets, gamma, state, *args, **kw):
+            type(self).checked["sampled_calls"] += bool(np.any(state.temperature > 0))
+            return decode(model, kv, steps, live, budgets, gamma, state, *args, **kw)
+
+        self.eng.spec.decode = counting
 
     def teardown(self):
         super().teardown()
+        assert self.eng.metrics()["errors"] == 0  # no recomputation contradicted its stream
         type(self).checked["tree_calls"] += self.eng.spec.tree_calls
         type(self).checked.update(("width", w) for w in self.eng.spec.widths)
         type(self).checked["target_calls"] += self.eng.spec.totals.target_calls
@@ -337,5 +345,6 @@ def test_tree_engine_invariants():
     checked = run(TreeEngineMachine, 12)
     for key in ((0, "prefill"), (0, "verify"), "tree_calls"):
         assert checked[key] > 0, (key, checked)
-    assert checked["tree_calls"] < checked["target_calls"]  # hot requests' calls: chains
+    assert checked["tree_calls"] == checked["target_calls"]  # hot requests' calls too
+    assert checked["sampled_calls"] > 0
     assert sum(checked["width", w] > 0 for w in (2, 4, 8)) >= 2, checked

@@ -268,28 +268,35 @@ def _sharp(params) -> dict:
     return out
 
 
-def test_adaptive_gamma_recomputes_what_it_streamed(p):
-    """Sampled speculative tokens depend on where rounds start, so a preempted request that
-    is recomputed (`preemption="recompute"`; a resumed one decodes none of its streamed
-    tokens again) decodes them again under the γ each of its calls had (adaptive γ moves 4
-    -> 3 -> 2 here, with a draft half-way between the target and another model, α 0.41): no
-    recomputation contradicts its stream (without the replayed γ, one of the 4 preempted
-    requests here failed)."""
+@pytest.mark.parametrize("trees", [False, True], ids=["chain", "trees"])
+def test_adaptive_sizes_recompute_what_they_streamed(p, trees):
+    """Sampled speculative tokens depend on where rounds start and on the tree a round
+    verifies, so a preempted request that is recomputed (`preemption="recompute"`; a
+    resumed one decodes none of its streamed tokens again) decodes them again under the
+    size each of its calls had: adaptive γ (4 -> 3 -> 2 here, with a draft half-way between
+    the target and another model, α 0.41) or adaptive n-gram tree widths (2, 4 or 8 nodes).
+    No recomputation contradicts its stream (without the replayed sizes, one of the 4
+    preempted requests failed with chains, two of the 5 with trees)."""
     target = _sharp(kvjax.init_params(CONFIG, seed=1))
-    other = _sharp(kvjax.init_params(CONFIG, seed=9))
-    draft = jax.tree_util.tree_map(lambda a, b: 0.5 * a + 0.5 * b, target, other)
-    ec = EngineConfig(cache=with_cache(num_pages=40), max_slots=SLOTS, decode_steps=4,
-                      min_context=CONTEXT,
-                      preemption="recompute")
-    spec = Engine(target, CONFIG, ec, draft=(draft, CONFIG),
-                  spec=SpecConfig(gamma=4, adaptive=True, cost_ratio=0.05, verify_slope=0.0))
+    ec = EngineConfig(cache=with_cache(num_pages=32 if trees else 40), max_slots=SLOTS,
+                      decode_steps=4, min_context=CONTEXT, preemption="recompute")
+    if trees:  # costs near one: the policy moves with what the calls accept
+        spec = Engine(target, CONFIG, ec, spec=SpecConfig(
+            drafter="ngram", gamma=3, tree_nodes=8, branches=4, adaptive=True,
+            verify_costs=((2, 1.0), (4, 1.02), (8, 1.04))))
+    else:
+        other = _sharp(kvjax.init_params(CONFIG, seed=9))
+        draft = jax.tree_util.tree_map(lambda a, b: 0.5 * a + 0.5 * b, target, other)
+        spec = Engine(target, CONFIG, ec, draft=(draft, CONFIG), spec=SpecConfig(
+            gamma=4, adaptive=True, cost_ratio=0.05, verify_slope=0.0))
     requests = _sampled_workload()
     ids = [spec.submit(r) for r in requests]
     events = list(spec.stream())
     results = spec.run()
     m = spec.metrics()
     assert m["preemptions"] > 0 and m["errors"] == 0
-    assert len(set(m["spec"]["gamma_history"])) > 1
+    assert len(m["spec"]["tree_widths"] if trees else set(m["spec"]["gamma_history"])) > 1
+    assert m["spec"]["accepted"] > 0
     for i in ids:
         assert results[i].status == "finished"
         assert results[i].tokens == _tokens(events, i)

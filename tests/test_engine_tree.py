@@ -2,8 +2,8 @@
 verified on device by `kvjax.speculative.tree_loop`): greedy tokens and their logits equal
 plain decoding's bitwise, a second turn reuses the pages the trees' verifications wrote,
 the accepted path's K/V land where plain decoding writes them and nothing else stays (freed
-pages poisoned, shared pages untouched), a call with a sampled row verifies the chain,
-and the statistics count nodes by depth. (Trees outside the engine: tests/test_tree_loop.py.)
+pages poisoned, shared pages untouched), sampled requests verify trees as well, and the
+statistics count nodes by depth. (Trees outside the engine: tests/test_tree_loop.py.)
 """
 
 from __future__ import annotations
@@ -185,25 +185,48 @@ def test_only_the_accepted_path_stays_and_shared_pages_keep_their_bits(target):
     assert m["free_pages"] == CACHE.num_pages - m["resident_pages"]
 
 
-def test_a_call_with_a_sampled_row_verifies_the_chain(target, plain):
-    """Trees accept greedily only: while a sampled request is in the batch the engine's
-    calls verify chains of γ, the same calls a chain engine makes, so the sampled answers
-    are the chain engine's; the greedy ones, which outlive it, go on in trees and stay
-    plain decoding's."""
+def hot(tokens: list[int], seed: int, top_k: int = 3) -> Request:
+    """A prompt sampled at temperature 0.9 from the `top_k` likeliest tokens with `seed`,
+    12 tokens."""
+    return Request(tokens=tokens, max_new_tokens=12, return_logits=True,
+                   sampling=SamplingConfig(temperature=0.9, top_k=top_k, seed=seed))
+
+
+def assert_sampled_trees(engine_for, plain) -> tuple[Engine, list[Request], list]:
+    """An engine's sampled requests verify trees (`tree_loop`'s exact rule; its
+    distribution: tests/test_tree_sampling.py), every call a tree call: a seed gives the
+    same tokens and logits alone as in a batch (its keys and trees are its own), other
+    seeds others; top_k 1 samples greedy decoding's tokens and logits, bitwise; greedy
+    requests beside the sampled ones stay plain decoding's. `engine_for()` makes a fresh
+    engine; `plain`: plain decoding's answers to `prompts()`' two waves. Returns (the
+    engine, the requests it served, its results). The sampled
+    prompts end in their greedy answers, which repeat themselves: the n-gram trees draft,
+    and the top 3 of this random model's flat distributions accept some drafts."""
     first, second = prompts()
-    sampled = [Request(tokens=r.tokens, max_new_tokens=6,
-                       sampling=SamplingConfig(temperature=0.9, top_k=20, seed=4 + i))
-               for i, r in enumerate(first)]
-    requests = sampled + second[2:]
-    runs = []
-    for tree_nodes in (8, None):
-        engine = tree_engine(target, SpecConfig(drafter="ngram", gamma=3,
-                                                tree_nodes=tree_nodes))
-        runs.append((engine.generate(requests), engine.metrics()["spec"]))
-    (tree, tree_stats), (chain, _) = runs
-    assert [r.tokens for r in tree[:2]] == [r.tokens for r in chain[:2]]
-    assert_same(tree[2:], plain[1][2:])
-    assert 0 < tree_stats["tree_calls"] < tree_stats["target_calls"]
+    tails = [r.tokens + a.tokens for r, a in zip(second, plain[1], strict=True)]
+    sampled = [hot(t, 4 + i) for i, t in enumerate(tails)]
+    top_1 = [hot(r.tokens, 9, top_k=1) for r in first]
+    engine, requests = engine_for(), sampled + top_1 + second[2:]
+    got = engine.generate(requests)
+    s = engine.metrics()["spec"]
+    assert s["tree_calls"] == s["target_calls"] > 0
+    assert sum(r.stats["spec"]["accepted"] for r in got[:len(sampled)]) > 0
+    alone = engine_for()
+    for request, result in zip(sampled, got, strict=False):
+        assert_same([result], alone.generate([request]))
+    reseeded = engine_for().generate([hot(t, 40 + i) for i, t in enumerate(tails)])
+    assert sum(a.tokens != b.tokens for a, b in zip(reseeded, got, strict=False)) >= 3
+    for result, want in zip(got[len(sampled):len(sampled) + len(top_1)], plain[0],
+                            strict=True):
+        assert result.tokens == want.tokens[:12]
+        np.testing.assert_array_equal(result.logits, want.logits[:12])
+    assert_same(got[len(sampled) + len(top_1):], plain[1][2:])
+    return engine, requests, got
+
+
+def test_sampled_rows_verify_trees(target, plain):
+    assert_sampled_trees(lambda: tree_engine(target, SpecConfig(
+        drafter="ngram", gamma=3, tree_nodes=8, branches=4)), plain)
 
 
 def test_tree_settings_are_checked():
@@ -212,9 +235,9 @@ def test_tree_settings_are_checked():
     with pytest.raises(ConfigError, match="tree_nodes"):
         SpecConfig(drafter="ngram", gamma=8, tree_nodes=8)  # a path longer than the tree
     assert SpecConfig(drafter="ngram", adaptive=True, tree_nodes=8).verify_costs is None
-    # a call of 2 nodes grows pages for the chain of γ its sampled calls verify instead
+    # a call of n nodes grows pages for the n - 1 past the root (sampled rows too)
     spec = SpecConfig(drafter="ngram", gamma=4, adaptive=True, tree_nodes=8)
-    assert [write_ahead(spec, n) for n in (2, 4, 5, 8, None)] == [4, 4, 4, 7, 7]
+    assert [write_ahead(spec, n) for n in (2, 4, 5, 8, None)] == [1, 3, 4, 7, 7]
     toml = SpecConfig(drafter="ngram", adaptive=True, tree_nodes=8,
                       verify_costs=[[2, 1], [8, 2.5]])  # as a TOML file gives them
     assert toml.verify_costs == ((2, 1.0), (8, 2.5))

@@ -89,12 +89,13 @@ def _reference_probs(logits, temperature: float, top_k: int, top_p: float) -> np
     return probs
 
 
-def _exact_joint(params) -> np.ndarray:
-    """float64[V]*NEW: the probability of every continuation under the sampling knobs, from
-    the float64 reference (not kvjax's `probabilities`, which the loop itself uses)."""
+def _exact_joint(params, prompt=PROMPT) -> np.ndarray:
+    """float64[V]*NEW: the probability of every continuation of `prompt` under the sampling
+    knobs, from the float64 reference (not kvjax's `probabilities`, which the loop itself
+    uses)."""
     conts = np.array(list(itertools.product(range(V), repeat=NEW)))  # [V^NEW, NEW]
-    seqs = np.concatenate([np.tile(PROMPT, (len(conts), 1)), conts], axis=1)
-    logits = kvjax.forward(params, CONFIG, seqs)[:, len(PROMPT) - 1: -1]  # [M, NEW, V]
+    seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
+    logits = kvjax.forward(params, CONFIG, seqs)[:, len(prompt) - 1: -1]  # [M, NEW, V]
     probs = _reference_probs(logits, TEMP, TOP_K, float(np.float32(TOP_P)))
     rows = np.arange(len(conts))[:, None]
     joint = np.prod(probs[rows, np.arange(NEW)[None], conts], axis=1)
@@ -152,15 +153,19 @@ def _empirical(tokens: np.ndarray) -> np.ndarray:
     return joint / len(tokens)
 
 
-@pytest.fixture(scope="module")
-def reference(models):
-    """(exact statistics, their 99.9% thresholds for ROWS samples, the draft's own)."""
-    target, draft = models
-    want = _statistics(_exact_joint(target))
+def references(target, draft, prompt=PROMPT):
+    """(exact statistics of `prompt`'s continuations, their 99.9% thresholds for ROWS
+    samples, the draft's own)."""
+    want = _statistics(_exact_joint(target, prompt))
     rng = np.random.default_rng(0)
     thresholds = [float(np.quantile([0.5 * np.abs(rng.multinomial(ROWS, w) / ROWS - w).sum()
                                      for _ in range(1000)], 0.999)) for w in want]
-    return want, thresholds, _statistics(_exact_joint(draft))
+    return want, thresholds, _statistics(_exact_joint(draft, prompt))
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return references(*models)
 
 
 def _distances(reference, tokens: np.ndarray) -> np.ndarray:

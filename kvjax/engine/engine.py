@@ -349,8 +349,7 @@ class Engine:
         tokens = validate(request, render(request, self.tokenizer, self.chat_template),
                           self.config, self.cache_config, self.engine_config.max_slots,
                           self.adapters, None if self.spec is None else self.spec.max_seq_len,
-                          0 if self.spec is None else write_ahead(self.spec.spec),
-                          greedy_only=self.spec is not None and self.spec.eagle is not None)
+                          0 if self.spec is None else write_ahead(self.spec.spec))
         req = LiveRequest(id=-1, request=request, tokens=tokens,
                           namespace=self.namespace(request),
                           context=context(request, tokens, self.cache_config.page_size),

@@ -230,12 +230,11 @@ def stop_ids(request: Request, eos: Sequence[int] = ()) -> tuple[int, ...]:
 
 def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
              max_slots: int, adapters, draft_max_seq_len: int | None = None,
-             write_ahead: int = 0, greedy_only: bool = False) -> list[int]:
+             write_ahead: int = 0) -> list[int]:
     """The prompt's ids as ints, or InvalidRequestError naming what cannot be served.
 
     `adapters`: the loaded adapter names; `draft_max_seq_len`: the draft model's context,
-    if any; `write_ahead`: cache slots a decode call may write past the kept history (γ);
-    `greedy_only`: sampled requests are refused.
+    if any; `write_ahead`: cache slots a decode call may write past the kept history (γ).
     """
     ids = np.asarray(check_token_ids(tokens, config.vocab_size))
     if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
@@ -256,9 +255,6 @@ def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
         raise InvalidRequestError(
             f"position_base {request.position_base} + {ids.size} prompt tokens + "
             f"{request.max_new_tokens} new tokens exceed max_seq_len={config.max_seq_len}")
-    if greedy_only and request.sampling.temperature > 0:  # an EAGLE engine (tree_loop)
-        raise InvalidRequestError(f"temperature {request.sampling.temperature}: EAGLE trees "
-                                  f"verify greedy requests only (temperature 0)")
     if draft_max_seq_len is not None and end > draft_max_seq_len:
         raise InvalidRequestError(
             f"position_base {request.position_base} + {ids.size} prompt tokens + "

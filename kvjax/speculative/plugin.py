@@ -5,10 +5,10 @@ The draft model's pages are the second pool of the engine's `KVCacheManager`
 keyed by the draft's namespace: the draft's weights and attention structure, no adapter:
 the draft runs without one). A reused prompt therefore skips prefill for both models. This
 module holds the draft's weights, runs `spec_loop` over both caches through the manager (or,
-with `SpecConfig.tree_nodes`, `tree_loop`'s n-gram or EAGLE trees on a greedy call) and
-keeps the statistics. With `SpecConfig.adaptive` and `tree_nodes`, each greedy call's tree
-width comes from `tree_policy.WidthPolicy` and a round's cost measured per node count (the
-verify's, and an EAGLE head's drafting).
+with `SpecConfig.tree_nodes`, `tree_loop`'s n-gram or EAGLE trees, for greedy and sampled
+rows alike) and keeps the statistics. With `SpecConfig.adaptive` and `tree_nodes`, each
+call's tree width comes from `tree_policy.WidthPolicy` and a round's cost measured per node
+count (the verify's, and an EAGLE head's drafting).
 """
 
 from __future__ import annotations
@@ -42,15 +42,14 @@ from kvjax.speculative.tree_policy import WidthPolicy, tree_widths
 
 def write_ahead(spec: SpecConfig, size: int | None = None) -> int:
     """The most cache slots a call writes past the kept history: a chain's γ drafts (`size`,
-    or the config's γ); a tree's nodes but the root (`size` nodes, or `tree_nodes`), and
-    at least the chain of γ that a call with a sampled row verifies instead; an EAGLE
-    tree's nodes (its head's pages, one pair behind the target's, hold the root's pair
-    past them too), or with `rerank` every candidate the head grows before the cut."""
+    or the config's γ); a tree's nodes but the root (`size` nodes, or `tree_nodes`); an
+    EAGLE tree's nodes (its head's pages, one pair behind the target's, hold the root's
+    pair past them too), or with `rerank` every candidate the head grows before the cut."""
     if spec.drafter == "eagle":
         return candidates(spec.tree_nodes if size is None else size, spec.gamma,
                           spec.branches, spec.rerank)
     if spec.tree_nodes is not None:
-        return max((spec.tree_nodes if size is None else size) - 1, spec.gamma)
+        return (spec.tree_nodes if size is None else size) - 1
     return spec.gamma if size is None else size
 
 
@@ -109,11 +108,10 @@ class Speculator:
 
     @property
     def replays(self) -> bool:
-        """Whether a recomputed request must decode under the γ each of its calls had: under
-        adaptive γ (sampled tokens depend on where rounds start). Not for trees: a call with
-        a sampled row verifies the fixed chain of γ, and a greedy row's tokens depend on the
-        width no more than on the batch."""
-        return self.spec.adaptive and self.spec.tree_nodes is None
+        """Whether a recomputed request must decode under the γ (or tree width) each of its
+        calls had: under adaptive sizes, as sampled tokens depend on where rounds start and
+        on the tree a round verifies (a greedy row's do not)."""
+        return self.spec.adaptive
 
     def write_ahead(self, size: int) -> int:
         """The cache slots a call of `size` (`next_gamma`'s) may write past a row's kept
@@ -122,7 +120,7 @@ class Speculator:
 
     def next_gamma(self) -> int:
         """This call's size: a chain's γ, fixed or (adaptive) the policy's
-        (`kvjax.speculative.gamma`); with trees, the node count of a greedy call's trees,
+        (`kvjax.speculative.gamma`); with trees, the node count of a call's trees,
         `tree_nodes` or (adaptive) `WidthPolicy`'s."""
         if self.width_policy is not None:
             return self.width_policy.choose(self.verify_costs)
@@ -162,9 +160,7 @@ class Speculator:
             kwargs = dict(history=history, ngram_max=self.spec.ngram_max)
 
         sampled = any_sampled(state.temperature)
-        if self.eagle is not None and sampled:
-            raise ValueError("EAGLE trees verify greedy rows only")  # requests are checked
-        if self.spec.tree_nodes is not None and not sampled:
+        if self.spec.tree_nodes is not None:
             head = None if self.eagle is None else self.eagle.draft(
                 live, slots, kv.draft.cache_config.block_pages,
                 pages_for(min_context, kv.draft.cache_config.page_size))
@@ -175,7 +171,7 @@ class Speculator:
                     max_nodes=gamma, depth=self.spec.gamma, branches=self.spec.branches,
                     max_out=decode_steps, ngram_max=self.spec.ngram_max, head=head,
                     head_cache=head_cache, top_k=self.spec.branches, rerank=self.spec.rerank,
-                    return_logits=want_logits, plan=model.plan)
+                    return_logits=want_logits, plan=model.plan, sampled=sampled)
                 if head is None:
                     return out, cache, None
                 return out.replace(head=out.head.replace(cache=None)), cache, out.head.cache
@@ -191,8 +187,6 @@ class Speculator:
                                           tree.accepted_by_width[rows].sum(axis=0))
             out, gamma = _as_chain_result(tree), self.spec.gamma
         else:
-            if self.spec.tree_nodes is not None:
-                gamma = self.spec.gamma  # a call with a sampled row: the chain of γ
             out = kv.run_both(lambda cache, draft_cache: spec_loop(
                 model.params, model.config, cache, state, drafter=self.spec.drafter,
                 gamma=gamma, max_out=decode_steps, return_logits=want_logits, lora=model.lora,

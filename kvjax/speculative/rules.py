@@ -86,3 +86,67 @@ def sampling_accept(draft: jax.Array, q: jax.Array, p: jax.Array, num_draft: jax
     logits = jnp.where(dist > 0, jnp.log(jnp.where(dist > 0, dist, 1.0)), -jnp.inf)
     token = jax.vmap(jax.random.categorical)(step_keys[rows, accepted], logits)
     return accepted, token.astype(jnp.int32)
+
+
+def reject(r: jax.Array, tokens: jax.Array) -> jax.Array:
+    """r float32[B, V] after each row's deterministic draft `tokens` int32[B] was rejected:
+    norm(max(0, r - one_hot(x))) unnormalised, i.e. r with x's mass taken out."""
+    return r.at[jnp.arange(r.shape[0]), tokens].set(0.0)
+
+
+def tree_uniforms(keys: jax.Array, positions: jax.Array, depth: jax.Array) -> jax.Array:
+    """float32[B, N]: the uniform that tests node i of row b's tree, from the row's key
+    folded with the node's position (`positions[b]`: depth 1's; a node at depth d sits
+    d - 1 later), `ACCEPT_TAG`, then i: siblings share a position, not a draw; no position is
+    tested in two rounds (a round's tests reach no further than the token it emits)."""
+    n = depth.shape[1]
+
+    def row(key, first, d):
+        def node(i, d_i):
+            k = jax.random.fold_in(jax.random.fold_in(key, first + d_i - 1), ACCEPT_TAG)
+            return jax.random.uniform(jax.random.fold_in(k, i))
+        return jax.vmap(node)(jnp.arange(n), d)
+
+    return jax.vmap(row)(keys, positions, depth)
+
+
+def tree_sampling_accept(parents: jax.Array, tokens: jax.Array, nodes: jax.Array,
+                         p: jax.Array, u: jax.Array, keys: jax.Array, positions: jax.Array,
+                         depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Exact speculative sampling over each row's tree of deterministic drafts (SpecInfer's
+    rule; the host's `kvjax.speculative.tree.sampled_path` with q None): (path int32[B, D + 1]
+    (node 0 first; 0 past its end), its node count int32[B], the token after it int32[B]).
+
+    At the path's last node its children are tested in index order: child x is accepted
+    with probability r(x) / sum(r), r starting as the target's distribution there; a
+    rejection takes x's mass out of r (`reject`); an accepted child continues the path, and
+    when every child is rejected (or there is none) the next token is drawn from r. The
+    emitted tokens are then distributed as the target's own samples, for children with
+    distinct tokens. One pass over the nodes does it: a node's children come after it.
+
+    Args:
+      parents, tokens: int32[B, N] (node 0 the root); nodes: int32[B] real nodes per row;
+      p: float32[B, N, V] the target's sampling distribution after each node; u: float32
+      [B, N] `tree_uniforms`; keys: uint32[B, 2]; positions: int32[B] depth 1's position
+      (the token after a path of k nodes is drawn with fold_in(key, positions + k - 1), as
+      plain sampling draws the token at that position).
+    """
+    parents, tokens, p, u = (jnp.asarray(x) for x in (parents, tokens, p, u))
+    b, n = parents.shape
+    rows = jnp.arange(b)
+
+    def test(i, carry):
+        at, r, path, count = carry
+        x = tokens[:, i]
+        child = (parents[:, i] == at) & (i < nodes)
+        ok = child & (u[:, i] * jnp.sum(r, axis=-1) < r[rows, x])
+        r = jnp.where(ok[:, None], p[:, i], jnp.where((child & ~ok)[:, None], reject(r, x), r))
+        path = path.at[rows, jnp.where(ok, count, depth + 1)].set(i, mode="drop")
+        return jnp.where(ok, i, at), r, path, count + ok
+
+    _, r, path, count = jax.lax.fori_loop(1, n, test, (
+        jnp.zeros((b,), jnp.int32), p[:, 0], jnp.zeros((b, depth + 1), jnp.int32),
+        jnp.ones((b,), jnp.int32)))
+    step = jax.vmap(jax.random.fold_in)(keys, positions + count - 1)
+    logits = jnp.where(r > 0, jnp.log(jnp.where(r > 0, r, 1.0)), -jnp.inf)
+    return path, count, jax.vmap(jax.random.categorical)(step, logits).astype(jnp.int32)

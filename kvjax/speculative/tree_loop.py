@@ -10,14 +10,16 @@ sequence stays on device, as `kvjax.speculative.loop.spec_loop` does for chains:
   2. verify: the target extends every row by its tree's nodes in one [B, N] call, each node
      seeing the cache and its ancestors only, at the position plain decoding gives it
      (`BatchInfo.depth` / `ancestors`);
-  3. accept (greedy): the longest root path whose every child is the target's argmax at
-     its parent, then the target's own token; emitted within the budget, cut at a stop id;
+  3. accept: a greedy row the longest root path whose every child is the target's argmax
+     at its parent, then the target's own token; a sampled row by exact speculative
+     sampling over the tree (`rules.tree_sampling_accept`: its tokens are distributed as
+     the target's own samples); emitted within the budget, cut at a stop id;
   4. compact: the path's K/V move to the slots plain decoding writes (`move_slots`), the
      length drops to the kept history; the other nodes' K/V sit past it, where nothing
      reads them (a later write replaces them before any read).
 Under invariant numerics every kept K/V and emitted logit equals plain decoding's, bitwise
-(tests/test_tree_loop.py). Greedy rows only: sampled trees verify on the host
-(`tree_host.tree_generate`, SpecInfer's rule).
+(tests/test_tree_loop.py); sampled rows follow the target's distribution
+(tests/test_tree_sampling.py).
 
 Legend: B rows, N tree nodes (max_nodes), D depth, S tokens out per call, H history width.
 """
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions, move_slots
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.sampling import greedy
+from kvjax.decode.sampling import greedy, probabilities
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
@@ -46,6 +48,7 @@ from kvjax.speculative.eagle_tree_device import (
 )
 from kvjax.speculative.loop import emitted
 from kvjax.speculative.ngram_tree_device import ngram_tree
+from kvjax.speculative.rules import tree_sampling_accept, tree_uniforms
 
 
 @flax.struct.dataclass
@@ -135,8 +138,10 @@ def greedy_tree_path(parents: jax.Array, tokens: jax.Array, nodes: jax.Array,
 def accepted_within(path: jax.Array, on_path: jax.Array, n_emit: jax.Array, max_nodes: int
                     ) -> jax.Array:
     """int32[B, N]: [b, w - 1] the drafts a verify of row b's tree cut to its first w nodes
-    would have emitted. The greedy path's nodes (`path` int32[B, D + 1], `on_path` of them)
-    have growing indices, so the cut keeps the path's drafts below w, a prefix of it; the
+    would have emitted. The path's nodes (`path` int32[B, D + 1], `on_path` of them) have
+    growing indices, so the cut keeps the path's drafts below w, a prefix of it: greedy, as
+    the argmax decides each child; sampled, as each node's test has its own uniform
+    (`tree_uniforms`), the cut tree's children below w test as the whole tree's do. The
     budget and stop ids cut it as they cut the whole path (`n_emit` tokens, the last the
     target's own)."""
     drafts = jnp.arange(1, path.shape[1])[None, :] < on_path[:, None]  # [B, D]
@@ -146,16 +151,38 @@ def accepted_within(path: jax.Array, on_path: jax.Array, n_emit: jax.Array, max_
     return jnp.minimum(within, jnp.maximum(n_emit - 1, 0)[:, None])
 
 
+def sampled_rows(greedy_rows: tuple[jax.Array, jax.Array, jax.Array], logits: jax.Array,
+                 parents: jax.Array, fed: jax.Array, nodes: jax.Array, tree_depth: jax.Array,
+                 state: DecodeState, lengths: jax.Array, depth: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(path, node count, next token) per row: `greedy_rows`' (`greedy_tree_path`'s and the
+    argmax after it) for temperature-0 rows, `tree_sampling_accept`'s for the others (the
+    row's knobs on the logits [B, N, V]); no sampler runs when every row is greedy."""
+    temperature, top_k, top_p = state.knobs
+
+    def mixed():
+        first = lengths + 1 + (0 if state.position_offset is None else state.position_offset)
+        p = probabilities(logits, temperature, top_k, top_p)
+        u = tree_uniforms(state.keys, first, tree_depth)
+        drawn = tree_sampling_accept(parents, fed, nodes, p, u, state.keys, first, depth)
+        pick = temperature > 0
+        return tuple(jnp.where(pick.reshape(-1, *[1] * (g.ndim - 1)), s, g)
+                     for s, g in zip(drawn, greedy_rows, strict=True))
+
+    return jax.lax.cond(jnp.all(temperature == 0), lambda: greedy_rows, mixed)
+
+
 @partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
                                    "ngram_max", "ngram_min", "top_k", "rerank",
-                                   "return_logits", "plan"),
+                                   "return_logits", "plan", "sampled"),
          donate_argnames=("cache", "head_cache"))
 def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: jax.Array, *,
               max_nodes: int, depth: int, branches: int = 1, max_out: int, ngram_max: int = 3,
               ngram_min: int = 1, head: HeadDraft | None = None, head_cache=None,
               top_k: int = 4, rerank: bool = False, return_logits: bool = False,
-              plan: NumericsPlan = FAST) -> tuple[TreeLoopResult, Cache]:
-    """Emits up to `state.budget[b]` tokens per row by greedy tree rounds on device.
+              plan: NumericsPlan = FAST, sampled: bool = False
+              ) -> tuple[TreeLoopResult, Cache]:
+    """Emits up to `state.budget[b]` tokens per row by tree rounds on device.
 
     Donates `cache` and `head_cache` (the head's cache; `head.cache` is not read).
     `history` int32[B, H]: each row's tokens including `state.last`, H >= lengths +
@@ -165,9 +192,10 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
     (`top_k` offers a level, `rerank`: EAGLE-2's cut of every level's offers to the best
     max_nodes; `EagleTreeDrafter`'s, see `eagle_tree_device`). A row's pages must hold
     lengths + budget + max_nodes - 1 slots (a round that drafts starts before count
-    budget - 1) and its head pages lengths + budget + `candidates(...)` pairs. Every row
-    greedy (temperature 0; the knobs are not read); no adapters. Returns (TreeLoopResult
-    (with the head's side after the loop), the cache)."""
+    budget - 1) and its head pages lengths + budget + `candidates(...)` pairs. Rows with
+    temperature 0 accept greedily; with `sampled` (static; without it no row samples and no
+    sampler is compiled) the others sample by `state.keys` and knobs. No adapters. Returns
+    (TreeLoopResult (with the head's side after the loop), the cache)."""
     if state.adapter_ids is not None:
         raise ValueError("tree_loop serves no LoRA adapters (state.adapter_ids is set)")
     steps.note_trace("tree_loop")
@@ -212,6 +240,9 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         path, on_path = greedy_tree_path(parents, fed, nodes, choice, depth)
         end = jnp.take_along_axis(path, (on_path - 1)[:, None], 1)[:, 0]
         nxt = choice[rows, end]
+        if sampled:
+            path, on_path, nxt = sampled_rows((path, on_path, nxt), logits, parents, fed,
+                                              nodes, tree_depth, state, s.lengths, depth)
 
         # Emit the path's drafts then nxt, within the budget, up to the first stop token.
         drafts = jnp.take_along_axis(fed, path, 1)  # [B, D + 1]; [:, 0] is the root
