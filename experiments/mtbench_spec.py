@@ -14,7 +14,8 @@ prompts would otherwise time compiles), under one numerics plan.
 
 Reported per category: tokens per target call (accepted drafts + 1), α and the acceptance
 rate, the speedup over plain decoding, and whether every answer's greedy tokens equal plain
-decoding's.
+decoding's. With `temperature` > 0 the answers are sampled (the drafts verified by the
+exact rule), against plain sampling's time.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import functools
 
 from experiments import common
 from kvjax import models
-from kvjax.config import ConfigError, SpecConfig
+from kvjax.config import ConfigError, SamplingConfig, SpecConfig
 from kvjax.data import mtbench
 from kvjax.data.mtbench import CATEGORIES
 from kvjax.decode.batching import pages_for
@@ -55,6 +56,9 @@ class Params:
     head: str | None = None
     rerank: bool = False
     new_tokens: int = 128  # per answer, at most (it ends at the end of turn)
+    # > 0: sampled answers (question i's seed: the config's seed + i; turn 2's history
+    # still holds the greedy turn-1 answer), tokens per call under the target's distribution
+    temperature: float = 0.0
     decode_steps: int = 16
     reps: int = 1
     page_size: int = 16
@@ -72,6 +76,8 @@ class Params:
         if self.adaptive and self.tree_nodes is None:
             raise ConfigError("adaptive", "adaptive widths are for trees: set tree_nodes")
         common.check_choice(self, "turn", (1, 2))
+        if not self.temperature >= 0:
+            raise ConfigError("temperature", f"{self.temperature}: 0 (greedy) or more")
         common.check_choice(self, "numerics", ("fast", "invariant"))
         unknown = sorted(set(self.categories) - set(CATEGORIES))
         if unknown or not self.categories:
@@ -160,7 +166,9 @@ def run(config) -> list[dict]:
                           slots=1, reps=p.reps, base=_engine_config(p),
                           eos_tokens=model.stop_tokens, tree_nodes=p.tree_nodes,
                           branches=p.branches, rerank=p.rerank,
-                          verify_costs=_verify_costs(p) if p.adaptive else None)
+                          verify_costs=_verify_costs(p) if p.adaptive else None,
+                          sampling=SamplingConfig(temperature=p.temperature, seed=config.seed)
+                          if p.temperature > 0 else None)
         rows.append({"category": category, "prompts": r["prompts"],
                      "prompt_tokens": sum(map(len, prompts)),
                      "tokens_per_call": r["mean_accepted_length"], "alpha": r["alpha"],
@@ -170,7 +178,7 @@ def run(config) -> list[dict]:
                      "branches": p.branches, "adaptive": p.adaptive,
                      "tree_widths": r["tree_widths"],
                      "same_as_plain": r["same"] == r["prompts"], "model": p.model,
-                     "drafter": p.drafter, "rerank": p.rerank})
+                     "drafter": p.drafter, "rerank": p.rerank, "temperature": p.temperature})
     return rows
 
 
@@ -184,21 +192,28 @@ COLUMNS = [
     ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
     ("α", lambda r: "-" if r["alpha"] is None else f"{r['alpha']:.3f}"),  # trees: none
     common.SPEEDUP_COLUMN,
-    ("greedy == plain", lambda r: "yes" if r["same_as_plain"] else "NO"),
+    ("greedy == plain", lambda r: "-" if _sampled(r) else "yes" if r["same_as_plain"]
+     else "NO"),
 ]
 
 
+def _sampled(row: dict) -> bool:
+    return row.get("temperature", 0.0) > 0
+
+
 def headline(rows: list[dict]) -> str:
+    how = f"sampled at temperature {rows[0]['temperature']}" if _sampled(rows[0]) else "greedy"
     lines = [f"MT-Bench, {_drafter(rows[0])} ({_drafts(rows[0])}) on {rows[0]['model']}, "
-             "batch 1, greedy"]
+             f"batch 1, {how}"]
     for numerics, turn in dict.fromkeys((r["numerics"], r["turn"]) for r in rows):
         rs = [r for r in rows if (r["numerics"], r["turn"]) == (numerics, turn)]
         best = max(rs, key=lambda r: r["tokens_per_call"])
         lines.append(f"- {numerics}, turn {turn}: tokens per call "
                      f"{_span(r['tokens_per_call'] for r in rs)} (best: {best['category']}), "
                      f"speedup {_span(r['speedup'] for r in rs)}x")
-    lines.append("- every answer's greedy tokens equal plain decoding's: "
-                 f"{'yes' if all(r['same_as_plain'] for r in rows) else 'NO'}")
+    if not _sampled(rows[0]):
+        lines.append("- every answer's greedy tokens equal plain decoding's: "
+                     f"{'yes' if all(r['same_as_plain'] for r in rows) else 'NO'}")
     return "\n".join(lines)
 
 

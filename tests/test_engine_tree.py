@@ -313,3 +313,23 @@ def assert_widths_replay(engine, seen: list) -> None:
     assert want[0] == 8 and len(set(want)) > 1
     assert sum(int(v) for _, v, _ in seen) == m["verifications"]
     assert sum(int(b[w - 1]) for w, _, b in seen) == m["accepted"]
+
+
+def test_a_sampled_operating_point_samples_each_prompt_with_its_own_seed(target):
+    """`measure_point(sampling=...)` (`kvjax run configs/mtbench_spec.toml --set
+    params.temperature=...`): prompt i is sampled with seed + i, so two copies of one prompt
+    get two answers, neither the greedy one; greedy points stay greedy."""
+    from kvjax.speculative.operating_point import _run, measure_point
+
+    prompt = prompts()[0][0].tokens
+    spec = SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, branches=4)
+    run = dict(decode_steps=4, gen_tokens=12, slots=1, base=None, eos_tokens=())
+    knobs = SamplingConfig(temperature=0.9, top_k=3, seed=1)
+    _, _, greedy = _run((target, CONFIG), None, [prompt], spec, **run)
+    _, m, hot = _run((target, CONFIG), None, [prompt, prompt], spec, **run, sampling=knobs)
+    assert hot[0] != hot[1] and greedy[0] not in hot
+    assert m["spec"]["tree_calls"] == m["spec"]["target_calls"] > 0
+    point = measure_point((target, CONFIG), None, [prompt], "ngram", 3, False, 0.0, 0.0, 4,
+                          gen_tokens=12, slots=1, reps=1, warmup=False, tree_nodes=8,
+                          sampling=knobs)
+    assert point["prompts"] == 1 and point["mean_accepted_length"] >= 1.0

@@ -514,7 +514,8 @@ def test_sharegpt_reuse_sums_the_metrics_of_every_engine_a_restart_used():
     (["params.drafter=model"], "params.drafter: 'model' is not one of"),
     (["params.tree_nodes=8", "params.rerank=true"], "params.rerank: for EAGLE trees"),
     (["params.drafter=eagle", "params.head=/nowhere", "params.tree_nodes=8",
-      "params.rerank=true", "params.adaptive=true"], "params.rerank: for EAGLE trees of a")])
+      "params.rerank=true", "params.adaptive=true"], "params.rerank: for EAGLE trees of a"),
+    (["params.temperature=-0.5"], "params.temperature: -0.5: 0 (greedy) or more")])
 def test_eagle_mtbench_points_need_a_head_and_trees(tmp_path, no_work, capsys, overrides,
                                                     message):
     _refused("mtbench_spec", overrides, message, tmp_path, capsys)

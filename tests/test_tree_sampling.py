@@ -33,8 +33,10 @@ from test_spec_sampling import (
 )
 
 from kvjax import CacheConfig, SamplingConfig, init_cache
+from kvjax.decode import steps
 from kvjax.decode.sampling import sequence_keys
 from kvjax.decode.state import decode_state
+from kvjax.model.plan import FAST, INVARIANT
 from kvjax.speculative import rules
 from kvjax.speculative import tree_loop as loop_module
 from kvjax.speculative.tree_loop import tree_loop
@@ -53,18 +55,25 @@ def reference(target):
     return references(target, _sharp(9), PROMPT)
 
 
+def _start(target, rows: int, greedy_rows: int = 0, plan=FAST):
+    """(cache, state, history) of `rows` rows after PROMPT; the first `greedy_rows` greedy."""
+    cc = CacheConfig(page_size=4, num_pages=3 + 3 * rows, prefill_chunk=16, attn_block=4)
+    _, cache = prefill(target, CONFIG, cc, init_cache(CONFIG, cc), PROMPT[:8], [1, 2],
+                       plan=plan)
+    # pages 1 and 2 (the 8 cached tokens) are every row's, read-only; 3 of its own after
+    table = np.array([[1, 2, 3 + 3 * i, 4 + 3 * i, 5 + 3 * i] for i in range(rows)], np.int32)
+    full = lambda x: np.full(rows, x, np.int32)  # noqa: E731
+    knobs = SamplingConfig(temperature=TEMP, top_k=TOP_K, top_p=TOP_P)
+    state = decode_state(table, full(8), full(PROMPT[8]), full(NEW), sequence_keys(0, rows),
+                         [None] * greedy_rows + [knobs] * (rows - greedy_rows))
+    history = np.zeros((rows, 16), np.int32)
+    history[:, :len(PROMPT)] = PROMPT
+    return cache, state, history
+
+
 def _tree_tokens(target, greedy_rows: int = 0) -> tuple[np.ndarray, object]:
     """ROWS rows of `tree_loop` from PROMPT; the first `greedy_rows` rows greedy."""
-    cc = CacheConfig(page_size=4, num_pages=3 + 3 * ROWS, prefill_chunk=16, attn_block=4)
-    _, cache = prefill(target, CONFIG, cc, init_cache(CONFIG, cc), PROMPT[:8], [1, 2])
-    # pages 1 and 2 (the 8 cached tokens) are every row's, read-only; 3 of its own after
-    table = np.array([[1, 2, 3 + 3 * i, 4 + 3 * i, 5 + 3 * i] for i in range(ROWS)], np.int32)
-    full = lambda x: np.full(ROWS, x, np.int32)  # noqa: E731
-    knobs = SamplingConfig(temperature=TEMP, top_k=TOP_K, top_p=TOP_P)
-    state = decode_state(table, full(8), full(PROMPT[8]), full(NEW), sequence_keys(0, ROWS),
-                         [None] * greedy_rows + [knobs] * (ROWS - greedy_rows))
-    history = np.zeros((ROWS, 16), np.int32)
-    history[:, :len(PROMPT)] = PROMPT
+    cache, state, history = _start(target, ROWS, greedy_rows)
     out, _ = tree_loop(target, CONFIG, cache, state, history, max_nodes=MAX_NODES,
                        depth=DEPTH, branches=BRANCHES, max_out=NEW, sampled=True)
     return np.asarray(out.tokens), jax.tree.map(np.asarray, out)
@@ -154,3 +163,18 @@ def test_accepted_within_holds_for_sampled_paths():
         want = np.maximum(np.minimum(np.asarray(cut), budget) - 1, 0)
         np.testing.assert_array_equal(got[:, w - 1], want, err_msg=f"width {w}")
     assert np.max(np.asarray(on_path)) >= 4 and len(set(got[:, -1].tolist())) >= 3
+
+
+def test_a_tree_of_the_root_alone_samples_as_plain_decoding(target):
+    """Trees of one node (the root: nothing drafted) draw each token as plain sampling draws
+    the token at its position: the same key (`fold_in(key, position)`) on the same
+    distribution (invariant numerics: the same logits), so the same tokens, which pins the
+    positions the tree rule folds in."""
+    rows = 512
+    cache, state, history = _start(target, rows, plan=INVARIANT)
+    tree, _ = tree_loop(target, CONFIG, cache, state, history, max_nodes=1, depth=1,
+                        max_out=NEW, sampled=True, plan=INVARIANT)
+    cache, state, _ = _start(target, rows, plan=INVARIANT)
+    plain, _ = steps.decode_loop(target, CONFIG, cache, state, NEW, plan=INVARIANT)
+    np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(plain.tokens))
+    assert len({tuple(t) for t in np.asarray(plain.tokens)}) > 100  # sampled, not greedy

@@ -234,7 +234,8 @@ def validate(request: Request, tokens, config: ModelConfig, cache: CacheConfig,
     """The prompt's ids as ints, or InvalidRequestError naming what cannot be served.
 
     `adapters`: the loaded adapter names; `draft_max_seq_len`: the draft model's context,
-    if any; `write_ahead`: cache slots a decode call may write past the kept history (γ).
+    if any; `write_ahead`: cache slots a decode call may write past the kept history
+    (`kvjax.speculative.plugin.write_ahead`: γ, or a tree's nodes past the root).
     """
     ids = np.asarray(check_token_ids(tokens, config.vocab_size))
     if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:

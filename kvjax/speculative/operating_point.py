@@ -3,7 +3,8 @@
 Prompts are cut from the held-out (validation) split of the stdlib corpus. A point runs
 plain engine decoding and speculative decoding back to back, after an untimed warm-up of
 each that compiles, and takes the median of the pair ratios of the engine's own decode
-timer (prefill excluded). Greedy, so every run must give the plain run's tokens (counted).
+timer (prefill excluded). Greedy by default, so every run must give the plain run's tokens
+(counted); sampled points (`sampling`) measure acceptance under the target's distribution.
 
 Beside the measured speedup: α = E[min(p, q)], acceptance rate, tokens per target call, the
 textbook predicted speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) at the measured α and c, the
@@ -22,7 +23,7 @@ import statistics
 
 import numpy as np
 
-from kvjax.config import CacheConfig, EngineConfig, SpecConfig
+from kvjax.config import CacheConfig, EngineConfig, SamplingConfig, SpecConfig
 from kvjax.decode.batching import pages_for
 from kvjax.engine.engine import Engine
 from kvjax.engine.requests import Request
@@ -54,10 +55,12 @@ def held_out_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def _run(target, draft, prompts, spec: SpecConfig | None, decode_steps: int, gen_tokens: int,
-         slots: int, base: EngineConfig | None, eos_tokens: tuple[int, ...]):
+         slots: int, base: EngineConfig | None, eos_tokens: tuple[int, ...],
+         sampling: SamplingConfig | None = None):
     """One engine run over the prompts: (decode seconds, metrics, tokens). `base`: the
     engine's cache, slots and numerics (None: a pool sized to the prompts, invariant
-    numerics); the prefix cache is off either way, so every run computes every token."""
+    numerics); the prefix cache is off either way, so every run computes every token.
+    `sampling`: prompt i's knobs with seed `sampling.seed + i` (None: greedy)."""
     if base is None:
         need = pages_for(max(map(len, prompts)) + gen_tokens + 9, 16) * slots
         ec = EngineConfig(cache=CacheConfig(page_size=16, num_pages=need + 16),
@@ -66,7 +69,10 @@ def _run(target, draft, prompts, spec: SpecConfig | None, decode_steps: int, gen
         ec = dataclasses.replace(base, decode_steps=decode_steps, prefix_cache=False)
     engine = Engine(*target, ec, draft=draft if spec else None, spec=spec,
                     eos_tokens=eos_tokens)
-    results = engine.generate([Request(tokens=p, max_new_tokens=gen_tokens) for p in prompts])
+    knobs = [SamplingConfig() if sampling is None else
+             dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(len(prompts))]
+    results = engine.generate([Request(tokens=p, max_new_tokens=gen_tokens, sampling=k)
+                               for p, k in zip(prompts, knobs, strict=True)])
     metrics = engine.metrics()
     return metrics["decode_s"], metrics, [r.tokens for r in results]
 
@@ -97,7 +103,8 @@ def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bo
                   slope: float, decode_steps: int, *, gen_tokens: int, slots: int,
                   reps: int, base: EngineConfig | None = None, eos_tokens: tuple[int, ...] = (),
                   warmup: bool = True, tree_nodes: int | None = None, branches: int = 4,
-                  verify_costs: tuple | None = None, rerank: bool = False) -> dict:
+                  verify_costs: tuple | None = None, rerank: bool = False,
+                  sampling: SamplingConfig | None = None) -> dict:
     """One operating point: `gen_tokens` new tokens per prompt from the target alone and with
     `drafter` at `gamma` (adaptive: γ re-chosen from c and `slope` at every engine call of
     `decode_steps` tokens), on `slots` engine slots, paired `reps` times (`_paired`); the
@@ -106,14 +113,16 @@ def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bo
     `eos_tokens`: where an answer stops (none: every prompt gets `gen_tokens`); `warmup`:
     False where the caller already ran these shapes (a warm-up runs every prompt once);
     `tree_nodes`, `branches`, `rerank`: trees instead of chains (`SpecConfig`; adaptive:
-    each call's width from `verify_costs`, a round's cost per node count)."""
+    each call's width from `verify_costs`, a round's cost per node count); `sampling`:
+    sampled answers (prompt i's seed `sampling.seed + i`; `same` then counts answers that
+    happen to equal plain sampling's, not a check)."""
     spec = SpecConfig(drafter=drafter, gamma=gamma, adaptive=adaptive,
                       cost_ratio=c if adaptive else None, verify_slope=slope if adaptive else None,
                       tree_nodes=tree_nodes, branches=branches, rerank=rerank,
                       verify_costs=verify_costs if adaptive and tree_nodes else None)
     speedup, plain_s, seconds, metrics, same = _paired(
         target, draft, prompts, spec, decode_steps, gen_tokens, slots, reps, warmup,
-        base=base, eos_tokens=eos_tokens)
+        base=base, eos_tokens=eos_tokens, sampling=sampling)
     s = metrics["spec"]
     history = s["gamma_history"]
     g = round(sum(history) / len(history)) if adaptive else gamma

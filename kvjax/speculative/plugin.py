@@ -87,7 +87,7 @@ class Speculator:
             self.config = draft_config
             self.fingerprint = model_fingerprint(draft_config, params, plan)
         self.totals = SpecStats.empty(spec.gamma)
-        self.tree_calls = 0  # target calls that verified trees (the others: chains)
+        self.tree_calls = 0  # target calls that verified trees (with tree_nodes: all)
         self.widths: list[int] = []  # the width of each call that verified trees
         self.policy = GammaPolicy(spec.gamma)
         self.width_policy = self.verify_costs = None
@@ -110,7 +110,8 @@ class Speculator:
     def replays(self) -> bool:
         """Whether a recomputed request must decode under the γ (or tree width) each of its
         calls had: under adaptive sizes, as sampled tokens depend on where rounds start and
-        on the tree a round verifies (a greedy row's do not)."""
+        on the tree a round verifies (a greedy row's do not under invariant numerics; under
+        fast ones a near-tie may, so every recomputed request replays)."""
         return self.spec.adaptive
 
     def write_ahead(self, size: int) -> int:

@@ -121,8 +121,9 @@ def tree_sampling_accept(parents: jax.Array, tokens: jax.Array, nodes: jax.Array
     with probability r(x) / sum(r), r starting as the target's distribution there; a
     rejection takes x's mass out of r (`reject`); an accepted child continues the path, and
     when every child is rejected (or there is none) the next token is drawn from r. The
-    emitted tokens are then distributed as the target's own samples, for children with
-    distinct tokens. One pass over the nodes does it: a node's children come after it.
+    emitted tokens are then distributed as the target's own samples (a sibling repeating
+    a rejected token has r(x) = 0 and is never accepted). One pass over the nodes does it:
+    a node's children come after it.
 
     Args:
       parents, tokens: int32[B, N] (node 0 the root); nodes: int32[B] real nodes per row;

@@ -21,9 +21,9 @@ level by level (`eagle_tree_device.grow`: each level adds the best offers in ord
 budget only cuts the last level short; not after EAGLE-2's rerank, which picks among every
 level's offers; exactly under invariant numerics, where a node's bits do not depend on the
 tree's width: under fast numerics a near-tie may differ, which moves only these counts).
-A greedy path's node indices grow with its depth, so a verify of N nodes also tells what
-every cut to w < N nodes would have accepted: the path's drafts with index below w
-(`tree_loop` counts them, `accepted_by_width`). The cost of a width is its round's:
+An accepted path's node indices grow with its depth (greedy or sampled), so a verify of N
+nodes also tells what every cut to w < N nodes would have accepted: the path's drafts with
+index below w (`tree_loop` counts them, `accepted_by_width`). The cost of a width is its round's:
 the verify's, v(w), and for an EAGLE head also its drafting, h(w), timed with the verify
 (`kvjax.speculative.cost.round_costs`).
 """
