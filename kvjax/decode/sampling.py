@@ -60,16 +60,22 @@ def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    ranked = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)  # [B, 1]
-    ranked = jnp.where(ranked >= kth, ranked, -jnp.inf)
-    weights = jnp.exp(ranked - ranked[:, :1])  # [B, V] unnormalised, 0 past top-k
-    tail = jnp.flip(jnp.cumsum(jnp.flip(weights, -1), axis=-1), -1)  # [B, V] mass from i on
-    inside = tail > ((1.0 - top_p) * tail[:, 0])[:, None]
-    keep = jnp.where(top_p >= 1.0, vocab, jnp.maximum(jnp.sum(inside, axis=-1), 1))  # [B]
-    cutoff = jnp.maximum(jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1), kth)
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+    def filtered():
+        ranked = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)  # [B, 1]
+        ranked = jnp.where(ranked >= kth, ranked, -jnp.inf)
+        weights = jnp.exp(ranked - ranked[:, :1])  # [B, V] unnormalised, 0 past top-k
+        tail = jnp.flip(jnp.cumsum(jnp.flip(weights, -1), axis=-1), -1)  # mass from i on
+        inside = tail > ((1.0 - top_p) * tail[:, 0])[:, None]
+        keep = jnp.where(top_p >= 1.0, vocab, jnp.maximum(jnp.sum(inside, axis=-1), 1))
+        cutoff = jnp.maximum(jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1), kth)
+        return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+    # Without top-k and top-p in any row every token stays (the cut-off is the smallest
+    # logit): skip the sort, most of a sampled step's cost on a large vocabulary.
+    return jax.lax.cond(jnp.all((top_k <= 0) & (top_p >= 1.0)), lambda: scaled, filtered)
 
 
 def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
