@@ -141,6 +141,22 @@ def test_probabilities_match_a_float64_reference():
         np.testing.assert_allclose(row, want, rtol=2e-5, atol=0, err_msg=f"{(t, k, p)}")
 
 
+def test_a_call_without_top_k_or_top_p_skips_the_sort_with_the_same_bits():
+    """Rows asking for neither cut keep every token: a call of such rows alone skips the
+    vocabulary sort (`adjusted_logits`) and gives the bits it gives beside a row that
+    sorts."""
+    logits = _setting_logits()  # [8, 16]
+    t = np.array([1.0, 0.8, 0.25, 1.7, 0.5, 1.0, 2.0, 1.3], np.float32)
+    off = (t, np.zeros(8, np.int32), np.ones(8, np.float32))
+    alone = np.asarray(probabilities(logits, *off))
+    beside = np.asarray(probabilities(np.concatenate([logits, logits[:1]]),
+                                      np.append(t, 1.0).astype(np.float32),
+                                      np.append(off[1], 3).astype(np.int32),
+                                      np.append(off[2], 1.0).astype(np.float32)))
+    np.testing.assert_array_equal(alone, beside[:8])
+    assert (beside[8] > 0).sum() == 3  # that row was cut: the sorting branch ran
+
+
 def _statistics(joint: np.ndarray) -> list[np.ndarray]:
     """Marginals of each token, then joints of each consecutive pair."""
     keep = [(i,) for i in range(NEW)] + [(i, i + 1) for i in range(NEW - 1)]
