@@ -333,3 +333,18 @@ def test_a_sampled_operating_point_samples_each_prompt_with_its_own_seed(target)
                           gen_tokens=12, slots=1, reps=1, warmup=False, tree_nodes=8,
                           sampling=knobs)
     assert point["prompts"] == 1 and point["mean_accepted_length"] >= 1.0
+
+
+def test_a_point_compares_decode_time_per_decoded_token(monkeypatch):
+    """Sampled answers differ in length between the plain and the speculative run, so the
+    speedup is the ratio of decode time per decoded token (an answer's first token comes
+    from its prefill): plain 4 s for 10 tokens against 3 s for 5 is 0.67x, not 1.33x."""
+    from kvjax.speculative import operating_point
+
+    def run(target, draft, spec, prompts, **kw):
+        return (4.0, {}, [[1] * 11]) if spec is None else (3.0, {"spec": {}}, [[1] * 6])
+
+    monkeypatch.setattr(operating_point, "_run", run)
+    speedup, *_ = operating_point._paired(None, None, [[1]], SpecConfig(drafter="ngram"), 4,
+                                          16, 1, 1, warmup=False)
+    assert speedup == pytest.approx(0.4 / 0.6)

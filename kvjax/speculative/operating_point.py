@@ -3,8 +3,9 @@
 Prompts are cut from the held-out (validation) split of the stdlib corpus. A point runs
 plain engine decoding and speculative decoding back to back, after an untimed warm-up of
 each that compiles, and takes the median of the pair ratios of the engine's own decode
-timer (prefill excluded). Greedy by default, so every run must give the plain run's tokens
-(counted); sampled points (`sampling`) measure acceptance under the target's distribution.
+timer (prefill excluded) per decoded token. Greedy by default, so every run must give the
+plain run's tokens (counted); sampled points (`sampling`) measure acceptance under the
+target's distribution.
 
 Beside the measured speedup: α = E[min(p, q)], acceptance rate, tokens per target call, the
 textbook predicted speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) at the measured α and c, the
@@ -80,8 +81,9 @@ def _run(target, draft, prompts, spec: SpecConfig | None, decode_steps: int, gen
 def _paired(target, draft, prompts, spec: SpecConfig, decode_steps: int, gen_tokens: int,
             slots: int, reps: int, warmup: bool = True, **engine):
     """Plain and speculative runs back to back, `reps` times after a warm-up of each (unless
-    the caller warmed up the same shapes): the median of the per-pair time ratios (drift in
-    the machine's speed cancels)."""
+    the caller warmed up the same shapes): the median of the per-pair ratios of decode time
+    per decoded token (drift in the machine's speed cancels; sampled runs' answers differ
+    in length, greedy ones do not)."""
     run = functools.partial(_run, target, prompts=prompts, decode_steps=decode_steps,
                             gen_tokens=gen_tokens, slots=slots, **engine)
     if warmup:
@@ -91,12 +93,17 @@ def _paired(target, draft, prompts, spec: SpecConfig, decode_steps: int, gen_tok
     for _ in range(reps):
         plain_s, _, plain_tokens = run(None, spec=None)
         spec_s, metrics, tokens = run(draft, spec=spec)
-        ratios.append(plain_s / spec_s)
+        ratios.append(plain_s / _decoded(plain_tokens) / (spec_s / _decoded(tokens)))
         plain_times.append(plain_s)
         spec_times.append(spec_s)
     same = sum(a == b for a, b in zip(tokens, plain_tokens, strict=True))
     return (statistics.median(ratios), statistics.median(plain_times),
             statistics.median(spec_times), metrics, same)
+
+
+def _decoded(answers: list[list[int]]) -> int:
+    """Tokens the decode calls emitted (each answer's first comes from its prefill)."""
+    return max(sum(len(a) - 1 for a in answers), 1)
 
 
 def measure_point(target, draft, prompts, drafter: str, gamma: int, adaptive: bool, c: float,
