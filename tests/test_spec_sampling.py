@@ -141,20 +141,26 @@ def test_probabilities_match_a_float64_reference():
         np.testing.assert_allclose(row, want, rtol=2e-5, atol=0, err_msg=f"{(t, k, p)}")
 
 
-def test_a_call_without_top_k_or_top_p_skips_the_sort_with_the_same_bits():
-    """Rows asking for neither cut keep every token: a call of such rows alone skips the
-    vocabulary sort (`adjusted_logits`) and gives the bits it gives beside a row that
+@pytest.mark.parametrize("top_k", [[0] * 8, [1, 3, 0, 16, 40, 1, 3, 2]],
+                         ids=["no-cut", "top-k-only"])
+def test_a_call_without_top_p_skips_the_sort_with_the_same_bits(top_k):
+    """Without top-p in any row a call skips the vocabulary sort (`adjusted_logits`): every
+    token stays, or the cut-off is the k-th largest logit from a partial selection (top-k
+    at most `TOP_K_SELECT`; 0 is off; ties at the k-th kept: rows 5 and 6 of
+    `_setting_logits`). The bits are those the same rows get beside a top-p row, which
     sorts."""
     logits = _setting_logits()  # [8, 16]
     t = np.array([1.0, 0.8, 0.25, 1.7, 0.5, 1.0, 2.0, 1.3], np.float32)
-    off = (t, np.zeros(8, np.int32), np.ones(8, np.float32))
-    alone = np.asarray(probabilities(logits, *off))
+    k = np.array(top_k, np.int32)
+    alone = np.asarray(probabilities(logits, t, k, np.ones(8, np.float32)))
     beside = np.asarray(probabilities(np.concatenate([logits, logits[:1]]),
                                       np.append(t, 1.0).astype(np.float32),
-                                      np.append(off[1], 3).astype(np.int32),
-                                      np.append(off[2], 1.0).astype(np.float32)))
+                                      np.append(k, 0).astype(np.int32),
+                                      np.append(np.ones(8), 0.5).astype(np.float32)))
     np.testing.assert_array_equal(alone, beside[:8])
-    assert (beside[8] > 0).sum() == 3  # that row was cut: the sorting branch ran
+    assert (beside[8] > 0).sum() < 16  # that row was cut by top-p: the sorting branch ran
+    if any(top_k):
+        assert list((alone > 0).sum(-1)) == [1, 3, 16, 16, 16, 3, 5, 2]  # ties stay
 
 
 def _statistics(joint: np.ndarray) -> list[np.ndarray]:

@@ -19,6 +19,7 @@ from kvjax.config import SamplingConfig
 from kvjax.model.tiled import row_softmax
 
 DRAFT_TAG = 0xD4AF  # a draft model's sampling keys: fold_in(sequence key, DRAFT_TAG)
+TOP_K_SELECT = 256  # top-k up to this many without top-p: a partial selection, no sort
 
 
 def sequence_keys(seed: int, num_sequences: int) -> jax.Array:
@@ -73,9 +74,19 @@ def adjusted_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
         cutoff = jnp.maximum(jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1), kth)
         return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
-    # Without top-k and top-p in any row every token stays (the cut-off is the smallest
-    # logit): skip the sort, most of a sampled step's cost on a large vocabulary.
-    return jax.lax.cond(jnp.all((top_k <= 0) & (top_p >= 1.0)), lambda: scaled, filtered)
+    def top_k_only():  # the k-th largest from a partial selection: the sort's own values
+        best = jax.lax.top_k(scaled, min(vocab, TOP_K_SELECT))[0]  # [B, C] descending
+        kth = jnp.take_along_axis(best, (jnp.clip(top_k, 1, best.shape[1]) - 1)[:, None], -1)
+        return jnp.where((top_k <= 0)[:, None] | (scaled >= kth), scaled, -jnp.inf)
+
+    # The sort is most of a sampled step's cost on a large vocabulary: without top-k and
+    # top-p in any row every token stays (the cut-off is the smallest logit), and without
+    # top-p the cut-off is the k-th largest logit, which a partial selection finds (the
+    # same value, so the same bits either way).
+    no_p = jnp.all(top_p >= 1.0)
+    branch = jnp.where(no_p & jnp.all(top_k <= 0), 0,
+                       jnp.where(no_p & jnp.all(top_k <= TOP_K_SELECT), 1, 2))
+    return jax.lax.switch(branch, [lambda: scaled, top_k_only, filtered])
 
 
 def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
