@@ -64,3 +64,16 @@ def _free_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def swapped(monkeypatch):
+    """Swaps a name a device loop traces with, `swap(module, name, value)` (the compiled
+    code is dropped before and after, so no other test runs a swapped rule)."""
+    def swap(module, name, value):
+        monkeypatch.setattr(module, name, value)
+        jax.clear_caches()
+
+    yield swap
+    monkeypatch.undo()
+    jax.clear_caches()

@@ -231,19 +231,6 @@ def _device_tokens(models) -> tuple[np.ndarray, dict]:
         "accepted", "drafted", "verifications", "accepted_by_position")}
 
 
-@pytest.fixture
-def loop_rule(monkeypatch):
-    """Swaps the acceptance rule `spec_loop` traces with (its compiled code is dropped
-    before and after, so no other test runs a swapped rule)."""
-    def swap(rule):
-        monkeypatch.setattr(device_spec, "sampling_accept", rule)
-        jax.clear_caches()
-
-    yield swap
-    monkeypatch.undo()
-    jax.clear_caches()
-
-
 def test_device_loop_follows_the_target_distribution(models, reference):
     tokens, stats = _device_tokens(models)
     assert (tokens >= 0).all()
@@ -261,8 +248,8 @@ def test_device_loop_follows_the_target_distribution(models, reference):
 
 @pytest.mark.parametrize("rule", [_residual_from_p, _bonus_from_q],
                          ids=["residual-from-p", "bonus-from-q"])
-def test_a_wrong_device_loop_fails_the_same_test(models, reference, loop_rule, rule):
-    loop_rule(rule)
+def test_a_wrong_device_loop_fails_the_same_test(models, reference, swapped, rule):
+    swapped(device_spec, "sampling_accept", rule)
     tokens, _ = _device_tokens(models)
     assert _distances(reference, tokens).max() > 2  # measured 8.3 and 3.6
 

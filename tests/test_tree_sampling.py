@@ -79,19 +79,6 @@ def _tree_tokens(target, greedy_rows: int = 0) -> tuple[np.ndarray, object]:
     return np.asarray(out.tokens), jax.tree.map(np.asarray, out)
 
 
-@pytest.fixture
-def swapped(monkeypatch):
-    """Swaps a name in a module (the tree loop's compiled code is dropped before and after,
-    so no other test runs a swapped rule)."""
-    def swap(module, name, value):
-        monkeypatch.setattr(module, name, value)
-        jax.clear_caches()
-
-    yield swap
-    monkeypatch.undo()
-    jax.clear_caches()
-
-
 def test_sampled_trees_follow_the_target_distribution(target, reference):
     tokens, out = _tree_tokens(target)
     assert (tokens >= 0).all()
