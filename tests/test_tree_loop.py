@@ -123,23 +123,29 @@ def test_a_smaller_budget_builds_the_first_nodes_of_the_larger_tree():
             assert tokens[i, :n].tolist() == big_tokens[i, :n].tolist(), (w, i)
 
 
+def random_trees(rng, n: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(parents int32[3 + count, n] (-1 past a tree), nodes int32[3 + count]): a lone root,
+    a chain and a star of n nodes, then `count` random trees of 2 to n nodes."""
+    trees = [[-1], [-1, *range(n - 1)], [-1] + [0] * (n - 1)]
+    trees += [[-1] + [int(rng.integers(0, i)) for i in range(1, int(rng.integers(2, n + 1)))]
+              for _ in range(count)]
+    parents = np.full((len(trees), n), -1, np.int32)
+    for i, t in enumerate(trees):
+        parents[i, :len(t)] = t
+    return parents, np.array([len(t) for t in trees], np.int32)
+
+
 def test_accepted_within_is_what_each_cut_tree_accepts():
     """For every width w, the drafts greedy acceptance emits from the tree's first w nodes,
     with and without a budget cutting the path (a stop id cuts the emitted count as a
     budget does: the cut tree's tokens are a prefix of the whole tree's)."""
     rng = np.random.default_rng(4)
     n, depth = 10, 9
-    trees = [[-1], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8], [-1] + [0] * 9]  # root, chain, star
-    trees += [[-1] + [int(rng.integers(0, i)) for i in range(1, int(rng.integers(2, n + 1)))]
-              for _ in range(60)]
-    parents = np.full((len(trees), n), -1, np.int32)
-    for i, t in enumerate(trees):
-        parents[i, :len(t)] = t
-    tokens = rng.integers(0, 2, (len(trees), n)).astype(np.int32)  # deep paths accepted
-    choice = rng.integers(0, 2, (len(trees), n)).astype(np.int32)
-    nodes = np.array([len(t) for t in trees], np.int32)
+    parents, nodes = random_trees(rng, n, 60)
+    tokens = rng.integers(0, 2, parents.shape).astype(np.int32)  # deep paths accepted
+    choice = rng.integers(0, 2, parents.shape).astype(np.int32)
     path, on_path = greedy_tree_path(parents, tokens, nodes, choice, depth)
-    budget = rng.integers(0, depth + 2, len(trees)).astype(np.int32)  # 0: an idle row
+    budget = rng.integers(0, depth + 2, len(parents)).astype(np.int32)  # 0: an idle row
     n_emit = np.minimum(np.asarray(on_path), budget)
     got = np.asarray(accepted_within(path, on_path, n_emit, n))
     longest = 0

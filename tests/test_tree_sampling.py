@@ -121,25 +121,22 @@ def test_accepted_within_holds_for_sampled_paths():
     the whole tree's path's drafts below w (each node's test has its own uniform, and a cut
     tree's children test as the whole tree's do): `accepted_within` is what every cut
     accepts, for sampled rows as for greedy ones (the adaptive widths' statistics)."""
+    from test_tree_loop import random_trees
+
     from kvjax.speculative.tree_loop import accepted_within, tree_layout
 
     rng = np.random.default_rng(4)
     n, depth, vocab = 10, 9, 3
-    trees = [[-1], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8], [-1] + [0] * 9]  # root, chain, star
-    trees += [[-1] + [int(rng.integers(0, i)) for i in range(1, int(rng.integers(2, n + 1)))]
-              for _ in range(200)]
-    parents = np.full((len(trees), n), -1, np.int32)
-    for i, t in enumerate(trees):
-        parents[i, :len(t)] = t
-    tokens = rng.integers(0, vocab, (len(trees), n)).astype(np.int32)
-    nodes = np.array([len(t) for t in trees], np.int32)
-    p = rng.dirichlet(np.ones(vocab) * 0.3, (len(trees), n)).astype(np.float32)  # peaked
-    keys = np.asarray(sequence_keys(1, len(trees)))
-    first = rng.integers(0, 50, len(trees)).astype(np.int32)
+    parents, nodes = random_trees(rng, n, 200)
+    rows = len(parents)
+    tokens = rng.integers(0, vocab, parents.shape).astype(np.int32)
+    p = rng.dirichlet(np.ones(vocab) * 0.3, (rows, n)).astype(np.float32)  # peaked
+    keys = np.asarray(sequence_keys(1, rows))
+    first = rng.integers(0, 50, rows).astype(np.int32)
     u = rules.tree_uniforms(keys, first, tree_layout(parents, nodes)[0])
     path, on_path, _ = rules.tree_sampling_accept(parents, tokens, nodes, p, u, keys, first,
                                                   depth)
-    budget = rng.integers(0, depth + 2, len(trees)).astype(np.int32)  # 0: an idle row
+    budget = rng.integers(0, depth + 2, rows).astype(np.int32)  # 0: an idle row
     n_emit = np.minimum(np.asarray(on_path), budget)
     got = np.asarray(accepted_within(path, on_path, n_emit, n))
     for w in range(1, n + 1):
