@@ -4,6 +4,7 @@ another target or a corrupted copy."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import jax
@@ -249,3 +250,65 @@ def test_the_rerank_keeps_the_best_nodes_of_every_level():
     assert grow_tree(7, best_of, 5, 2, 2, rerank=True)[:2] == ([-1, 0, 0, 1, 1],
                                                                [7, 1, 2, 11, 12])
     assert grow_tree(7, best_of, 2, 2, 2, rerank=True)[:2] == ([-1, 0], [7, 1])
+
+
+def test_merged_trees_are_the_union_of_their_root_paths():
+    from kvjax.speculative.union_tree import BOTH, FIRST, SECOND, merge_trees
+
+    a = ([-1, 0, 1], [9, 5, 6])  # 9 -> 5 -> 6
+    b = ([-1, 0, 0, 1, 3], [9, 5, 7, 8, 4])  # 9 -> 5 -> 8 -> 4, 9 -> 7
+    assert merge_trees(a, b, 8) == ([-1, 0, 1, 0, 1, 4], [9, 5, 6, 7, 8, 4],
+                                    [BOTH, BOTH, FIRST, SECOND, SECOND, SECOND])
+    # out of room: the second tree's nodes in its order while they fit; a node left out
+    # leaves out its subtree (4 under 8)
+    assert merge_trees(a, b, 4) == ([-1, 0, 1, 0], [9, 5, 6, 7], [BOTH, BOTH, FIRST, SECOND])
+    assert merge_trees(a, ([-1], [9]), 8) == ([-1, 0, 1], [9, 5, 6], [BOTH, FIRST, FIRST])
+    with pytest.raises(ValueError, match="roots differ"):
+        merge_trees(a, ([-1], [3]), 8)
+
+
+def test_union_trees_emit_plain_decoding_and_both_drafters_drafts_are_accepted(trained):
+    """n-gram continuations and the trained head's tree in one verify (`UnionTreeDrafter`),
+    against `generate` under the invariant plan: the same tokens and logits, bitwise, with
+    drafts of each drafter accepted (the head catches up on paths the n-gram tree drafted)."""
+    from kvjax.decode.generate import generate
+    from kvjax.model.plan import INVARIANT
+    from kvjax.speculative.eagle_drafter import EagleTreeDrafter
+    from kvjax.speculative.tree import NGramTreeDrafter
+    from kvjax.speculative.tree_host import tree_generate
+    from kvjax.speculative.union_tree import SECOND, UnionTreeDrafter
+
+    config = small_model()
+    target = init_params(config, seed=1)
+    chain = _markov(1, 12, config.vocab_size, 3)[0].tolist()
+    prompts = [chain * 3, _markov(1, 40, config.vocab_size, 45)[0].tolist()]
+    cache = CacheConfig(page_size=4, num_pages=64)
+    want = generate(target, config, prompts, 30, cache=cache, return_logits=True,
+                    plan=INVARIANT)
+    head = EagleTreeDrafter(trained["head"], target, config,
+                            CacheConfig(page_size=4, num_pages=64), top_k=3, width=8, chunk=8)
+    drafter = UnionTreeDrafter(NGramTreeDrafter(branches=2), head, reserve=3)
+    rounds = []  # (history, parents, tokens, sources) of every tree proposed
+    propose = drafter.propose_tree
+
+    def spy(history, *args, **kw):
+        parents, tokens = propose(history, *args, **kw)
+        rounds.append((list(history), parents, tokens, drafter.sources))
+        return parents, tokens
+
+    drafter.propose_tree = spy
+    got = tree_generate(target, config, prompts, 30, drafter, max_nodes=8, cache=cache)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logits, want.logits, strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    accepted = {False: 0, True: 0}  # by the head alone / by the n-gram tree (or both)
+    for (history, parents, tokens, sources), (after, *_) in itertools.pairwise(rounds):
+        if len(after) <= len(history):  # the next sequence's first round
+            continue
+        node = 0
+        for t in after[len(history):-1]:  # the accepted drafts (the last is the target's)
+            node = next(i for i in range(len(tokens)) if parents[i] == node and tokens[i] == t)
+            accepted[sources[node] != SECOND] += 1
+    # measured 19 drafts the n-gram tree proposed and 4 only the head did, 34 calls
+    assert accepted[True] > 0 and accepted[False] > 0, accepted
+    assert head.pool.num_free == 64  # every page back
