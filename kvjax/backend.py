@@ -14,6 +14,13 @@ creates its CPU client, at the first computation: a program that computed someth
 importing kvjax keeps its flags, and the engine's start-up check (`kvjax.model.tiled`) says
 so. jaxlib aborts on a flag it does not know, so the flag is only added for the jaxlib
 versions it was checked on.
+
+XLA's backend optimization level 0 (`--xla_backend_optimization_level=0`, or JAX's
+`jax_disable_most_optimizations`, which sets it) breaks invariance too: a prompt's
+prefill logits alone and beside another prompt differed by up to 2.4e-6 under the invariant
+plan (levels 1 and 2 and the default keep them equal; docs/numerics.md). kvjax does not
+change that setting; `optimization_off` says when it is set, and the engine's start-up check
+names it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import importlib.metadata
 import os
 
 FUSION_FLAG = "--xla_cpu_use_fusion_emitters"
+LEVEL_FLAG = "--xla_backend_optimization_level"
 CHECKED_JAXLIB = ("0.10.",)  # jaxlib versions known to accept FUSION_FLAG
 
 
@@ -42,13 +50,24 @@ def set_xla_flags(environ=os.environ) -> bool:
     return fusion_emitters_off(environ)
 
 
-def fusion_emitters_off(environ=os.environ) -> bool:
-    """Whether XLA_FLAGS turns XLA CPU's fusion emitters off (the last setting wins)."""
+def _flag(name: str, environ) -> str | None:
+    """The value XLA_FLAGS gives flag `name` (the last setting wins), lower case, or None."""
     value = None
     for flag in environ.get("XLA_FLAGS", "").split():
-        if flag.startswith(FUSION_FLAG + "="):
+        if flag.startswith(name + "="):
             value = flag.split("=", 1)[1].lower()
-    return value in ("false", "0")
+    return value
+
+
+def fusion_emitters_off(environ=os.environ) -> bool:
+    """Whether XLA_FLAGS turns XLA CPU's fusion emitters off."""
+    return _flag(FUSION_FLAG, environ) in ("false", "0")
+
+
+def optimization_off(environ=os.environ, disable_most: bool = False) -> bool:
+    """Whether XLA compiles at backend optimization level 0: XLA_FLAGS says so, or JAX's
+    `jax_disable_most_optimizations` (the caller passes its value: this module has no JAX)."""
+    return disable_most or _flag(LEVEL_FLAG, environ) == "0"
 
 
 set_xla_flags()

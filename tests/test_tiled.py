@@ -4,7 +4,11 @@ which block size (inside the probed class) computes it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +34,8 @@ from kvjax.model.tiled import (
 
 BENCH_LIKE = [(512, 1408), (1408, 512), (576, 192)]  # bench MLP up/down, SmolLM2 k/v
 TOL = 5e-4  # max |invariant - float64| measured 4.6e-5 on values up to 96
+
+ROOT = Path(__file__).parent.parent
 
 
 @pytest.mark.parametrize("block", [0, 2, 8, 32])
@@ -401,3 +407,52 @@ def test_the_engine_probes_its_adapters_products(monkeypatch):
     with pytest.warns(RuntimeWarning, match="lora"):
         failed = Engine(params(), CONFIG, EngineConfig(cache=CACHE), adapters=adapters)
     assert failed.numerics_problems == ["lora"] and not failed.runner.invariant
+
+
+def test_optimization_level_zero_is_named_as_breaking_invariance(monkeypatch):
+    from kvjax.model.tiled import check_backend
+
+    level = backend.LEVEL_FLAG
+    assert backend.optimization_off({"XLA_FLAGS": f"--foo=1 {level}=0"})
+    assert not backend.optimization_off({"XLA_FLAGS": f"{level}=0 {level}=2"})  # last wins
+    assert not backend.optimization_off({})
+    assert backend.optimization_off({}, disable_most=True)
+    assert check_backend() == []  # the test run's own settings
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {level}=0")
+    assert check_backend() == [f"XLA backend optimization level 0 ({level}=0 or "
+                               "jax_disable_most_optimizations)"]
+    monkeypatch.undo()
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        assert len(check_backend()) == 1
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
+_ALONE_AND_BESIDE = """
+import sys
+sys.path.insert(0, "tests")
+import numpy as np
+from engine_helpers import CACHE, CONFIG, params
+from helpers import random_tokens
+from kvjax.decode.generate import generate
+from kvjax.model.plan import INVARIANT
+a, b = (list(random_tokens(s, [n], CONFIG.vocab_size)[0]) for s, n in ((1, 5), (2, 14)))
+both = generate(params(), CONFIG, [a, b], 3, cache=CACHE, return_logits=True, plan=INVARIANT)
+alone = generate(params(), CONFIG, [a], 3, cache=CACHE, return_logits=True, plan=INVARIANT)
+print(float(np.abs(np.asarray(both.logits[0]) - np.asarray(alone.logits[0])).max()))
+"""
+
+
+@pytest.mark.parametrize("level", ["0", "default"])
+def test_optimization_level_zero_does_break_invariance(level):
+    """Why `check_backend` names level 0: under it a prompt's invariant logits alone and
+    beside another prompt differ (measured up to 2.4e-6); at XLA's default they are equal."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KVJAX_PROBE_CACHE="0")
+    if level == "0":
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {backend.LEVEL_FLAG}=0".strip()
+    proc = subprocess.run([sys.executable, "-c", _ALONE_AND_BESIDE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    diff = float(proc.stdout.split()[-1])
+    assert (diff > 0) == (level == "0"), diff

@@ -5,8 +5,8 @@ seconds per model: docs/benchmarks.md, "Measurements behind design choices").
 A result is keyed by the probe's name and arguments, by the source of the package that
 defines it (every module beside the probe's: edited probe code, or code it runs, probes
 again), and by everything that picks the kernels XLA runs: the jax and jaxlib versions, the
-backend and its device kind, `XLA_FLAGS`, and the CPU (model name and instruction-set
-flags). `KVJAX_PROBE_CACHE` names the file (default
+backend and its device kind, `XLA_FLAGS` and `jax_disable_most_optimizations`, and the CPU
+(model name and instruction-set flags). `KVJAX_PROBE_CACHE` names the file (default
 `~/.cache/kvjax/probes.json`); `KVJAX_PROBE_CACHE=0` turns the cache off. A file that
 cannot be read is ignored (the probe runs) and one that cannot be written is skipped.
 """
@@ -48,7 +48,8 @@ def environment() -> str:
         pass
     device = jax.devices()[0]
     parts = [jax.__version__, importlib.metadata.version("jaxlib"), device.platform,
-             device.device_kind, os.environ.get("XLA_FLAGS", ""), cpu]
+             device.device_kind, os.environ.get("XLA_FLAGS", ""),
+             str(jax.config.read("jax_disable_most_optimizations")), cpu]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

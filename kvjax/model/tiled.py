@@ -377,12 +377,18 @@ def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
 
 
 def check_backend() -> list[str]:
-    """Names XLA CPU's fusion emitters when they are on (see `kvjax.backend`): they break
-    invariance inside loops, where no product probe sees it."""
-    if jax.default_backend() == "cpu" and not backend.fusion_emitters_off():
-        return ["XLA CPU fusion emitters (set XLA_FLAGS="
-                f"{backend.FUSION_FLAG}=false before JAX starts)"]
-    return []
+    """Names the XLA CPU settings that break invariance where no product probe looks (see
+    `kvjax.backend`): fusion emitters on (inside loops), optimization level 0."""
+    if jax.default_backend() != "cpu":
+        return []
+    problems = []
+    if not backend.fusion_emitters_off():
+        problems.append("XLA CPU fusion emitters (set XLA_FLAGS="
+                        f"{backend.FUSION_FLAG}=false before JAX starts)")
+    if backend.optimization_off(disable_most=jax.config.read("jax_disable_most_optimizations")):
+        problems.append(f"XLA backend optimization level 0 ({backend.LEVEL_FLAG}=0 or "
+                        "jax_disable_most_optimizations)")
+    return problems
 
 
 def check_rows(config, plan, calls: Calls | None = None) -> list[str]:
