@@ -1,6 +1,6 @@
 """Speculation on the real model, per MT-Bench category (`kvjax bench eagle`): plain
-decoding against n-gram chains and trees and the EAGLE-style head's chains and trees (with
-and without the tree-size policy), batch 1, both turns of each question.
+decoding against n-gram chains and trees, the EAGLE-style head's chains and trees (with
+and without the tree-size policy) and both in one tree, batch 1, both turns of each question.
 
 Each picked question's first turn is rendered in the chat template and answered greedily
 by plain decoding (up to `gen_tokens`, ended at the end of turn); its second turn follows
@@ -31,6 +31,7 @@ from kvjax.model.plan import FAST, INVARIANT, NumericsPlan
 from kvjax.speculative.tree import NGramTreeDrafter
 from kvjax.speculative.tree_host import device_tree_generate, tree_generate
 from kvjax.speculative.tree_policy import TreeSizePolicy
+from kvjax.speculative.union_tree import UnionTreeDrafter
 
 POLICY_SIZES = (1, 2, 4, 8, 16)
 
@@ -94,6 +95,12 @@ def methods(model, head, policy_costs: dict[int, float] | None,
             # EAGLE-2's rerank: every level's offers grown (1 + top_k x depth), the best kept
             out["eagle tree rerank on device"] = (eagle(2, 11, True), 8, 5, None, True)
             out["eagle tree 16 rerank on device"] = (eagle(4, 25, True), 16, 6, None, True)
+        # prompt lookup's continuations and the head's tree in one verify (n-gram first,
+        # within all but 3 nodes; `kvjax.speculative.union_tree`)
+        def union(top_k, width):
+            return lambda: UnionTreeDrafter(NGramTreeDrafter(branches=4), eagle(top_k, width)())
+        out["n-gram + eagle tree"] = (union(2, 8), 8, 5, None, False)
+        out["n-gram + eagle tree 16"] = (union(4, 16), 16, 6, None, False)
         # one draft token a round: this head's operating point (its later drafts are
         # rarely accepted; each costs a head pass and a wider verify)
         out["eagle chain 2 on device"] = (eagle(1, 2), 2, 1, None, True)

@@ -51,14 +51,14 @@ def merge_trees(first: tuple[Sequence[int], Sequence[int]],
 class UnionTreeDrafter:
     """Trees of `ngram`'s continuations merged with `head`'s tree (module docstring): the
     n-gram tree within `max_nodes - reserve` nodes, the head's within the rest (at least
-    `reserve`: the root and reserve - 1 drafts). `head` is an `EagleTreeDrafter` (or any
-    tree drafter; it gets the target's features when it reads them). `sources` holds the
-    last tree's `merge_trees` sources."""
+    `reserve`: the root and reserve - 1 drafts). `head` (kept as `second`) is an
+    `EagleTreeDrafter` (or any tree drafter; it gets the target's features when it reads
+    them). `sources` holds the last tree's `merge_trees` sources."""
 
     def __init__(self, ngram, head, reserve: int = 3):
         if reserve < 1:
             raise ValueError(f"reserve must be >= 1 (the root), got {reserve}")
-        self.ngram, self.head, self.reserve = ngram, head, reserve
+        self.ngram, self.second, self.reserve = ngram, head, reserve
         self.reads_features = getattr(head, "reads_features", False)
         self.sources: list[int] = []
 
@@ -70,12 +70,12 @@ class UnionTreeDrafter:
                                         seq_id=seq_id)
         kw = {"features": features} if self.reads_features else {}
         # at least reserve + 1 nodes: the n-gram tree took at most max_nodes - reserve
-        second = self.head.propose_tree(history, max_nodes - len(first[1]) + 1, depth,
+        second = self.second.propose_tree(history, max_nodes - len(first[1]) + 1, depth,
                                         seq_id=seq_id, **kw)
         parents, tokens, self.sources = merge_trees(first, second, max_nodes)
         return parents, tokens
 
     def release(self, seq_id: int = 0) -> None:
-        for drafter in (self.ngram, self.head):
+        for drafter in (self.ngram, self.second):
             if hasattr(drafter, "release"):
                 drafter.release(seq_id)
