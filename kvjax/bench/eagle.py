@@ -100,7 +100,7 @@ def methods(model, head, policy_costs: dict[int, float] | None,
         def union(top_k, width):
             return lambda: UnionTreeDrafter(NGramTreeDrafter(branches=4), eagle(top_k, width)())
         out["n-gram + eagle tree"] = (union(2, 8), 8, 5, None, False)
-        out["n-gram + eagle tree 16"] = (union(4, 16), 16, 6, None, False)
+        out["n-gram + eagle tree 16"] = (union(4, 16), 16, 8, None, False)  # copies run long
         # one draft token a round: this head's operating point (its later drafts are
         # rarely accepted; each costs a head pass and a wider verify)
         out["eagle chain 2 on device"] = (eagle(1, 2), 2, 1, None, True)
