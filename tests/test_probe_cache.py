@@ -31,6 +31,12 @@ def test_a_result_is_read_back_and_keyed_by_the_environment(tmp_path, monkeypatc
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")  # another backend
     assert probe((4, 8), 3) is True
     assert calls == [3, 1, 3]
+    jax.config.update("jax_disable_most_optimizations", True)  # another compiler setting
+    try:
+        assert probe((4, 8), 3) is True
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+    assert calls == [3, 1, 3, 3]
 
 
 def test_an_edited_probe_module_probes_again(tmp_path, monkeypatch):

@@ -132,13 +132,14 @@ def device_tree_generate(params, config: ModelConfig, prompts, max_new_tokens: i
     trees, the same tokens and logits as `tree_generate` and plain decoding. `target_calls`
     counts a call per sequence verified, as `tree_generate`'s one-sequence calls do."""
     eagle = getattr(drafter, "reads_features", False)
-    if eagle and max_nodes > drafter.width:
-        raise ValueError(f"max_nodes {max_nodes} > the drafter's width {drafter.width}")
-    if not eagle and not isinstance(drafter, NGramTreeDrafter):
+    if not (hasattr(drafter, "device_draft") if eagle else isinstance(drafter,
+                                                                      NGramTreeDrafter)):
         raise ValueError(f"device_tree_generate drafts n-gram or EAGLE-style trees on "
                          f"device: it takes an NGramTreeDrafter's or an EagleTreeDrafter's "
                          f"settings, not a {type(drafter).__name__} (tree_generate runs any "
                          f"drafter from the host)")
+    if eagle and max_nodes > drafter.width:
+        raise ValueError(f"max_nodes {max_nodes} > the drafter's width {drafter.width}")
     prompts, depth, cache, pool = _start(config, prompts, max_new_tokens, max_nodes, max_depth,
                                          cache, plan)
     n = len(prompts)

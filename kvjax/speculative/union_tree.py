@@ -3,8 +3,8 @@ to draft, long where an answer copies its context) and an EAGLE-style head's tre
 it does not), verified in one call. Host code: plain Python.
 
 The n-gram tree comes first, within all but `reserve` nodes of the budget; the head's tree
-fills what the n-gram tree left, and the two merge as sets of root paths (`merge_trees`):
-a path both propose is one path, so the merged tree has at most the budget's nodes. The
+gets the nodes the n-gram tree left (so the two fit the budget together), and the two
+merge as sets of root paths (`merge_trees`): a path both propose is one path. The
 merge only picks which drafts are verified: the verify is the one every tree goes through,
 so the answer is plain decoding's whatever the drafters propose.
 """
@@ -24,6 +24,8 @@ def merge_trees(first: tuple[Sequence[int], Sequence[int]],
     first tree's nodes in its order, then each of the second's that the first lacks, in the
     second's order, while fewer than `max_nodes` (a node left out leaves out its subtree).
     `sources[i]` is FIRST, SECOND or BOTH."""
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1 (the root), got {max_nodes}")
     (pa, ta), (pb, tb) = first, second
     if int(ta[0]) != int(tb[0]):
         raise ValueError(f"the trees' roots differ: {ta[0]} and {tb[0]}")
@@ -50,10 +52,12 @@ def merge_trees(first: tuple[Sequence[int], Sequence[int]],
 
 class UnionTreeDrafter:
     """Trees of `ngram`'s continuations merged with `head`'s tree (module docstring): the
-    n-gram tree within `max_nodes - reserve` nodes, the head's within the rest (at least
-    `reserve`: the root and reserve - 1 drafts). `head` (kept as `second`) is an
-    `EagleTreeDrafter` (or any tree drafter; it gets the target's features when it reads
-    them). `sources` holds the last tree's `merge_trees` sources."""
+    n-gram tree within `max_nodes - reserve` nodes (at least the root), the head's within
+    the rest (reserve + 1 nodes or more: the root and `reserve` drafts; all of them when
+    max_nodes <= reserve). `head` is an `EagleTreeDrafter` (or any tree drafter; it gets
+    the target's features when it reads them), kept as `second` (an `EagleTreeDrafter`'s
+    own `head` is its parameters). `sources` holds the last tree's `merge_trees` sources.
+    Host rounds only (`tree_generate`): the device loop drafts one kind of tree."""
 
     def __init__(self, ngram, head, reserve: int = 3):
         if reserve < 1:
@@ -69,7 +73,7 @@ class UnionTreeDrafter:
         first = self.ngram.propose_tree(history, max(max_nodes - self.reserve, 1), depth,
                                         seq_id=seq_id)
         kw = {"features": features} if self.reads_features else {}
-        # at least reserve + 1 nodes: the n-gram tree took at most max_nodes - reserve
+        # the nodes the n-gram tree left: together within max_nodes
         second = self.second.propose_tree(history, max_nodes - len(first[1]) + 1, depth,
                                         seq_id=seq_id, **kw)
         parents, tokens, self.sources = merge_trees(first, second, max_nodes)
