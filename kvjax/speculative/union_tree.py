@@ -33,18 +33,17 @@ def merge_trees(first: tuple[Sequence[int], Sequence[int]],
     sources = [FIRST] * len(tokens)
     sources[0] = BOTH
     child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-    where = [0] + [-1] * (len(tb) - 1)  # the second tree's node -> its merged index
+    # the second tree's node -> its merged index; -1 for a node left out, whose children
+    # then match no key and find no room either
+    where = [0] + [-1] * (len(tb) - 1)
     for i in range(1, len(tb)):
-        parent = where[int(pb[i])]
-        if parent < 0:  # its parent did not fit
-            continue
-        key = (parent, int(tb[i]))
+        key = (where[int(pb[i])], int(tb[i]))
         if key in child:
             where[i] = child[key]
             sources[where[i]] = BOTH
         elif len(tokens) < max_nodes:
             where[i] = child[key] = len(tokens)
-            parents.append(parent)
+            parents.append(key[0])
             tokens.append(int(tb[i]))
             sources.append(SECOND)
     return parents, tokens, sources
