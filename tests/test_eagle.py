@@ -22,6 +22,7 @@ from kvjax.speculative.eagle import (
     embed,
     head_config,
     head_extend,
+    head_loss,
     init_head,
 )
 from kvjax.speculative.eagle_file import load_head, save_head
@@ -74,6 +75,25 @@ def test_draft_vocabulary_keeps_the_masked_text_s_ids_and_the_stop_tokens():
     assert draft_vocab(tokens, mask, 3, 16).tolist() == [5, 7, 9]
     assert draft_vocab(tokens, mask, 4, 16).tolist() == [1, 5, 7, 9]
     assert draft_vocab(tokens, mask, 3, 16, keep=(15,)).tolist() == [5, 7, 15]
+
+
+def test_the_loss_weights_mix_the_feature_and_token_terms():
+    """`head_loss`'s weights: EAGLE's default (1, 0.1) and EAGLE-3's token loss alone (0, 1)
+    weigh the same two terms (seen failing with the weights ignored: 0.1 x the token term
+    short of the token loss)."""
+    config = small_model()
+    target = init_params(config, seed=1)
+    tokens = _markov(2, 9, config.vocab_size, 0)
+    feats = forward(target, config, tokens, features=True)
+    args = (init_head(config, seed=2), target, config, feats, tokens,
+            np.ones(tokens.shape, bool), np.arange(config.vocab_size))
+    eagle, parts = head_loss(*args)
+    token, same = head_loss(*args, weights=(0.0, 1.0))
+    feature, token_part = float(parts["feature"]), float(parts["token"])
+    assert feature > 0.1 and token_part > 1.0  # neither term negligible
+    assert {k: float(v) for k, v in same.items()} == {k: float(v) for k, v in parts.items()}
+    np.testing.assert_allclose(float(eagle), feature + 0.1 * token_part, rtol=1e-6)
+    np.testing.assert_allclose(float(token), token_part, rtol=1e-6)
 
 
 def _trained(tmp_path, stop_after: int | None = None) -> dict:
@@ -216,16 +236,21 @@ def test_a_head_checkpoint_of_other_windows_is_not_resumed(tmp_path):
     train = TrainConfig(steps=4, batch_size=4, learning_rate=3e-3, warmup_steps=1,
                         eval_every=2, checkpoint_every=2, seed=0)
 
-    def run(seed, stop_after=None):
+    def run(seed, stop_after=None, **weights):
         tokens = _markov(8, 17, config.vocab_size, seed)
         return train_head(target, config, (tokens, np.ones(tokens.shape, bool)),
                           (tokens[:4], np.ones((4, 17), bool)), train, 48, tmp_path,
-                          log=lambda *_: None, progress=False, stop_after=stop_after)
+                          log=lambda *_: None, progress=False, stop_after=stop_after,
+                          **weights)
 
     run(0, stop_after=2)
     with pytest.raises(ValueError, match="trained on other windows"):
         run(1)
-    assert run(0)["step"] == 4  # the same windows resume
+    with pytest.raises(ValueError, match="other loss weights"):  # EAGLE-3's token loss
+        run(0, weights=(0.0, 1.0))
+    done = run(0)
+    assert done["step"] == 4  # the same windows and loss resume
+    assert done["head"].metadata["loss_weights"] == {"feature": 1.0, "token": 0.1}
 
 
 def test_the_rerank_keeps_the_best_nodes_of_every_level():

@@ -107,16 +107,20 @@ def head_extend(head_params: dict, target_params: dict, config: ModelConfig,
 
 def head_loss(head_params: dict, target_params: dict, config: ModelConfig,
               features: jax.Array, tokens: jax.Array, mask: jax.Array, vocab: jax.Array,
-              noise: jax.Array | None = None) -> tuple[jax.Array, dict]:
+              noise: jax.Array | None = None,
+              weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)
+              ) -> tuple[jax.Array, dict]:
     """EAGLE's teacher-forced loss over windows of a recorded text.
 
     features [B, T + 1, D]: the target's f_0 .. f_T; tokens int32[B, T + 1]: x_0 .. x_T;
     mask [B, T + 1]: where the loss counts (position j + 1 is f_{j+1}'s, the prediction
     from [f_j, e(x_{j+1})]); `noise` [B, T, D] is added to the input features (EAGLE
     trains with uniform noise so drafting past its own predictions stays on course).
-    The token term compares distributions over the draft vocabulary `vocab`. Returns (loss,
-    {"feature": smooth L1, "token": cross-entropy, "top1": how often the head's argmax over
-    `vocab` is the target's}).
+    The token term compares distributions over the draft vocabulary `vocab`. `weights` are
+    (feature, token): EAGLE's (1, 0.1) by default; EAGLE-3 drops the feature term (0, 1), so
+    the head is judged only by the tokens it drafts. Returns (loss, {"feature": smooth L1,
+    "token": cross-entropy, "top1": how often the head's argmax over `vocab` is the
+    target's}).
     """
     inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32),
@@ -134,5 +138,5 @@ def head_loss(head_params: dict, target_params: dict, config: ModelConfig,
     p = jax.nn.softmax(target_logits)
     token = (optax.softmax_cross_entropy(logits, p) * weight).sum() / count
     top1 = ((logits.argmax(-1) == target_logits.argmax(-1)) * weight).sum() / count
-    loss = FEATURE_WEIGHT * feature + TOKEN_WEIGHT * token
+    loss = weights[0] * feature + weights[1] * token
     return loss, {"feature": feature, "token": token, "top1": top1}

@@ -27,7 +27,7 @@ from kvjax.cache.identity import model_fingerprint
 from kvjax.config import ModelConfig, TrainConfig
 from kvjax.lab.progress import Progress
 from kvjax.model.transformer import forward
-from kvjax.speculative.eagle import head_loss, init_head
+from kvjax.speculative.eagle import FEATURE_WEIGHT, TOKEN_WEIGHT, head_loss, init_head
 from kvjax.speculative.eagle_file import HeadFile, save_head
 from kvjax.train.loop import make_optimizer
 from kvjax.train.npz_cache import load_or_make
@@ -64,32 +64,37 @@ def extract_features(target_params, config: ModelConfig, tokens: np.ndarray,
     return out
 
 
-@partial(jax.jit, static_argnames=("config", "optimizer"), donate_argnames=("head", "state"))
+@partial(jax.jit, static_argnames=("config", "optimizer", "weights"),
+         donate_argnames=("head", "state"))
 def train_step(head, state, target_params, config: ModelConfig, optimizer, features, tokens,
-               mask, vocab, key, noise: float):
-    """One AdamW step of the head on a batch; donates `head` and `state`."""
+               mask, vocab, key, noise: float,
+               weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)):
+    """One AdamW step of the head on a batch (`weights`: `head_loss`'s); donates `head` and
+    `state`."""
     features = features.astype(jnp.float32)
     eps = jax.random.uniform(key, features[:, :-1].shape, minval=-noise, maxval=noise)
     (loss, parts), grads = jax.value_and_grad(head_loss, has_aux=True)(
-        head, target_params, config, features, tokens, mask, vocab, eps)
+        head, target_params, config, features, tokens, mask, vocab, eps, weights)
     updates, state = optimizer.update(grads, state, head)
     return optax.apply_updates(head, updates), state, loss, parts
 
 
-@partial(jax.jit, static_argnames=("config",))
-def _eval(head, target_params, config, features, tokens, mask, vocab):
+@partial(jax.jit, static_argnames=("config", "weights"))
+def _eval(head, target_params, config, features, tokens, mask, vocab, weights):
     return head_loss(head, target_params, config, features.astype(jnp.float32), tokens, mask,
-                     vocab)
+                     vocab, weights=weights)
 
 
 def evaluate(head, target_params, config: ModelConfig, data: dict, vocab,
-             batch_size: int) -> dict:
-    """Mean loss, feature and token terms and top-1 agreement over `data`'s windows."""
+             batch_size: int, weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)
+             ) -> dict:
+    """Mean loss (under `weights`), feature and token terms and top-1 agreement over
+    `data`'s windows."""
     sums, weight = {}, 0.0
     for start in range(0, len(data["tokens"]), batch_size):
         part = {k: v[start:start + batch_size] for k, v in data.items()}
         loss, parts = _eval(head, target_params, config, part["features"], part["tokens"],
-                            part["mask"], vocab)
+                            part["mask"], vocab, weights)
         w = float(part["mask"][:, 1:].sum())
         for name, value in {"loss": loss, **parts}.items():
             sums[name] = sums.get(name, 0.0) + float(value) * w
@@ -143,12 +148,14 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
                validation: tuple[np.ndarray, np.ndarray], train: TrainConfig,
                vocab_size: int, out_dir, keep=(), resume: bool = True, log=print,
                progress: bool = True, metadata: dict | None = None,
-               stop_after: int | None = None) -> dict:
+               stop_after: int | None = None,
+               weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)) -> dict:
     """Trains a head on `windows` (tokens int32[N, T + 1], mask bool[N, T + 1]) with
     `train`'s schedule (steps, batch size, learning rate, seed, time limit; seq_len is the
-    windows'), validating on `validation`; the draft vocabulary is the `vocab_size` ids most
-    frequent under the mask, with `keep`. `stop_after` stops after that many steps with a
-    checkpoint (as an interruption would). Returns the metrics and the head's file."""
+    windows') and `head_loss`'s (feature, token) `weights`, validating on `validation`; the
+    draft vocabulary is the `vocab_size` ids most frequent under the mask, with `keep`.
+    `stop_after` stops after that many steps with a checkpoint (as an interruption would).
+    Returns the metrics and the head's file."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = model_fingerprint(config, target_params)
@@ -163,17 +170,23 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
     optimizer = make_optimizer(train)
     head = init_head(config, train.seed)
     state, step, history = optimizer.init(head), 0, []
+    weights = tuple(float(w) for w in weights)
+    # what a checkpoint was trained for: its windows, target and loss (weights (1, 0.1), the
+    # default, keep the digest that checkpoints written before the weights were a knob hold)
     windows_digest = _windows_digest(*windows, target)
+    if weights != (FEATURE_WEIGHT, TOKEN_WEIGHT):
+        windows_digest += f" loss weights {weights}"
     if resume and (out / "ckpt").exists():
         saved = out / "ckpt" / "windows.txt"
         if not saved.is_file() or saved.read_text() != windows_digest:
-            raise ValueError(f"{out}/ckpt was trained on other windows (or another target): "
-                             f"resuming would mix two trainings; start over (resume=False, "
-                             f"train_eagle --no-resume) or train into another folder")
+            raise ValueError(f"{out}/ckpt was trained on other windows, another target or "
+                             f"other loss weights: resuming would mix two trainings; start "
+                             f"over (resume=False, train_eagle --no-resume) or train into "
+                             f"another folder")
         head, state, step, history = _restore_state(out, head, state)
         log(f"resumed {out}/ckpt at step {step}")
     else:  # the untrained head's figures: where the loss falls from
-        val = evaluate(head, target_params, config, held, vocab, train.batch_size)
+        val = evaluate(head, target_params, config, held, vocab, train.batch_size, weights)
         history.append([0, float("nan"), val["loss"], val["top1"]])
     bar = Progress(train.steps, "eagle", start=step) if progress else None
     trained_s, loss = 0.0, float("nan")
@@ -185,14 +198,15 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
         t0 = time.perf_counter()
         head, state, loss_arr, parts = train_step(
             head, state, target_params, config, optimizer, data["features"][rows],
-            data["tokens"][rows], data["mask"][rows], vocab, key, NOISE)
+            data["tokens"][rows], data["mask"][rows], vocab, key, NOISE, weights)
         loss = float(loss_arr)
         trained_s += time.perf_counter() - t0
         step += 1
         if bar:
             bar.update(1, loss=loss, top1=float(parts["top1"]))
         if step % train.eval_every == 0 or step == train.steps:
-            val = evaluate(head, target_params, config, held, vocab, train.batch_size)
+            val = evaluate(head, target_params, config, held, vocab, train.batch_size,
+                           weights)
             history.append([step, loss, val["loss"], val["top1"]])
             log(f"\nstep {step}: train loss {loss:.4f}, validation loss {val['loss']:.4f}, "
                 f"top-1 {val['top1']:.3f}")
@@ -204,9 +218,10 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
             break
     if bar:
         bar.__exit__()
-    val = evaluate(head, target_params, config, held, vocab, train.batch_size)
+    val = evaluate(head, target_params, config, held, vocab, train.batch_size, weights)
     file: HeadFile = save_head(out / "head", head, vocab, config, target_params, {
         **(metadata or {}), "step": step, "validation": val, "windows": len(windows[0]),
+        "loss_weights": {"feature": weights[0], "token": weights[1]},
         "seq_len": int(windows[0].shape[1] - 1)})
     return {"step": step, "train_loss": loss, "validation": val, "history": history,
             "train_seconds": trained_s, "data_seconds": data_s, "head": file,

@@ -35,6 +35,8 @@ class EagleSetting:
     # "recorded": ShareGPT's answers, teacher-forced; "own": the target's greedy answers to
     # the first user turns (`kvjax.train.own_answers`)
     answers: str = "recorded"
+    # (feature, token), `head_loss`'s; None: its default, EAGLE's
+    loss_weights: tuple[float, float] | None = None
 
 
 SETTINGS = {
@@ -106,7 +108,8 @@ def train_eagle(model_name: str, setting: EagleSetting, out_dir: str, resume: bo
                         (tokens[n:], mask[n:]), setting.train, setting.draft_vocab, out_dir,
                         keep=model.stop_tokens, resume=resume, log=log, metadata={
                             "model": model_name, "data": picked.source,
-                            "setting": dataclasses.asdict(setting)})
+                            "setting": dataclasses.asdict(setting)},
+                        **({"weights": setting.loss_weights} if setting.loss_weights else {}))
     result["total_seconds"] = time.perf_counter() - t0
     return result
 
@@ -120,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--answers", choices=("recorded", "own"),
                         help="the windows' answers: ShareGPT's recorded ones or the target's "
                              "own greedy ones (default: the setting's)")
+    parser.add_argument("--steps", type=int, help="training steps (default: the setting's)")
+    parser.add_argument("--time-limit", type=float,
+                        help="seconds of training before it checkpoints and stops "
+                             "(default: the setting's)")
+    parser.add_argument("--loss-weights", type=float, nargs=2, metavar=("FEATURE", "TOKEN"),
+                        help="the loss's feature and token weights (default: EAGLE's 1 0.1; "
+                             "EAGLE-3's token loss alone is 0 1)")
     parser.add_argument("--no-resume", action="store_true", help="start over")
     return parser
 
@@ -129,6 +139,14 @@ def main(argv=None) -> int:
     setting = SETTINGS[args.setting]
     if args.answers:
         setting = dataclasses.replace(setting, answers=args.answers)
+    if args.loss_weights:
+        setting = dataclasses.replace(setting, loss_weights=tuple(args.loss_weights))
+    train = setting.train
+    if args.steps:
+        train = dataclasses.replace(train, steps=args.steps)
+    if args.time_limit:
+        train = dataclasses.replace(train, time_limit_s=args.time_limit)
+    setting = dataclasses.replace(setting, train=train)
     own = "-own" if setting.answers == "own" else ""
     out = args.out or f"checkpoints/eagle-{args.setting}{own}"
     result = train_eagle(args.model, setting, out, not args.no_resume)
