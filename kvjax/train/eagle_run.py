@@ -142,9 +142,9 @@ def main(argv=None) -> int:
     if args.loss_weights:
         setting = dataclasses.replace(setting, loss_weights=tuple(args.loss_weights))
     train = setting.train
-    if args.steps:
+    if args.steps is not None:
         train = dataclasses.replace(train, steps=args.steps)
-    if args.time_limit:
+    if args.time_limit is not None:
         train = dataclasses.replace(train, time_limit_s=args.time_limit)
     setting = dataclasses.replace(setting, train=train)
     own = "-own" if setting.answers == "own" else ""
