@@ -37,6 +37,7 @@ from kvjax.model.transformer import Block, head_logits, output_weights
 
 FEATURE_WEIGHT = 1.0  # EAGLE's loss: smooth L1 on the features ...
 TOKEN_WEIGHT = 0.1  # ... plus 0.1 x cross-entropy to the target's next-token distribution
+LOSS_WEIGHTS = (FEATURE_WEIGHT, TOKEN_WEIGHT)  # `head_loss`'s default (feature, token)
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -108,8 +109,7 @@ def head_extend(head_params: dict, target_params: dict, config: ModelConfig,
 def head_loss(head_params: dict, target_params: dict, config: ModelConfig,
               features: jax.Array, tokens: jax.Array, mask: jax.Array, vocab: jax.Array,
               noise: jax.Array | None = None,
-              weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)
-              ) -> tuple[jax.Array, dict]:
+              weights: tuple[float, float] = LOSS_WEIGHTS) -> tuple[jax.Array, dict]:
     """EAGLE's teacher-forced loss over windows of a recorded text.
 
     features [B, T + 1, D]: the target's f_0 .. f_T; tokens int32[B, T + 1]: x_0 .. x_T;

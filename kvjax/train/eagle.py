@@ -27,7 +27,7 @@ from kvjax.cache.identity import model_fingerprint
 from kvjax.config import ModelConfig, TrainConfig
 from kvjax.lab.progress import Progress
 from kvjax.model.transformer import forward
-from kvjax.speculative.eagle import FEATURE_WEIGHT, TOKEN_WEIGHT, head_loss, init_head
+from kvjax.speculative.eagle import LOSS_WEIGHTS, head_loss, init_head
 from kvjax.speculative.eagle_file import HeadFile, save_head
 from kvjax.train.loop import make_optimizer
 from kvjax.train.npz_cache import load_or_make
@@ -68,7 +68,7 @@ def extract_features(target_params, config: ModelConfig, tokens: np.ndarray,
          donate_argnames=("head", "state"))
 def train_step(head, state, target_params, config: ModelConfig, optimizer, features, tokens,
                mask, vocab, key, noise: float,
-               weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)):
+               weights: tuple[float, float] = LOSS_WEIGHTS):
     """One AdamW step of the head on a batch (`weights`: `head_loss`'s); donates `head` and
     `state`."""
     features = features.astype(jnp.float32)
@@ -86,7 +86,7 @@ def _eval(head, target_params, config, features, tokens, mask, vocab, weights):
 
 
 def evaluate(head, target_params, config: ModelConfig, data: dict, vocab,
-             batch_size: int, weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)
+             batch_size: int, weights: tuple[float, float] = LOSS_WEIGHTS
              ) -> dict:
     """Mean loss (under `weights`), feature and token terms and top-1 agreement over
     `data`'s windows."""
@@ -149,7 +149,7 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
                vocab_size: int, out_dir, keep=(), resume: bool = True, log=print,
                progress: bool = True, metadata: dict | None = None,
                stop_after: int | None = None,
-               weights: tuple[float, float] = (FEATURE_WEIGHT, TOKEN_WEIGHT)) -> dict:
+               weights: tuple[float, float] = LOSS_WEIGHTS) -> dict:
     """Trains a head on `windows` (tokens int32[N, T + 1], mask bool[N, T + 1]) with
     `train`'s schedule (steps, batch size, learning rate, seed, time limit; seq_len is the
     windows') and `head_loss`'s (feature, token) `weights`, validating on `validation`; the
@@ -174,7 +174,7 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
     # what a checkpoint was trained for: its windows, target and loss (weights (1, 0.1), the
     # default, keep the digest that checkpoints written before the weights were a knob hold)
     windows_digest = _windows_digest(*windows, target)
-    if weights != (FEATURE_WEIGHT, TOKEN_WEIGHT):
+    if weights != LOSS_WEIGHTS:
         windows_digest += f" loss weights {weights}"
     if resume and (out / "ckpt").exists():
         saved = out / "ckpt" / "windows.txt"
