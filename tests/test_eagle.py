@@ -12,7 +12,7 @@ import pytest
 from helpers import sharp_params, small_model
 
 from kvjax.cache.paged import BatchInfo, init_cache
-from kvjax.config import CacheConfig, TrainConfig
+from kvjax.config import CacheConfig, ConfigError, TrainConfig
 from kvjax.decode.batching import page_table
 from kvjax.io.hf import CheckpointError
 from kvjax.model.transformer import forward, init_params
@@ -252,6 +252,28 @@ def test_a_head_checkpoint_of_other_windows_is_not_resumed(tmp_path):
     done = run(0)
     assert done["step"] == 4  # the same windows and loss resume
     assert done["head"].metadata["loss_weights"] == {"feature": 1.0, "token": 0.1}
+
+
+def test_train_eagle_s_command_line_changes_only_what_it_names():
+    """`scripts/train_eagle`'s options replace the setting's values, a time limit of 0
+    included (seen failing with `if args.time_limit:`), and leave the rest; fewer than one
+    conversation or step is refused before any work."""
+    from kvjax.train.eagle_run import SETTINGS, build_parser, setting_of
+
+    full = SETTINGS["full"]
+    args = build_parser().parse_args(["--conversations", "1920", "--steps", "40",
+                                      "--time-limit", "0", "--loss-weights", "0", "1"])
+    setting = setting_of(args)
+    assert (setting.conversations, setting.train.steps, setting.train.time_limit_s,
+            setting.loss_weights) == (1920, 40, 0, (0.0, 1.0))
+    assert (setting.validation, setting.seq_len, setting.draft_vocab, setting.answers,
+            setting.train.batch_size) == (full.validation, full.seq_len, full.draft_vocab,
+                                          "recorded", full.train.batch_size)
+    assert setting_of(build_parser().parse_args([])) == full
+    with pytest.raises(SystemExit, match="at least 1"):
+        setting_of(build_parser().parse_args(["--conversations", "0"]))
+    with pytest.raises(ConfigError, match="steps"):
+        setting_of(build_parser().parse_args(["--steps", "0"]))
 
 
 def test_the_rerank_keeps_the_best_nodes_of_every_level():

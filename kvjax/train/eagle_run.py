@@ -119,10 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="full")
     parser.add_argument("--out", help="output folder (default: checkpoints/eagle-SETTING, "
-                                          "and -own for --answers own)")
+                                          "-N for --conversations N, -own for --answers "
+                                          "own)")
     parser.add_argument("--answers", choices=("recorded", "own"),
                         help="the windows' answers: ShareGPT's recorded ones or the target's "
                              "own greedy ones (default: the setting's)")
+    parser.add_argument("--conversations", type=int,
+                        help="training windows, one per ShareGPT conversation (default: the "
+                             "setting's; the held-out ones follow them in the same pick)")
     parser.add_argument("--steps", type=int, help="training steps (default: the setting's)")
     parser.add_argument("--time-limit", type=float,
                         help="seconds of training before it checkpoints and stops "
@@ -134,9 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def setting_of(args: argparse.Namespace) -> EagleSetting:
+    """The named setting with the command line's changes; a value of 0 is a value, not a
+    default."""
     setting = SETTINGS[args.setting]
+    if args.conversations is not None:
+        if args.conversations < 1:
+            raise SystemExit(f"--conversations must be at least 1, not {args.conversations}")
+        setting = dataclasses.replace(setting, conversations=args.conversations)
     if args.answers:
         setting = dataclasses.replace(setting, answers=args.answers)
     if args.loss_weights:
@@ -146,9 +155,15 @@ def main(argv=None) -> int:
         train = dataclasses.replace(train, steps=args.steps)
     if args.time_limit is not None:
         train = dataclasses.replace(train, time_limit_s=args.time_limit)
-    setting = dataclasses.replace(setting, train=train)
+    return dataclasses.replace(setting, train=train)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    setting = setting_of(args)
     own = "-own" if setting.answers == "own" else ""
-    out = args.out or f"checkpoints/eagle-{args.setting}{own}"
+    more = f"-{setting.conversations}" if args.conversations is not None else ""
+    out = args.out or f"checkpoints/eagle-{args.setting}{more}{own}"
     result = train_eagle(args.model, setting, out, not args.no_resume)
     val = result["validation"]
     emit(f"done: step {result['step']}, validation loss {val['loss']:.4f}, top-1 "
