@@ -4,6 +4,7 @@ another target or a corrupted copy."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -228,19 +229,20 @@ def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, sto
 
 
 def test_a_head_checkpoint_of_other_windows_is_not_resumed(tmp_path):
-    """Resuming mixes trainings only when the windows (or the target) and the loss weights
-    are the ones the checkpoint learnt: others are refused, not restored (an `--answers own`
-    run into a recorded-answers folder would have resumed that head; seen failing with the
-    weights left out of the check: DID NOT RAISE)."""
+    """Resuming mixes trainings only when the windows (or the target), the loss weights and
+    the schedule are the ones the checkpoint learnt: others are refused, not restored (an
+    `--answers own` run into a recorded-answers folder would have resumed that head; seen
+    failing with the weights, then the schedule, left out of the check: DID NOT RAISE)."""
     config = small_model()
     target = init_params(config, seed=1)
     train = TrainConfig(steps=4, batch_size=4, learning_rate=3e-3, warmup_steps=1,
                         eval_every=2, checkpoint_every=2, seed=0)
 
-    def run(seed, stop_after=None, **weights):
+    def run(seed, stop_after=None, steps=4, **weights):
         tokens = _markov(8, 17, config.vocab_size, seed)
         return train_head(target, config, (tokens, np.ones(tokens.shape, bool)),
-                          (tokens[:4], np.ones((4, 17), bool)), train, 48, tmp_path,
+                          (tokens[:4], np.ones((4, 17), bool)),
+                          dataclasses.replace(train, steps=steps), 48, tmp_path,
                           log=lambda *_: None, progress=False, stop_after=stop_after,
                           **weights)
 
@@ -249,6 +251,8 @@ def test_a_head_checkpoint_of_other_windows_is_not_resumed(tmp_path):
         run(1)
     with pytest.raises(ValueError, match="other loss weights"):  # EAGLE-3's token loss
         run(0, weights=(0.0, 1.0))
+    with pytest.raises(ValueError, match="another schedule \\(steps 4 -> 8"):
+        run(0, steps=8)
     done = run(0)
     assert done["step"] == 4  # the same windows and loss resume
     assert done["head"].metadata["loss_weights"] == {"feature": 1.0, "token": 0.1}

@@ -8,7 +8,7 @@ import pytest
 
 import kvjax
 from kvjax.config_files import config_from_dict
-from kvjax.io import load
+from kvjax.io import CheckpointError, load
 from kvjax.train import data
 from kvjax.train.loop import train
 
@@ -59,3 +59,17 @@ def test_interrupted_run_resumes_to_the_same_weights(tmp_path):
         np.testing.assert_array_equal(x, y)
     assert resumed["val_loss"] == straight["val_loss"]
     assert [h["step"] for h in resumed["history"]] == [10, 12, 24]  # 10: the interruption
+
+
+def test_a_resume_with_another_schedule_is_refused(tmp_path):
+    """A checkpoint resumes only under the schedule it was trained with: another length
+    would splice two cosines (the step count is in the optimizer state, the length is not)
+    and reach weights no single run reaches (seen failing with the check left out: DID
+    NOT RAISE). How long one invocation trains, and how often it reports, may change."""
+    train(config_from_dict(RAW), tmp_path, stop_after=4, **QUIET)
+    for key, value in (("steps", 48), ("learning_rate", 1e-3), ("seed", 1)):
+        other = {**RAW, "train": {**RAW["train"], key: value}}
+        with pytest.raises(CheckpointError, match=f"another schedule \\({key} "):
+            train(config_from_dict(other), tmp_path, stop_after=1, **QUIET)
+    same = {**RAW, "train": {**RAW["train"], "time_limit_s": 600.0, "eval_every": 5}}
+    assert train(config_from_dict(same), tmp_path, stop_after=1, **QUIET)["step"] == 5

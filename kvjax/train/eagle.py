@@ -13,6 +13,7 @@ The result is the head's file (`kvjax.speculative.eagle_file`) in `out/head`.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
 from functools import partial
@@ -29,7 +30,7 @@ from kvjax.lab.progress import Progress
 from kvjax.model.transformer import forward
 from kvjax.speculative.eagle import LOSS_WEIGHTS, head_loss, init_head
 from kvjax.speculative.eagle_file import HeadFile, save_head
-from kvjax.train.loop import make_optimizer
+from kvjax.train.loop import check_schedule, make_optimizer, schedule_of
 from kvjax.train.npz_cache import load_or_make
 
 NOISE = 0.1  # EAGLE's uniform feature noise, U(-NOISE, NOISE)
@@ -117,9 +118,10 @@ def _data(out: Path, target_params, config, tokens, mask, target: str, log,
     return arrays["features"]
 
 
-def _save_state(out: Path, head, state, step: int, history: list, windows: str) -> None:
-    """`out/ckpt`: the head, the optimizer state, the step and the digest of the windows
-    it learns (`_windows_digest`), written atomically."""
+def _save_state(out: Path, head, state, step: int, history: list, windows: str,
+                schedule: dict) -> None:
+    """`out/ckpt`: the head, the optimizer state, the step, the digest of the windows it
+    learns (`_windows_digest`) and its schedule (`schedule_of`), written atomically."""
     import orbax.checkpoint as ocp
 
     tmp, final = out / "ckpt.tmp", out / "ckpt"
@@ -130,6 +132,7 @@ def _save_state(out: Path, head, state, step: int, history: list, windows: str) 
     saver.wait_until_finished()
     (tmp / "history.npy").write_bytes(np.asarray(history, np.float64).tobytes())
     (tmp / "windows.txt").write_text(windows)
+    (tmp / "schedule.json").write_text(json.dumps(schedule))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
@@ -183,6 +186,9 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
                              f"other loss weights: resuming would mix two trainings; start "
                              f"over (resume=False, train_eagle --no-resume) or train into "
                              f"another folder")
+        saved = out / "ckpt" / "schedule.json"
+        check_schedule(json.loads(saved.read_text()) if saved.is_file() else None, train,
+                       f"{out}/ckpt")
         head, state, step, history = _restore_state(out, head, state)
         log(f"resumed {out}/ckpt at step {step}")
     else:  # the untrained head's figures: where the loss falls from
@@ -212,7 +218,7 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
                 f"top-1 {val['top1']:.3f}")
         timed_out = train.time_limit_s is not None and trained_s >= train.time_limit_s
         if step % train.checkpoint_every == 0 or step == end or timed_out:
-            _save_state(out, head, state, step, history, windows_digest)
+            _save_state(out, head, state, step, history, windows_digest, schedule_of(train))
         if timed_out:
             log(f"time limit {train.time_limit_s} s reached at step {step}")
             break

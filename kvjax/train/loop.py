@@ -37,6 +37,32 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, weight_decay=train.weight_decay))
 
 
+# TrainConfig's fields that do not change the weights a run reaches: how often it reports
+# and saves, where, and for how long one invocation trains
+_NOT_SCHEDULE = ("eval_every", "eval_batches", "checkpoint_every", "out_dir", "time_limit_s")
+
+
+def schedule_of(train: TrainConfig) -> dict:
+    """The part of `train` a resumed run must share with its checkpoint: with another
+    length, rate or seed it would splice two schedules (the cosine's step count is in the
+    optimizer state, its length is not) and reach weights no single run reaches."""
+    return {k: v for k, v in dataclasses.asdict(train).items() if k not in _NOT_SCHEDULE}
+
+
+def check_schedule(saved: dict | None, train: TrainConfig, where) -> None:
+    """Raises CheckpointError when the checkpoint at `where` was trained with another
+    schedule than `train`'s (`saved`: its TrainConfig as a dict, whole or `schedule_of`'s
+    part); None, a checkpoint from before schedules were recorded, passes."""
+    if saved is None:
+        return
+    diff = [f"{k} {saved.get(k)} -> {v}" for k, v in schedule_of(train).items()
+            if saved.get(k) != v]
+    if diff:
+        raise CheckpointError(f"{where} was trained with another schedule ({', '.join(diff)}): "
+                              f"resuming would splice two schedules; start over (--no-resume "
+                              f"/ resume=False) or train into another folder")
+
+
 def loss_fn(params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy (nats per token) of int32[B, T + 1] windows."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -109,6 +135,7 @@ def train(config: Config, out_dir: str | None = None, resume: bool = True,
     step, history = 0, []
     if resume and (out / "ckpt").exists():
         params, opt_state, meta = _restore(out, model, optimizer, params)
+        check_schedule(meta.get("train"), tc, f"{out}/ckpt")
         step, history = meta["step"], meta.get("history", [])
         log(f"resumed {out}/ckpt at step {step}")
     else:
