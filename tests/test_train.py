@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import kvjax
 from kvjax.config_files import config_from_dict
 from kvjax.io import CheckpointError, load
 from kvjax.train import data
-from kvjax.train.loop import train
+from kvjax.train.loop import check_schedule, schedule_of, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -73,3 +75,9 @@ def test_a_resume_with_another_schedule_is_refused(tmp_path):
             train(config_from_dict(other), tmp_path, stop_after=1, **QUIET)
     same = {**RAW, "train": {**RAW["train"], "time_limit_s": 600.0, "eval_every": 5}}
     assert train(config_from_dict(same), tmp_path, stop_after=1, **QUIET)["step"] == 5
+    # a field TrainConfig gained after a checkpoint was written reads as its default there
+    tc = config_from_dict(RAW).train
+    older = {k: v for k, v in schedule_of(tc).items() if k != "min_lr_ratio"}
+    check_schedule(older, tc, "old")
+    with pytest.raises(CheckpointError, match="min_lr_ratio 0.1 -> 0.5"):
+        check_schedule(older, dataclasses.replace(tc, min_lr_ratio=0.5), "old")

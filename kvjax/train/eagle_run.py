@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "own greedy ones (default: the setting's)")
     parser.add_argument("--conversations", type=int,
                         help="training windows, one per ShareGPT conversation (default: the "
-                             "setting's; the held-out ones follow them in the same pick)")
+                             "setting's; the held-out ones follow them in the same pick, so "
+                             "another N validates on other conversations)")
     parser.add_argument("--steps", type=int, help="training steps (default: the setting's)")
     parser.add_argument("--time-limit", type=float,
                         help="seconds of training before it checkpoints and stops "
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setting = setting_of(args)
     own = "-own" if setting.answers == "own" else ""
-    more = f"-{setting.conversations}" if args.conversations is not None else ""
+    more = (f"-{setting.conversations}"
+            if setting.conversations != SETTINGS[args.setting].conversations else "")
     out = args.out or f"checkpoints/eagle-{args.setting}{more}{own}"
     result = train_eagle(args.model, setting, out, not args.no_resume)
     val = result["validation"]

@@ -55,12 +55,15 @@ def check_schedule(saved: dict | None, train: TrainConfig, where) -> None:
     part); None, a checkpoint from before schedules were recorded, passes."""
     if saved is None:
         return
-    diff = [f"{k} {saved.get(k)} -> {v}" for k, v in schedule_of(train).items()
-            if saved.get(k) != v]
+    # a field added to TrainConfig after the checkpoint was written reads as its default
+    fields = TrainConfig.__dataclass_fields__
+    was = {k: saved.get(k, fields[k].default) for k in schedule_of(train)}
+    diff = [f"{k} {was[k]} -> {v}" for k, v in schedule_of(train).items() if was[k] != v]
     if diff:
         raise CheckpointError(f"{where} was trained with another schedule ({', '.join(diff)}): "
                               f"resuming would splice two schedules; start over (--no-resume "
-                              f"/ resume=False) or train into another folder")
+                              f"/ resume=False, or delete the folder) or train into another "
+                              f"folder")
 
 
 def loss_fn(params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
