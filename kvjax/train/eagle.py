@@ -176,7 +176,7 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
     weights = tuple(float(w) for w in weights)
     # what a checkpoint was trained for: its windows, target and loss (weights (1, 0.1), the
     # default, keep the digest that checkpoints written before the weights were a knob hold)
-    windows_digest = _windows_digest(*windows, target)
+    windows_digest, schedule = _windows_digest(*windows, target), schedule_of(train)
     if weights != LOSS_WEIGHTS:
         windows_digest += f" loss weights {weights}"
     if resume and (out / "ckpt").exists():
@@ -186,9 +186,9 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
                              f"other loss weights: resuming would mix two trainings; start "
                              f"over (resume=False, train_eagle --no-resume) or train into "
                              f"another folder")
-        saved = out / "ckpt" / "schedule.json"
-        check_schedule(json.loads(saved.read_text()) if saved.is_file() else None, train,
-                       f"{out}/ckpt")
+        recorded = out / "ckpt" / "schedule.json"
+        check_schedule(json.loads(recorded.read_text()) if recorded.is_file() else None,
+                       train, f"{out}/ckpt")
         head, state, step, history = _restore_state(out, head, state)
         log(f"resumed {out}/ckpt at step {step}")
     else:  # the untrained head's figures: where the loss falls from
@@ -218,7 +218,7 @@ def train_head(target_params, config: ModelConfig, windows: tuple[np.ndarray, np
                 f"top-1 {val['top1']:.3f}")
         timed_out = train.time_limit_s is not None and trained_s >= train.time_limit_s
         if step % train.checkpoint_every == 0 or step == end or timed_out:
-            _save_state(out, head, state, step, history, windows_digest, schedule_of(train))
+            _save_state(out, head, state, step, history, windows_digest, schedule)
         if timed_out:
             log(f"time limit {train.time_limit_s} s reached at step {step}")
             break

@@ -57,8 +57,8 @@ def check_schedule(saved: dict | None, train: TrainConfig, where) -> None:
         return
     # a field added to TrainConfig after the checkpoint was written reads as its default
     fields = TrainConfig.__dataclass_fields__
-    was = {k: saved.get(k, fields[k].default) for k in schedule_of(train)}
-    diff = [f"{k} {was[k]} -> {v}" for k, v in schedule_of(train).items() if was[k] != v]
+    diff = [f"{k} {saved.get(k, fields[k].default)} -> {v}"
+            for k, v in schedule_of(train).items() if saved.get(k, fields[k].default) != v]
     if diff:
         raise CheckpointError(f"{where} was trained with another schedule ({', '.join(diff)}): "
                               f"resuming would splice two schedules; start over (--no-resume "
