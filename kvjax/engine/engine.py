@@ -73,7 +73,7 @@ from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.layout import canonical, store
 from kvjax.model.lora import stack_adapters, stacked_shapes
 from kvjax.speculative import eagle_engine
-from kvjax.speculative.eagle import head_config
+from kvjax.speculative.eagle import head_config, head_products
 from kvjax.speculative.eagle_file import HeadFile
 from kvjax.speculative.plugin import Speculator, write_ahead
 
@@ -113,7 +113,8 @@ class Engine:
         self.adapters = dict(adapters or {})
         lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
         plan, *draft_plan, self.numerics_problems = numerics_plans(
-            configs, ec, ahead, [] if lora is None else stacked_shapes(lora))
+            configs, ec, ahead, [] if lora is None else stacked_shapes(lora),
+            extra=[{}, head_products(config, len(draft.vocab))] if eagle else ())
         self.config = config  # the architecture; how its steps run is `self.plan`
         on, words = cpu_kernel_choice(ec)  # XLA's or kvjax's CPU kernel, and why
         self.products = f"{words}; {cpu_attention_choice(ec, config)[1]}" if on else words

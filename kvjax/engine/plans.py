@@ -16,7 +16,8 @@ from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
 
 
 def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
-                   lora_shapes: Sequence[tuple[int, int, int, int]] = ()) -> list:
+                   lora_shapes: Sequence[tuple[int, int, int, int]] = (),
+                   extra: Sequence[dict] = ()) -> list:
     """The numerics plan (`kvjax.model.plan.NumericsPlan`) of each of `configs` (the
     target's, the draft's) under the engine's settings, then what still fails: the mode is
     `ec.numerics`, and under invariant numerics each product's row block
@@ -29,8 +30,10 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
     with max_slots, the chunk or gamma inside those bounds (`gamma`: the slots a verify
     writes past the history, `kvjax.speculative.plugin.write_ahead`); with `lora_shapes` (the
     target's stacked adapters, `kvjax.model.lora.stacked_shapes`) the LoRA deltas' block
-    too (`kvjax.model.lora.choose_block`). Problems come with the backend check (a warning
-    names them). A plan is part of the cache identity."""
+    too (`kvjax.model.lora.choose_block`); `extra[i]`: products `configs[i]`'s steps run
+    beyond its layers' and head's, probed with them (an EAGLE head's fusion and draft logits,
+    `kvjax.speculative.eagle.head_products`). Problems come with the backend check (a
+    warning names the products). A plan is part of the cache identity."""
     base = NumericsPlan(ec.numerics, ec.row_block,
                         fused=ec.fused_projections and ec.mesh is None,
                         cpu_kernel=cpu_kernel_choice(ec)[0])
@@ -48,9 +51,10 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
                   queries=max(seqs * ec.cache.prefill_chunk, gamma + 1, PROBED.queries),
                   keys=ec.cache.block_pages * ec.cache.page_size)
     plans, problems = [], []
-    for i, (c, base) in enumerate(zip(configs, bases, strict=True)):
+    extra = list(extra) + [{}] * (len(configs) - len(extra))
+    for i, (c, base, more) in enumerate(zip(configs, bases, extra, strict=True)):
         blocks, transposed, failed = choose_blocks(
-            c, base, calls, transpose=ec.transposed_kernels and ec.mesh is None)
+            c, base, calls, transpose=ec.transposed_kernels and ec.mesh is None, extra=more)
         if i == 0 and lora_shapes:  # the target's adapters (the draft runs without)
             block = choose_block(lora_shapes, calls.rows, base.row_block)
             blocks += (("lora", base.row_block if block is None else block),)

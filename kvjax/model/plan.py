@@ -16,10 +16,13 @@ import dataclasses
 from kvjax.config import ConfigError, ModelConfig
 
 # the token-row products whose row blocks `NumericsPlan.row_blocks` sets ("lora": both
-# products of every LoRA delta, `kvjax.model.lora.stacked_delta`)
-ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "lora", "attention")
+# products of every LoRA delta, `kvjax.model.lora.stacked_delta`; "eagle fc" and "eagle
+# logits": an EAGLE head's feature fusion [f, e] 2D -> D and its draft vocabulary's logits,
+# `kvjax.speculative.eagle.head_products`)
+ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "eagle fc",
+                "eagle logits", "lora", "attention")
 # those whose kernels the steps may take stored transposed (`NumericsPlan.transposed`)
-STORED_PRODUCTS = ROW_PRODUCTS[:-2]
+STORED_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "eagle fc")
 
 
 def _require(ok: bool, key: str, message: str) -> None:

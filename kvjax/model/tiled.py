@@ -32,6 +32,7 @@ import numpy as np
 
 from kvjax import backend
 from kvjax.model import layout, probe_cache
+from kvjax.model.plan import STORED_PRODUCTS
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
@@ -53,6 +54,12 @@ def row_softmax(x: jax.Array) -> jax.Array:
     depend on how many rows there are (`jax.nn.softmax` does, on XLA CPU)."""
     e = jnp.exp(x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True)))
     return e / tree_sum(e)[..., None]
+
+
+def row_log_softmax(x: jax.Array) -> jax.Array:
+    """Log-softmax over the last axis with a fixed-order sum (`tree_sum`), as `row_softmax`."""
+    shifted = x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
+    return shifted - jnp.log(tree_sum(jnp.exp(shifted)))[..., None]
 
 
 def row_blocks(fn: Callable[[jax.Array], jax.Array], rows: jax.Array, block: int) -> jax.Array:
@@ -297,15 +304,17 @@ class Calls(NamedTuple):
 PROBED = Calls(rows=2048, head_rows=256, queries=512, keys=0)
 
 
-def check_products(config, plan, calls: Calls | None = None) -> list[str]:
-    """The token-row products of `config` whose rows do not keep their bits on the running
-    backend under `plan` (cached per shape): each at its `plan.block(name)` (a block: alone,
-    in a block of three and in a loop of blocks; 0: at every probed row count up to
-    `calls`' bound; attention, with `calls`: a KV head's query rows of `calls.queries`
-    tokens, or its tiles, against `calls.keys` keys). Empty when all hold."""
+def check_products(config, plan, calls: Calls | None = None,
+                   extra: dict | None = None) -> list[str]:
+    """The token-row products of `config` (and `extra`'s, as `choose_blocks` takes them)
+    whose rows do not keep their bits on the running backend under `plan` (cached per
+    shape): each at its `plan.block(name)` (a block: alone, in a block of three and in a
+    loop of blocks; 0: at every probed row count up to `calls`' bound; attention, with
+    `calls`: a KV head's query rows of `calls.queries` tokens, or its tiles, against
+    `calls.keys` keys). Empty when all hold."""
     backend_name = jax.default_backend()
     failed = []
-    for name, (shape, contract) in _dot_shapes(config, plan.fused).items():
+    for name, (shape, contract) in (_dot_shapes(config, plan.fused) | (extra or {})).items():
         block = plan.block(name)
         ok = (_whole(shape, contract, calls.of(name), backend_name, name in plan.transposed)
               if block == 0 else _probe_dot(shape, contract, block, backend_name))
@@ -338,9 +347,12 @@ def _attention_whole(config, calls: Calls, backend_name: str) -> bool:
 
 
 def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
-                  candidates: Sequence[int] = (32, 16, 8, 4, 2)):
+                  candidates: Sequence[int] = (32, 16, 8, 4, 2), extra: dict | None = None):
     """Per token-row product of `config` under `plan` (its `fused` decides the products;
-    attention included), the cheapest row block the
+    attention included; `extra`: more products its steps run, {name in
+    `kvjax.model.plan.ROW_PRODUCTS`: (weight shape, contracted weight axes)}, as an EAGLE
+    head's fusion and draft logits, `kvjax.speculative.eagle.head_products`), the cheapest
+    row block the
     running backend keeps invariant in `calls`: 0 (one product of any row count) when that
     holds; else, with `transpose`, 0 with the kernel stored transposed when that holds
     (`kvjax.model.layout`; not the tied head, which is); else the largest of
@@ -352,14 +364,14 @@ def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
     for)."""
     backend_name = jax.default_backend()
     blocks, transposed, failed = [], [], []
-    products = {} if plan.cpu_kernel else _dot_shapes(config, plan.fused)
+    products = {} if plan.cpu_kernel else _dot_shapes(config, plan.fused) | (extra or {})
     for name, (shape, contract) in products.items():
         rows = calls.of(name)
         if _whole(shape, contract, rows, backend_name):
             blocks.append((name, 0))
             continue
-        if transpose and contract[0] == 0 and _whole(shape, contract, rows, backend_name,
-                                                     True):
+        if transpose and contract[0] == 0 and name in STORED_PRODUCTS and _whole(
+                shape, contract, rows, backend_name, True):
             blocks.append((name, 0))
             transposed.append(name)
             continue

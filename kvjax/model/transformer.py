@@ -263,10 +263,13 @@ def output_weights(params: dict, config: ModelConfig) -> jax.Array:
     return params["lm_head"]["kernel"].T
 
 
-def head_logits(config: ModelConfig, features: jax.Array, w: jax.Array) -> jax.Array:
+def head_logits(config: ModelConfig, features: jax.Array, w: jax.Array,
+                dot=None) -> jax.Array:
     """Logits [..., R] (float32) of features [..., D] by head rows w [R, D] (all of the
-    output head's, or some: a draft vocabulary's), soft-capped as `config` says."""
-    logits = jnp.einsum("...d,vd->...v", features, w.astype(features.dtype))
+    output head's, or some: a draft vocabulary's), soft-capped as `config` says; `dot`: a
+    plan's product (`kvjax.model.layers.row_dot`), XLA's own when None."""
+    logits = (dot or jax.lax.dot_general)(features, w.astype(features.dtype),
+                                          (((features.ndim - 1,), (1,)), ((), ())))
     logits = logits.astype(jnp.float32)
     if config.final_softcap is not None:
         logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap

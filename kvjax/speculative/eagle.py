@@ -31,8 +31,10 @@ import optax
 
 from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
 from kvjax.config import ModelConfig
+from kvjax.model.layers import row_dot
 from kvjax.model.layout import unstored
 from kvjax.model.plan import FAST, NumericsPlan
+from kvjax.model.tiled import row_log_softmax
 from kvjax.model.transformer import Block, head_logits, output_weights
 
 FEATURE_WEIGHT = 1.0  # EAGLE's loss: smooth L1 on the features ...
@@ -58,7 +60,10 @@ class EagleHead(nn.Module):
                  cache: PagedKVCache | None = None, batch: BatchInfo | None = None
                  ) -> tuple[jax.Array, PagedKVCache | None]:
         """features, embeddings [B, T, D], positions int32[B, T] -> ([B, T, D], cache)."""
-        x = nn.Dense(self.config.d_model, dtype=self.config.dtype, name="fc")(
+        # the plan's product (its row block, or kvjax's CPU kernel): XLA's own choice gives a
+        # row other bits at another row count (a catch-up of 4 pairs vs a prefill of 64)
+        x = nn.Dense(self.config.d_model, dtype=self.config.dtype,
+                     dot_general=row_dot(self.plan, "eagle fc"), name="fc")(
             jnp.concatenate([features, embeddings.astype(features.dtype)], axis=-1))
         return Block(self.config, 0, plan=self.plan, name="layer_0")(
             x, positions, cache, batch, None)
@@ -76,6 +81,24 @@ def draft_head(target_params: dict, config: ModelConfig, vocab) -> jax.Array:
     """[|vocab|, D]: the rows of the target's output head for the draft vocabulary `vocab`
     int32[|vocab|]."""
     return jnp.take(output_weights(target_params, config), jnp.asarray(vocab), axis=0)
+
+
+def head_products(config: ModelConfig, vocab: int) -> dict:
+    """The head's token-row products beyond its layer's ({name: (weight shape, contracted
+    weight axes)}, as `kvjax.model.tiled.choose_blocks` probes them) for the target
+    `config` and a draft vocabulary of `vocab` ids: the fusion `fc` ([2D, D]) and the draft
+    logits (the target's head rows [vocab, D])."""
+    d = config.d_model
+    return {"eagle fc": ((2 * d, d), (0,)), "eagle logits": ((vocab, d), (1,))}
+
+
+def draft_log_probs(config: ModelConfig, pred: jax.Array, head: jax.Array,
+                    plan: NumericsPlan = FAST) -> jax.Array:
+    """Log-probabilities [..., R] (float32) over the draft vocabulary of predictions
+    [..., D] (`head`: `draft_head` [R, D]): the plan's product, and a log-softmax whose sum
+    runs in a fixed order (`row_log_softmax`), so a row's drafts do not depend on the rows
+    beside it."""
+    return row_log_softmax(head_logits(config, pred, head, row_dot(plan, "eagle logits")))
 
 
 def init_head(config: ModelConfig, seed: int = 0) -> dict:
@@ -101,8 +124,7 @@ def head_extend(head_params: dict, target_params: dict, config: ModelConfig,
     pred, cache = EagleHead(head_config(config), plan).apply(
         {"params": unstored(head_params, plan)}, features,
         embed(target_params, config, tokens), positions, cache, batch)
-    logp = jax.nn.log_softmax(head_logits(config, pred, head), axis=-1)
-    best, columns = jax.lax.top_k(logp, top_k)
+    best, columns = jax.lax.top_k(draft_log_probs(config, pred, head, plan), top_k)
     return (best, columns, pred), cache
 
 

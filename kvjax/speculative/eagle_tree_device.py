@@ -24,8 +24,7 @@ from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
 from kvjax.config import ModelConfig
 from kvjax.model.layout import unstored
 from kvjax.model.plan import NumericsPlan
-from kvjax.model.transformer import head_logits
-from kvjax.speculative.eagle import EagleHead, embed, head_config
+from kvjax.speculative.eagle import EagleHead, draft_log_probs, embed, head_config
 
 
 @flax.struct.dataclass
@@ -75,7 +74,7 @@ def _best(d: HeadDraft, config: ModelConfig, pred: jax.Array, k: int
           ) -> tuple[jax.Array, jax.Array]:
     """(the `k` best log-probabilities [..., k] of the next token over the draft vocabulary
     after predictions pred [..., D], their columns), as `head_extend` gives them."""
-    return jax.lax.top_k(jax.nn.log_softmax(head_logits(config, pred, d.head_w), axis=-1), k)
+    return jax.lax.top_k(draft_log_probs(config, pred, d.head_w, d.plan), k)
 
 
 def catch_up(d: HeadDraft, config: ModelConfig, last: jax.Array, active: jax.Array
