@@ -70,4 +70,29 @@ def optimization_off(environ=os.environ, disable_most: bool = False) -> bool:
     return disable_most or _flag(LEVEL_FLAG, environ) == "0"
 
 
+# the /proc/cpuinfo flags that decide which vector kernels XLA, oneDNN or kvjax's C++ picks
+VECTOR_FLAGS = ("sse4_2", "avx", "fma", "f16c", "amx", "vnni", "bf16", "fp16", "asimd", "sve")
+
+
+def host_cpu(cpuinfo: str | None = None) -> str:
+    """The CPU's model, core count and vector instruction sets, in one line (a product's
+    bits can depend on them: the suite prints it so a failure reads with its host)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            import platform
+
+            return f"{platform.machine()} {platform.processor()}".strip()
+    fields = {}
+    for line in cpuinfo.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = [f for f in (fields.get("flags") or fields.get("Features") or "").split()
+             if f.startswith(VECTOR_FLAGS)]
+    model = fields.get("model name") or fields.get("CPU part") or "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores; {' '.join(flags) or 'no vector flags listed'}"
+
+
 set_xla_flags()

@@ -28,6 +28,14 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The host's CPU and vector instruction sets after the failures (and under -q): XLA and
+    kvjax's C++ pick kernels by them, so a bitwise failure reads with its host."""
+    from kvjax.backend import host_cpu
+
+    terminalreporter.write_line(f"host CPU: {host_cpu()}")
+
+
 def pytest_unconfigure(config):
     if _OWNER:
         shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)

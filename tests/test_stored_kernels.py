@@ -192,7 +192,8 @@ def test_stored_kernels_give_the_plain_layouts_values():
     for name in ("stored", "fused"):
         np.testing.assert_allclose(np.asarray(out[name]), np.asarray(out["plain"]),
                                    rtol=0, atol=5e-5)
-    assert set(KERNELS) == set(EVERY) | set(FUSED)
+    # and an EAGLE head's fusion, packed for the CPU kernel (tests/test_eagle_rows.py)
+    assert set(KERNELS) == set(EVERY) | set(FUSED) | {"eagle fc"}
 
 
 @pytest.mark.parametrize("cpu_kernel", ["off", "auto"])

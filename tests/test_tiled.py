@@ -264,6 +264,21 @@ def test_the_xla_flag_is_added_only_where_allowed(monkeypatch):
     assert backend.fusion_emitters_off(), "the test run itself must have the flag"
 
 
+def test_the_host_cpu_line_names_the_model_and_vector_sets():
+    """What the suite's header prints (tests/conftest.py): the first processor's model and
+    its vector instruction sets, AMX and AVX-512 FP16 included, nothing else."""
+    intel = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu vme "
+             "sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 avx512_fp16 "
+             "amx_bf16 amx_tile amx_int8 hypervisor\n\nprocessor\t: 1\nmodel name\t: other")
+    line = backend.host_cpu(intel)
+    assert line.startswith("Intel(R) Xeon(R) Processor, ")
+    assert line.endswith("; sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 "
+                         "avx512_fp16 amx_bf16 amx_tile amx_int8")
+    arm = "processor\t: 0\nFeatures\t: fp asimd asimdhp sve crc32\nCPU part\t: 0xd40"
+    assert backend.host_cpu(arm).endswith("; asimd asimdhp sve")
+    assert backend.host_cpu("processor\t: 0").startswith("unknown CPU, ")
+
+
 def test_the_engine_warns_when_invariance_does_not_hold(monkeypatch):
     from engine_helpers import CACHE, CONFIG, params
 
@@ -288,7 +303,7 @@ def test_the_engine_probes_calls_as_wide_as_it_makes(monkeypatch):
 
     seen = []
     monkeypatch.setattr(plans, "choose_blocks",
-                        lambda config, plan, calls, transpose: seen.append(calls) or
+                        lambda config, plan, calls, transpose, extra: seen.append(calls) or
                         ((), (), []))
     ec = EngineConfig(cache=CacheConfig(prefill_chunk=128), max_slots=6)
     plans.numerics_plans([small_model()], ec, 0)

@@ -114,7 +114,8 @@ class Engine:
         lora = stack_adapters(config, list(self.adapters.values())) if self.adapters else None
         plan, *draft_plan, self.numerics_problems = numerics_plans(
             configs, ec, ahead, [] if lora is None else stacked_shapes(lora),
-            extra=[{}, head_products(config, len(draft.vocab))] if eagle else ())
+            extra=[{}, head_products(config, len(draft.vocab))]
+            if isinstance(draft, HeadFile) else ())
         self.config = config  # the architecture; how its steps run is `self.plan`
         on, words = cpu_kernel_choice(ec)  # XLA's or kvjax's CPU kernel, and why
         self.products = f"{words}; {cpu_attention_choice(ec, config)[1]}" if on else words

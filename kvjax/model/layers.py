@@ -38,6 +38,13 @@ def row_mean(x: jax.Array) -> jax.Array:
     return (tree_sum(x) / x.shape[-1])[..., None]
 
 
+def row_log_softmax(x: jax.Array) -> jax.Array:
+    """Log-softmax over the last axis, its sum in a fixed order (`tree_sum`):
+    `jax.nn.log_softmax` changes a row's last bits with the number of rows."""
+    shifted = x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
+    return shifted - jnp.log(tree_sum(jnp.exp(shifted)))[..., None]
+
+
 class RMSNorm(nn.Module):
     eps: float = 1e-5
 

@@ -38,7 +38,7 @@ KERNELS = {"q": ((("attn", "q"),), 1), "k/v": ((("attn", "k"), ("attn", "v")), 1
            "qkv": ((("attn", "qkv"),), 1), "o": ((("attn", "o"),), 2),
            "mlp up": ((("mlp", "gate"), ("mlp", "up"), ("mlp", "gate_up")), 1),
            "mlp down": ((("mlp", "down"),), 1), "head": ((("lm_head",),), 1),
-           "eagle fc": ((("fc",),), 1)}  # an EAGLE head's feature fusion (its top level)
+           "eagle fc": ((("fc",),), 1)}  # an EAGLE head's fusion: packed for the CPU kernel
 # fused kernel -> (module holding it, the kernels it concatenates, the kernels' first output
 # axis: q/k/v are [D, heads, H], gate/up [D, F]; a bias's is 0)
 FUSED = {"qkv": ("attn", ("q", "k", "v"), 1), "gate_up": ("mlp", ("gate", "up"), -1)}

@@ -22,7 +22,7 @@ from kvjax.config import ConfigError, ModelConfig
 ROW_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "eagle fc",
                 "eagle logits", "lora", "attention")
 # those whose kernels the steps may take stored transposed (`NumericsPlan.transposed`)
-STORED_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head", "eagle fc")
+STORED_PRODUCTS = ("q", "k/v", "qkv", "o", "mlp up", "mlp down", "head")
 
 
 def _require(ok: bool, key: str, message: str) -> None:

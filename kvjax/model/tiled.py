@@ -56,12 +56,6 @@ def row_softmax(x: jax.Array) -> jax.Array:
     return e / tree_sum(e)[..., None]
 
 
-def row_log_softmax(x: jax.Array) -> jax.Array:
-    """Log-softmax over the last axis with a fixed-order sum (`tree_sum`), as `row_softmax`."""
-    shifted = x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
-    return shifted - jnp.log(tree_sum(jnp.exp(shifted)))[..., None]
-
-
 def row_blocks(fn: Callable[[jax.Array], jax.Array], rows: jax.Array, block: int) -> jax.Array:
     """fn over `rows` [M, ...] with every call between 2 and `block` rows: a single row is
     padded to two, up to `block` rows are one call, more a loop (`lax.map`) over
@@ -306,12 +300,12 @@ PROBED = Calls(rows=2048, head_rows=256, queries=512, keys=0)
 
 def check_products(config, plan, calls: Calls | None = None,
                    extra: dict | None = None) -> list[str]:
-    """The token-row products of `config` (and `extra`'s, as `choose_blocks` takes them)
-    whose rows do not keep their bits on the running backend under `plan` (cached per
-    shape): each at its `plan.block(name)` (a block: alone, in a block of three and in a
-    loop of blocks; 0: at every probed row count up to `calls`' bound; attention, with
-    `calls`: a KV head's query rows of `calls.queries` tokens, or its tiles, against
-    `calls.keys` keys). Empty when all hold."""
+    """The token-row products of `config` (and `extra`, as `choose_blocks` takes it) whose
+    rows do not keep their bits on the running backend under `plan` (cached per shape):
+    each at its `plan.block(name)` (a block: alone, in a block of three and in a loop of
+    blocks; 0: at every probed row count up to `calls`' bound; attention, with `calls`: a
+    KV head's query rows of `calls.queries` tokens, or its tiles, against `calls.keys`
+    keys). Empty when all hold."""
     backend_name = jax.default_backend()
     failed = []
     for name, (shape, contract) in (_dot_shapes(config, plan.fused) | (extra or {})).items():
@@ -349,17 +343,15 @@ def _attention_whole(config, calls: Calls, backend_name: str) -> bool:
 def choose_blocks(config, plan, calls: Calls, transpose: bool = True,
                   candidates: Sequence[int] = (32, 16, 8, 4, 2), extra: dict | None = None):
     """Per token-row product of `config` under `plan` (its `fused` decides the products;
-    attention included; `extra`: more products its steps run, {name in
-    `kvjax.model.plan.ROW_PRODUCTS`: (weight shape, contracted weight axes)}, as an EAGLE
-    head's fusion and draft logits, `kvjax.speculative.eagle.head_products`), the cheapest
-    row block the
-    running backend keeps invariant in `calls`: 0 (one product of any row count) when that
-    holds; else, with `transpose`, 0 with the kernel stored transposed when that holds
-    (`kvjax.model.layout`; not the tied head, which is); else the largest of
-    `plan.row_block` and `candidates` that does (attention falls back to tiles of
-    `row_block`, which the invariance tests check). Under `plan.cpu_kernel` kvjax's kernel
-    runs every product (invariant by construction): attention alone is probed, and under
-    `plan.cpu_attention` (kvjax's attention, invariant too) nothing. Returns
+    attention included; `extra`: more products its steps run, {name: (weight shape,
+    contracted weight axes)}, as `kvjax.speculative.eagle.head_products`), the cheapest
+    row block the running backend keeps invariant in `calls`: 0 (one product of any row
+    count) when that holds; else, with `transpose`, 0 with the kernel stored transposed
+    when that holds (`kvjax.model.layout`; a layer's or the untied head's); else the
+    largest of `plan.row_block` and `candidates` that does (attention falls back to tiles
+    of `row_block`, which the invariance tests check). Under `plan.cpu_kernel` kvjax's
+    kernel runs every product (invariant by construction): attention alone is probed, and
+    under `plan.cpu_attention` (kvjax's attention, invariant too) nothing. Returns
     (`NumericsPlan.row_blocks`, `NumericsPlan.transposed`, the products no block holds
     for)."""
     backend_name = jax.default_backend()

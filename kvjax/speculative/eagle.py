@@ -31,10 +31,9 @@ import optax
 
 from kvjax.cache.paged import BatchInfo, PagedKVCache, model_positions
 from kvjax.config import ModelConfig
-from kvjax.model.layers import row_dot
+from kvjax.model.layers import row_dot, row_log_softmax
 from kvjax.model.layout import unstored
 from kvjax.model.plan import FAST, NumericsPlan
-from kvjax.model.tiled import row_log_softmax
 from kvjax.model.transformer import Block, head_logits, output_weights
 
 FEATURE_WEIGHT = 1.0  # EAGLE's loss: smooth L1 on the features ...
