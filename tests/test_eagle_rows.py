@@ -5,10 +5,12 @@ per sequence, and one pair per call (a lone row, as a catch-up of one accepted t
 writes it) give every pair the same K/V pages, predicted features and draft
 log-probabilities, bitwise, under the plans an engine chooses at start-up: XLA's products
 in probed row blocks, and kvjax's CPU kernel. Two widths: the engine tests' (D = 32, whose
-fusion product XLA keeps invariant up to about 48 rows on AVX2 and AVX-512 hosts, not on
-AMX ones) and SmolLM2's (D = 576, whose lone row XLA computes by another kernel than two:
-so the lone-row call fails on every host measured when the fusion runs on XLA's own
-choice). And the start-up probe names the head's products where they do not hold.
+64 -> 32 fusion XLA kept invariant up to 33 rows on the AMD EPYC host, not at 64, and not
+at the engine tests' row counts on an Intel AMX host) and SmolLM2's (D = 576, whose lone
+row XLA computes by another kernel than two rows). Seen failing on the AMD host with the
+fusion (every case) or the draft logits' product on XLA's own choice, and with
+`jax.nn.log_softmax`'s sum (every case). And the start-up probe names the head's products where they
+do not hold.
 """
 
 from __future__ import annotations
