@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from kvjax import memory
+from kvjax import compile_cache, memory
 from kvjax.bench.device_measure import (
     check_kernel,
     decode_throughput,
@@ -109,6 +109,7 @@ def parse_args(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     start = time.perf_counter()
     args = parse_args(argv)
+    compile_cache.enable()
     platform = jax.default_backend()
     if platform == "cpu" and not (args.tiny or args.force):
         hint = (f' An NVIDIA driver is present: install the CUDA build of JAX, e.g. '

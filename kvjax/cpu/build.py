@@ -1,10 +1,12 @@
 """Builds kvjax's CPU kernel library with the system C++ compiler: plain Python, no JAX.
 
 The library is compiled for the CPU it runs on (`-march=native`) and cached under
-`KVJAX_KERNEL_CACHE` (default ~/.cache/kvjax/kernels) by a digest of the sources, the
-compiler, its flags, the CPU's features and the jaxlib version whose FFI headers it was
-built against: any of them changed, a new library is built; the same, the cached one loads
-at once. Builds write a temporary file and rename it, so processes racing on a cold cache
+`KVJAX_KERNEL_CACHE` (default `kernels` in `kvjax.paths.cache_home()`) by a digest of the
+sources, the compiler, its flags, the CPU's features and the jaxlib version whose FFI
+headers it was built against: any of them changed, a new library is built; the same, the
+cached one loads at once (and is marked used). A new build drops the libraries no process
+took for `STALE_DAYS` (older kvjax or jaxlib versions) and temporary files a killed build
+left. Builds write a temporary file and rename it, so processes racing on a cold cache
 (pytest workers) each end with a whole library. Where no compiler is found, or it fails,
 `build` says why and kvjax runs its pure-JAX products and attention
 (`kvjax.cpu.product.kernel`).
@@ -12,6 +14,7 @@ at once. Builds write a temporary file and rename it, so processes racing on a c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -19,12 +22,16 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+from kvjax.paths import cache_home
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("product.cc", "attention.cc"))
 HEADERS = (Path(__file__).with_name("split.h"),)  # part of the digest, not compiled alone
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 COMPILE_SECONDS = 300
+STALE_DAYS = 30  # a library no process took for this long is dropped by the next build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +60,24 @@ def compiler(environ=os.environ) -> str | None:
 
 
 def cache_dir(environ=os.environ) -> Path:
-    return Path(environ.get("KVJAX_KERNEL_CACHE") or Path.home() / ".cache/kvjax/kernels")
+    return Path(environ.get("KVJAX_KERNEL_CACHE") or cache_home(environ) / "kernels")
+
+
+def drop_stale(folder: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Removes from `folder` the libraries other than `keep` last used (modified: a cache
+    hit touches its library) over `STALE_DAYS` ago, and temporary files of builds over a
+    day old; returns what it removed. A process that loaded a removed library keeps its
+    mapping."""
+    now = time.time() if now is None else now
+    gone = []
+    for path in folder.glob("*.so"):
+        age = now - path.stat().st_mtime
+        stale = path.name.startswith("kvjax_cpu-") and age > STALE_DAYS * 86400
+        if path != keep and (stale or (path.name.startswith("tmp") and age > 86400)):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                gone.append(path)
+    return gone
 
 
 def _version(cxx: str) -> str:
@@ -79,6 +103,8 @@ def build(include_dir: str, jaxlib_version: str, environ=os.environ,
         jaxlib_version]).encode()).hexdigest()[:20]
     path = cache_dir(environ) / f"kvjax_cpu-{key}.so"
     if path.exists():
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: `drop_stale` keeps it
         return Build(path, "cached")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,4 +122,5 @@ def build(include_dir: str, jaxlib_version: str, environ=os.environ,
         os.unlink(tmp)
         return Build(None, f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     os.replace(tmp, path)
+    drop_stale(path.parent, path)
     return Build(path, "built")

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.cache.paged import bytes_per_page, cache_bytes
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
@@ -68,6 +69,7 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
     """
     prompts = validate_prompts(config, prompts, max_new_tokens)
     plan.check(config)
+    compile_cache.enable()
     sampling = sampling or SamplingConfig()
     if cache is None:
         page_size = CacheConfig().page_size

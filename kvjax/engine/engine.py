@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
-from kvjax import sharding
+from kvjax import compile_cache, sharding
 from kvjax.cache.identity import CacheNamespace, adapter_identity, model_fingerprint
 from kvjax.cache.manager import KVCacheManager
 from kvjax.cache.pool import PagePool
@@ -97,6 +97,7 @@ class Engine:
                  spec: SpecConfig | None = None, eos_tokens: Sequence[int] | None = None):
         if not config.causal:
             raise NonCausalCacheError()
+        compile_cache.enable()  # compiled programs kept across processes
         self.engine_config = ec = engine_config or EngineConfig()
         if draft is not None and spec is None:
             spec = SpecConfig()

@@ -7,8 +7,9 @@ defines it (every module beside the probe's: edited probe code, or code it runs,
 again), and by everything that picks the kernels XLA runs: the jax and jaxlib versions, the
 backend and its device kind, `XLA_FLAGS` and `jax_disable_most_optimizations`, and the CPU
 (model name and instruction-set flags). `KVJAX_PROBE_CACHE` names the file (default
-`~/.cache/kvjax/probes.json`); `KVJAX_PROBE_CACHE=0` turns the cache off. A file that
-cannot be read is ignored (the probe runs) and one that cannot be written is skipped.
+`probes.json` in `kvjax.paths.cache_home()`); `KVJAX_PROBE_CACHE=0` turns the cache off.
+A file that cannot be read is ignored (the probe runs) and one that cannot be written is
+skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections.abc import Callable
 
 import jax
 
+from kvjax.paths import cache_home
+
 ENV_VAR = "KVJAX_PROBE_CACHE"
 
 
@@ -34,7 +37,7 @@ def cache_path() -> pathlib.Path | None:
     value = os.environ.get(ENV_VAR, "")
     if value == "0":
         return None
-    return pathlib.Path(value) if value else pathlib.Path.home() / ".cache/kvjax/probes.json"
+    return pathlib.Path(value) if value else cache_home() / "probes.json"
 
 
 def environment() -> str:

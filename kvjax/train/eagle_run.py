@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.config import TrainConfig
 from kvjax.lab.report import emit
 
@@ -161,6 +162,7 @@ def setting_of(args: argparse.Namespace) -> EagleSetting:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    compile_cache.enable()
     setting = setting_of(args)
     own = "-own" if setting.answers == "own" else ""
     more = (f"-{setting.conversations}"

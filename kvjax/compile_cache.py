@@ -1,0 +1,86 @@
+"""Compiled programs kept across processes: JAX's persistent compilation cache in the user's
+cache folder, switched on by kvjax's entry points (`Engine`, `kvjax.generate`, the `kvjax`
+command and the scripts), never by `import kvjax` alone.
+
+JAX keys a compiled program by its HLO, the compile options, the backend and the jax and
+jaxlib versions (XLA flags included), and a hit loads the executable the compile wrote: the
+same machine code, so a program loaded from the cache computes the same bits as a fresh
+compile (tests/test_compile_cache.py compares them in two processes).
+
+Where: `$KVJAX_XLA_CACHE`, else `xla` in `kvjax.paths.cache_home()`
+(`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`). `KVJAX_XLA_CACHE=0` leaves it off. A
+user who set JAX's own cache folder (`jax_compilation_cache_dir`, or the
+`JAX_COMPILATION_CACHE_DIR` variable) keeps it as configured: kvjax changes nothing. kvjax
+caches every program however quickly it compiled (JAX's default skips those under a
+second, most of a chat's small programs) unless the user set that threshold. The folder is
+bounded (`KVJAX_XLA_CACHE_BYTES`, default `MAX_BYTES`): when a process enables it over the
+bound, the entries written longest ago are dropped until it holds half the bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import jax
+
+from kvjax.paths import cache_home
+
+ENV_VAR, BYTES_VAR = "KVJAX_XLA_CACHE", "KVJAX_XLA_CACHE_BYTES"
+MAX_BYTES = 4 << 30
+JAX_MIN_COMPILE_SECS = 1.0  # JAX's default threshold: left alone when the user changed it
+
+_enabled: list[Path | None] = []  # this process's answer, once enable() has run
+
+
+def folder(environ=os.environ) -> Path | None:
+    """The cache folder kvjax would use (module docstring), None when it is switched off."""
+    value = environ.get(ENV_VAR, "")
+    if value == "0":
+        return None
+    return Path(value) if value else cache_home(environ) / "xla"
+
+
+def enable(environ=os.environ) -> Path | None:
+    """Switches the cache on for this process (once; later calls return the first answer):
+    the folder JAX caches in, whether the user's or kvjax's, or None when off."""
+    if _enabled:
+        return _enabled[0]
+    own = jax.config.jax_compilation_cache_dir
+    path = Path(own) if own else folder(environ)
+    if path is not None and not own:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            path = None  # an unwritable cache folder costs compile time, not a failure
+    if path is not None and not own:
+        prune(path, int(environ.get(BYTES_VAR, MAX_BYTES)))
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECS:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _enabled.append(path)
+    return path
+
+
+def prune(path: Path, max_bytes: int) -> list[Path]:
+    """When the files in `path` hold more than `max_bytes`, removes the oldest (by write
+    time) until they hold half of it; returns what it removed."""
+    files = []
+    for entry in path.iterdir():
+        with contextlib.suppress(OSError):
+            if entry.is_file():
+                stat = entry.stat()
+                files.append((stat.st_mtime, stat.st_size, entry))
+    total = sum(size for _, size, _ in files)
+    if total <= max_bytes:
+        return []
+    gone = []
+    for _, size, entry in sorted(files):
+        if total <= max_bytes // 2:
+            break
+        with contextlib.suppress(OSError):
+            entry.unlink()
+            total -= size
+            gone.append(entry)
+    return gone

@@ -1,0 +1,148 @@
+"""Compiled programs kept across processes (`kvjax.compile_cache`): where the cache lives,
+who switches it on, that a program loaded from it gives the bits a compile gives, and that
+the cache folder and the C++ kernel cache stay bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from engine_helpers import CACHE, CONFIG, params
+
+from kvjax import Engine, EngineConfig, compile_cache
+from kvjax.cpu.build import STALE_DAYS, drop_stale
+from kvjax.decode import generate as generate_module
+from kvjax.engine import engine as engine_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Two fresh processes run the same invariant generate with logits under one cache folder;
+# each prints what its compiles asked of the cache and where the cache was.
+CHILD = """
+import json, sys
+import jax, numpy as np
+import kvjax
+from kvjax.model.plan import INVARIANT
+assert jax.config.jax_compilation_cache_dir is None, "import kvjax switched the cache on"
+counts = {"requests": 0, "hits": 0}
+EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
+          "/jax/compilation_cache/cache_hits": "hits"}
+jax.monitoring.register_event_listener(
+    lambda event, **_: EVENTS.get(event) and counts.__setitem__(
+        EVENTS[event], counts[EVENTS[event]] + 1))
+config = kvjax.ModelConfig(vocab_size=61, num_layers=2, d_model=32, num_heads=4,
+                           num_kv_heads=2, d_ff=64, max_seq_len=128)
+params = kvjax.init_params(config, seed=1)
+counts.update(requests=0, hits=0)  # what generate compiles, with the cache it switches on
+out = kvjax.generate(params, config, [[5, 9, 2, 44, 17, 3, 8], [1, 2, 3]], 6,
+                     return_logits=True, plan=INVARIANT)
+np.savez(sys.argv[1], *out.logits, tokens=np.asarray(out.tokens))
+print(json.dumps(counts | {"dir": jax.config.jax_compilation_cache_dir}))
+"""
+
+
+def _child(tmp_path: Path, name: str) -> tuple[dict, dict]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", compile_cache.ENV_VAR)}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    out = tmp_path / f"{name}.npz"
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(out)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    with np.load(out) as saved:
+        return counts, {key: saved[key] for key in saved.files}
+
+
+def test_a_program_loaded_from_the_cache_gives_the_bits_a_compile_gives(tmp_path):
+    """The first process compiles every program (none in the cache: its folder under
+    XDG_CACHE_HOME, made by `generate`, not by the import) and writes them; the second
+    loads every program it asks for and gets the first's tokens and logits bitwise."""
+    first, want = _child(tmp_path, "first")
+    second, got = _child(tmp_path, "second")
+    folder = tmp_path / "xdg" / "kvjax" / "xla"
+    assert first["dir"] == second["dir"] == str(folder)
+    assert first["requests"] > 0 and first["hits"] == 0
+    assert second["requests"] == first["requests"] and second["hits"] == second["requests"]
+    assert len(list(folder.iterdir())) >= first["requests"]
+    assert want.keys() == got.keys() and len(want) == 3
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_the_folder_is_the_user_s_cache_folder_unless_switched_off(monkeypatch):
+    home = Path.home()
+    assert compile_cache.folder({}) == home / ".cache/kvjax/xla"
+    assert compile_cache.folder({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/kvjax/xla")
+    assert compile_cache.folder({"XDG_CACHE_HOME": "rel"}) == home / ".cache/kvjax/xla"
+    assert compile_cache.folder({compile_cache.ENV_VAR: "/y"}) == Path("/y")
+    assert compile_cache.folder({compile_cache.ENV_VAR: "0"}) is None
+
+
+def test_a_user_s_own_jax_cache_is_left_as_configured(monkeypatch, tmp_path):
+    """This run configured JAX's cache itself (tests/conftest.py): enabling keeps its
+    folder and threshold, whatever kvjax's variables say."""
+    own = jax.config.jax_compilation_cache_dir
+    assert own
+    monkeypatch.setattr(compile_cache, "_enabled", [])
+    assert compile_cache.enable({compile_cache.ENV_VAR: str(tmp_path)}) == Path(own)
+    assert jax.config.jax_compilation_cache_dir == own
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_entry_points_switch_the_cache_on(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compile_cache, "enable", lambda *a: calls.append("on"))
+    Engine(params(), CONFIG, EngineConfig(cache=CACHE))
+    assert calls == ["on"]
+    generate_module.generate(params(), CONFIG, [[1, 2, 3]], 1)
+    assert calls == ["on", "on"]
+    assert engine_module.compile_cache is compile_cache
+
+
+def test_an_oversized_cache_drops_its_oldest_entries(tmp_path):
+    """Over the bound, the entries written longest ago go until half the bound is left."""
+    now = time.time()
+    for i in range(10):  # entry i: 100 bytes, written i hours before now
+        path = tmp_path / f"entry{i}"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (now - 3600 * i, now - 3600 * i))
+    assert compile_cache.prune(tmp_path, 1000) == []  # at the bound: nothing
+    gone = compile_cache.prune(tmp_path, 900)
+    assert sorted(p.name for p in gone) == [f"entry{i}" for i in range(4, 10)]  # 400 left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"entry{i}" for i in range(4)]
+
+
+def test_a_new_kernel_build_drops_stale_builds(tmp_path):
+    """Libraries other than the new one unused for STALE_DAYS and temporary files of
+    builds over a day old go; recent libraries and a build in progress stay."""
+    now = time.time()
+    ages = {"kvjax_cpu-new.so": STALE_DAYS * 2, "kvjax_cpu-old.so": STALE_DAYS + 1,
+            "kvjax_cpu-recent.so": STALE_DAYS - 1, "tmpdead.so": 2, "tmplive.so": 0.5,
+            "other.so": STALE_DAYS * 2}
+    for name, days in ages.items():
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, (now - days * 86400, now - days * 86400))
+    gone = drop_stale(tmp_path, tmp_path / "kvjax_cpu-new.so", now)
+    assert sorted(p.name for p in gone) == ["kvjax_cpu-old.so", "tmpdead.so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "kvjax_cpu-new.so", "kvjax_cpu-recent.so", "other.so", "tmplive.so"]
+
+
+def test_the_opt_out_leaves_jax_untouched(tmp_path):
+    """KVJAX_XLA_CACHE=0: an engine's process compiles with no cache folder."""
+    code = ("import jax, kvjax\nfrom kvjax import compile_cache\n"
+            "assert compile_cache.enable() is None\n"
+            "assert jax.config.jax_compilation_cache_dir is None\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update({compile_cache.ENV_VAR: "0", "XDG_CACHE_HOME": str(tmp_path)})
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
