@@ -4,25 +4,32 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import pytest
 
+from kvjax.compile_cache import prune
+from kvjax.paths import cache_home
+
 # Test modules compile many of the same programs (the engine tests share one model and cache
-# shape) and every module drops its compiled code (below). A persistent compilation cache for
-# the run turns those recompilations into loads of the same executables (the same binary, so
-# every bitwise comparison holds as before): 8 min 24 s instead of 9 min 2 s on two cores.
-# The first process to load this file (pytest itself, or the xdist controller) makes the
-# folder; the workers it starts inherit its path; pytest_unconfigure removes it.
+# shape), every module drops its compiled code (below), and every run compiles what the run
+# before it compiled. A persistent compilation cache kept across runs, in kvjax's folder of
+# the user's cache folder (`xla-tests`, apart from the programs users' processes keep in
+# `xla`, kvjax.compile_cache), turns those compiles into loads of the same executables (the
+# same machine code, so every bitwise comparison holds as before: tests/test_compile_cache.py
+# checks a load against a compile). `KVJAX_TEST_XLA_CACHE` names another folder (an empty
+# one for a cold run); the first process to load this file (pytest itself, or the xdist
+# controller) sets it for the workers it starts and keeps the folder within
+# `TEST_CACHE_BYTES`, dropping the entries written longest ago.
 _CACHE_ENV = "KVJAX_TEST_XLA_CACHE"
+TEST_CACHE_BYTES = 4 << 30
 if _CACHE_ENV not in os.environ:
-    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="kvjax-test-xla-")
-    _OWNER = True
-else:
-    _OWNER = False
+    os.environ[_CACHE_ENV] = str(cache_home() / "xla-tests")
+    Path(os.environ[_CACHE_ENV]).mkdir(parents=True, exist_ok=True)
+    prune(Path(os.environ[_CACHE_ENV]), TEST_CACHE_BYTES)
+# the processes tests start (docs' blocks, the CLI, mesh checks) cache there too
+os.environ.setdefault("KVJAX_XLA_CACHE", os.environ[_CACHE_ENV])
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -30,15 +37,12 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The host's CPU and vector instruction sets after the failures (and under -q): XLA and
-    kvjax's C++ pick kernels by them, so a bitwise failure reads with its host."""
+    kvjax's C++ pick kernels by them, so a bitwise failure reads with its host; and the
+    compilation cache the run used."""
     from kvjax.backend import host_cpu
 
     terminalreporter.write_line(f"host CPU: {host_cpu()}")
-
-
-def pytest_unconfigure(config):
-    if _OWNER:
-        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
+    terminalreporter.write_line(f"XLA compilation cache: {os.environ[_CACHE_ENV]}")
 
 
 # Files that take a minute or more of one worker, longest first (`--durations` on two
