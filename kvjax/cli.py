@@ -154,7 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
               "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 3,
               "tiers": 5, "tree": 5, "eagle": 5,
-              "kernel": 15}
+              "kernel": 15, "startup": 1}
 
 
 def fill_bench_defaults(args: argparse.Namespace) -> None:
@@ -165,7 +165,8 @@ def fill_bench_defaults(args: argparse.Namespace) -> None:
     questions = {"tree": 16, "eagle": 80}.get(args.which, 32)
     for key, default in (("requests", 8 if pressure else questions),
                          ("prompt_len", 64 if pressure else 1024 if args.which == "tiers" else 512),
-                         ("gen_tokens", 448 if pressure else 128)):
+                         ("gen_tokens", 448 if pressure else 8 if args.which == "startup"
+                          else 128)):
         if getattr(args, key) is None:
             setattr(args, key, default)
     args.slots = args.slots or (1 if args.which == "spec" else 8)
@@ -260,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "count), eagle (the EAGLE-style head's chains and "
                                          "trees vs n-gram and plain decoding on MT-Bench), "
                                          "kernel (the row-count-invariant CPU product vs "
-                                         "XLA's)")
+                                         "XLA's), startup (a new process's steps to its "
+                                         "first answers, cold and warm compilation cache)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
                        default="decode")
@@ -300,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--threads", type=int, default=2, help="torch threads")
     peer.add_argument("--model", default=None,
                       help="(peer, profile, kv_format, tiers) a kvjax.models checkpoint instead of "
-                           "the random bench model")
+                           "the random bench model; (startup) default smollm2-135m-instruct, "
+                           "'random' for the bench model")
     peer.add_argument("--with", dest="with_peer", choices=("llama.cpp",), default=None,
                       help="(peer, with --model) also llama.cpp at batch 1, built into "
                            ".venv-llamacpp on first use, on a float32 GGUF of the same weights")

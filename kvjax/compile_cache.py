@@ -1,6 +1,6 @@
 """Compiled programs kept across processes: JAX's persistent compilation cache in the user's
-cache folder, switched on by kvjax's entry points (`Engine`, `kvjax.generate`, the `kvjax`
-command and the scripts), never by `import kvjax` alone.
+cache folder, switched on by kvjax's entry points (`kvjax.models.load`, `Engine`,
+`kvjax.generate`, the `kvjax` command and the scripts), never by `import kvjax` alone.
 
 JAX keys a compiled program by its HLO, the compile options, the backend and the jax and
 jaxlib versions (XLA flags included), and a hit loads the executable the compile wrote: the
