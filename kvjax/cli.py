@@ -354,9 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         fill_bench_defaults(args)
-    from kvjax import compile_cache
+    if args.command != "memory":  # every command that compiles (the calculator does not)
+        from kvjax import compile_cache
 
-    compile_cache.enable()  # compiled programs kept across runs (kvjax.compile_cache)
+        compile_cache.enable()  # compiled programs kept across runs (kvjax.compile_cache)
     try:
         return args.func(args)
     except ConfigError as e:

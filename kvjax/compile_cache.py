@@ -2,29 +2,38 @@
 cache folder, switched on by kvjax's entry points (`kvjax.models.load`, `Engine`,
 `kvjax.generate`, the `kvjax` command and the scripts), never by `import kvjax` alone.
 
-JAX keys a compiled program by its HLO, the compile options, the backend and the jax and
-jaxlib versions (XLA flags included), and a hit loads the executable the compile wrote: the
-same machine code, so a program loaded from the cache computes the same bits as a fresh
-compile (tests/test_compile_cache.py compares them in two processes).
+JAX keys a compiled program by its HLO, the compile options, the backend and the jaxlib
+version (XLA flags included), and a hit loads the executable the compile wrote: the same
+machine code, so a program loaded from the cache computes the same bits as a fresh compile
+(tests/test_compile_cache.py compares them in two processes). JAX's key does not name the
+CPU, whose instruction sets XLA compiles for, so kvjax keeps each CPU's programs apart: a
+subfolder named by a digest of the CPU's model and flags (`host_folder`), as the probe and
+kernel caches key theirs, so a cache folder shared between hosts never hands one host
+another's code.
 
 Where: `$KVJAX_XLA_CACHE`, else `xla` in `kvjax.paths.cache_home()`
-(`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`). `KVJAX_XLA_CACHE=0` leaves it off. A
-user who set JAX's own cache folder (`jax_compilation_cache_dir`, or the
-`JAX_COMPILATION_CACHE_DIR` variable) keeps it as configured: kvjax changes nothing. kvjax
-caches every program however quickly it compiled (JAX's default skips those under a
-second, most of a chat's small programs) unless the user set that threshold. The folder is
-bounded (`KVJAX_XLA_CACHE_BYTES`, default `MAX_BYTES`): when a process enables it over the
-bound, the entries written longest ago are dropped until it holds half the bound.
+(`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`), then the CPU's subfolder.
+`KVJAX_XLA_CACHE=0` leaves it off. A user who set JAX's own cache folder
+(`jax_compilation_cache_dir`, or the `JAX_COMPILATION_CACHE_DIR` variable) keeps it as
+configured: kvjax changes nothing. kvjax caches every program however quickly it compiled
+(JAX's default skips those under a second, most of a chat's small programs) unless the
+user set that threshold. The folder is bounded (`KVJAX_XLA_CACHE_BYTES`, default
+`MAX_BYTES`): when a process enables it over the bound, the entries used longest ago (the
+later of their write and read times) are dropped until it holds half the bound. A process
+killed while JAX wrote an entry may leave it cut short: JAX then warns, compiles the
+program again and leaves the entry, until the folder is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from pathlib import Path
 
 import jax
 
+from kvjax.cpu.build import cpu_features
 from kvjax.paths import cache_home
 
 ENV_VAR, BYTES_VAR = "KVJAX_XLA_CACHE", "KVJAX_XLA_CACHE_BYTES"
@@ -34,12 +43,17 @@ JAX_MIN_COMPILE_SECS = 1.0  # JAX's default threshold: left alone when the user 
 _enabled: list[Path | None] = []  # this process's answer, once enable() has run
 
 
+def host_folder(base: Path) -> Path:
+    """This CPU's subfolder of `base` (its model and instruction-set flags' digest)."""
+    return base / hashlib.sha256(cpu_features().encode()).hexdigest()[:12]
+
+
 def folder(environ=os.environ) -> Path | None:
     """The cache folder kvjax would use (module docstring), None when it is switched off."""
     value = environ.get(ENV_VAR, "")
     if value == "0":
         return None
-    return Path(value) if value else cache_home(environ) / "xla"
+    return host_folder(Path(value) if value else cache_home(environ) / "xla")
 
 
 def enable(environ=os.environ) -> Path | None:
@@ -64,14 +78,16 @@ def enable(environ=os.environ) -> Path | None:
 
 
 def prune(path: Path, max_bytes: int) -> list[Path]:
-    """When the files in `path` hold more than `max_bytes`, removes the oldest (by write
-    time) until they hold half of it; returns what it removed."""
+    """When the files in `path` hold more than `max_bytes`, removes those used longest ago
+    (the later of write and access time: Linux updates the access time of a file read
+    after its last write, and then at most daily) until they hold half of it; returns what
+    it removed."""
     files = []
     for entry in path.iterdir():
         with contextlib.suppress(OSError):
             if entry.is_file():
                 stat = entry.stat()
-                files.append((stat.st_mtime, stat.st_size, entry))
+                files.append((max(stat.st_mtime, stat.st_atime), stat.st_size, entry))
     total = sum(size for _, size, _ in files)
     if total <= max_bytes:
         return []

@@ -1,4 +1,4 @@
-"""Suite-wide fixtures, and one XLA compilation cache for the whole test run."""
+"""Suite-wide fixtures, the XLA compilation cache test runs keep, and the host line."""
 
 from __future__ import annotations
 
@@ -9,23 +9,25 @@ from pathlib import Path
 import jax
 import pytest
 
-from kvjax.compile_cache import prune
+from kvjax.compile_cache import host_folder, prune
 from kvjax.paths import cache_home
 
 # Test modules compile many of the same programs (the engine tests share one model and cache
 # shape), every module drops its compiled code (below), and every run compiles what the run
-# before it compiled. A persistent compilation cache kept across runs, in kvjax's folder of
-# the user's cache folder (`xla-tests`, apart from the programs users' processes keep in
-# `xla`, kvjax.compile_cache), turns those compiles into loads of the same executables (the
-# same machine code, so every bitwise comparison holds as before: tests/test_compile_cache.py
-# checks a load against a compile). `KVJAX_TEST_XLA_CACHE` names another folder (an empty
-# one for a cold run); the first process to load this file (pytest itself, or the xdist
-# controller) sets it for the workers it starts and keeps the folder within
-# `TEST_CACHE_BYTES`, dropping the entries written longest ago.
+# before it compiled. A persistent compilation cache kept across runs turns those compiles
+# into loads of the same executables (the same machine code, so every bitwise comparison
+# holds as before: tests/test_compile_cache.py checks a load against a compile). It lives in
+# kvjax's folder of the user's cache folder, `xla-tests` (apart from the programs users'
+# processes keep in `xla`), in the CPU's subfolder as kvjax.compile_cache keeps them.
+# `KVJAX_TEST_XLA_CACHE` names another folder (an empty one for a cold run); the first
+# process to load this file (pytest itself, or the xdist controller) sets it for the workers
+# it starts and keeps the folder within `TEST_CACHE_BYTES`, dropping the entries used
+# longest ago. A run killed while an entry was written may leave it cut short: JAX warns and
+# compiles that program again; deleting the folder clears it.
 _CACHE_ENV = "KVJAX_TEST_XLA_CACHE"
 TEST_CACHE_BYTES = 4 << 30
 if _CACHE_ENV not in os.environ:
-    os.environ[_CACHE_ENV] = str(cache_home() / "xla-tests")
+    os.environ[_CACHE_ENV] = str(host_folder(cache_home() / "xla-tests"))  # per CPU
     Path(os.environ[_CACHE_ENV]).mkdir(parents=True, exist_ok=True)
     prune(Path(os.environ[_CACHE_ENV]), TEST_CACHE_BYTES)
 # the processes tests start (docs' blocks, the CLI, mesh checks) cache there too

@@ -18,7 +18,6 @@ from engine_helpers import CACHE, CONFIG, params
 from kvjax import Engine, EngineConfig, compile_cache
 from kvjax.cpu.build import STALE_DAYS, drop_stale
 from kvjax.decode import generate as generate_module
-from kvjax.engine import engine as engine_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +65,7 @@ def test_a_program_loaded_from_the_cache_gives_the_bits_a_compile_gives(tmp_path
     loads every program it asks for and gets the first's tokens and logits bitwise."""
     first, want = _child(tmp_path, "first")
     second, got = _child(tmp_path, "second")
-    folder = tmp_path / "xdg" / "kvjax" / "xla"
+    folder = compile_cache.host_folder(tmp_path / "xdg" / "kvjax" / "xla")
     assert first["dir"] == second["dir"] == str(folder)
     assert first["requests"] > 0 and first["hits"] == 0
     assert second["requests"] == first["requests"] and second["hits"] == second["requests"]
@@ -76,18 +75,31 @@ def test_a_program_loaded_from_the_cache_gives_the_bits_a_compile_gives(tmp_path
         np.testing.assert_array_equal(got[key], want[key])
 
 
-def test_the_folder_is_the_user_s_cache_folder_unless_switched_off(monkeypatch):
-    home = Path.home()
-    assert compile_cache.folder({}) == home / ".cache/kvjax/xla"
-    assert compile_cache.folder({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/kvjax/xla")
-    assert compile_cache.folder({"XDG_CACHE_HOME": "rel"}) == home / ".cache/kvjax/xla"
-    assert compile_cache.folder({compile_cache.ENV_VAR: "/y"}) == Path("/y")
+def test_the_folder_is_the_user_s_cache_folder_unless_switched_off():
+    """Under the user's cache folder (XDG's when absolute) or the named one, in the CPU's
+    own subfolder (a digest of its model and flags, which JAX's keys do not name)."""
+    home, cpu = Path.home(), compile_cache.host_folder(Path("/")).name
+    assert len(cpu) == 12
+    assert compile_cache.folder({}) == home / ".cache/kvjax/xla" / cpu
+    assert compile_cache.folder({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/kvjax/xla",
+                                                                         cpu)
+    assert compile_cache.folder({"XDG_CACHE_HOME": "rel"}) == home / ".cache/kvjax/xla" / cpu
+    assert compile_cache.folder({compile_cache.ENV_VAR: "/y"}) == Path("/y", cpu)
     assert compile_cache.folder({compile_cache.ENV_VAR: "0"}) is None
+
+
+def test_another_cpu_has_another_folder(monkeypatch):
+    from kvjax.cpu import build
+
+    here = compile_cache.host_folder(Path("/c"))
+    monkeypatch.setattr(compile_cache, "cpu_features",
+                        lambda: build.cpu_features() + " amx_tile")
+    assert compile_cache.host_folder(Path("/c")) != here
 
 
 def test_a_user_s_own_jax_cache_is_left_as_configured(monkeypatch, tmp_path):
     """This run configured JAX's cache itself (tests/conftest.py): enabling keeps its
-    folder and threshold, whatever kvjax's variables say."""
+    folder, whatever kvjax's variables say, and creates nothing of its own."""
     own = jax.config.jax_compilation_cache_dir
     assert own
     monkeypatch.setattr(compile_cache, "_enabled", [])
@@ -97,13 +109,20 @@ def test_a_user_s_own_jax_cache_is_left_as_configured(monkeypatch, tmp_path):
 
 
 def test_the_entry_points_switch_the_cache_on(monkeypatch):
+    """Engine, generate and the kvjax command (every command but the memory calculator)."""
+    from kvjax import cli
+
     calls = []
     monkeypatch.setattr(compile_cache, "enable", lambda *a: calls.append("on"))
     Engine(params(), CONFIG, EngineConfig(cache=CACHE))
     assert calls == ["on"]
     generate_module.generate(params(), CONFIG, [[1, 2, 3]], 1)
     assert calls == ["on", "on"]
-    assert engine_module.compile_cache is compile_cache
+    monkeypatch.setattr(cli, "_generate", lambda args: 0)
+    assert cli.main(["generate", "configs/tiny.toml"]) == 0
+    assert calls == ["on", "on", "on"]
+    assert cli.main(["memory"]) == 0
+    assert calls == ["on", "on", "on"]
 
 
 def test_an_oversized_cache_drops_its_oldest_entries(tmp_path):

@@ -37,7 +37,8 @@ from kvjax.speculative.eagle import (
 )
 from kvjax.speculative.eagle_file import HeadFile
 
-SEQS, LENGTH, TOP_K, VOCAB = 4, 24, 3, 40  # 96 rows in the batched call
+SEQS, LENGTH, VOCAB = 4, 24, 40  # 96 rows in the batched call
+TOP_K = VOCAB  # the whole draft distribution, sorted
 CACHE = CacheConfig(page_size=4, num_pages=SEQS * LENGTH // 4, prefill_chunk=16,
                     attn_block=2)
 PAGES = LENGTH // 4  # per sequence: 3 attention blocks, so the loop is never specialised

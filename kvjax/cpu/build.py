@@ -71,10 +71,10 @@ def drop_stale(folder: Path, keep: Path, now: float | None = None) -> list[Path]
     now = time.time() if now is None else now
     gone = []
     for path in folder.glob("*.so"):
-        age = now - path.stat().st_mtime
-        stale = path.name.startswith("kvjax_cpu-") and age > STALE_DAYS * 86400
-        if path != keep and (stale or (path.name.startswith("tmp") and age > 86400)):
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # another process may rename or remove it first
+            age = now - path.stat().st_mtime
+            stale = path.name.startswith("kvjax_cpu-") and age > STALE_DAYS * 86400
+            if path != keep and (stale or (path.name.startswith("tmp") and age > 86400)):
                 path.unlink()
                 gone.append(path)
     return gone
