@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from pathlib import Path
 
 FUSION_FLAG = "--xla_cpu_use_fusion_emitters"
 LEVEL_FLAG = "--xla_backend_optimization_level"
@@ -68,6 +69,14 @@ def optimization_off(environ=os.environ, disable_most: bool = False) -> bool:
     """Whether XLA compiles at backend optimization level 0: XLA_FLAGS says so, or JAX's
     `jax_disable_most_optimizations` (the caller passes its value: this module has no JAX)."""
     return disable_most or _flag(LEVEL_FLAG, environ) == "0"
+
+
+def cache_home(environ=os.environ) -> Path:
+    """kvjax's folder in the user's cache folder: `$XDG_CACHE_HOME/kvjax`, else
+    `~/.cache/kvjax` (the XDG base directory convention). Compiled programs, probe results
+    and the CPU kernel are kept there (docs/engine.md)."""
+    base = environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "kvjax"
 
 
 # the /proc/cpuinfo flags that decide which vector kernels XLA, oneDNN or kvjax's C++ picks

@@ -355,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         fill_bench_defaults(args)
     if args.command != "memory":  # every command that compiles (the calculator does not)
-        from kvjax import compile_cache
+        from kvjax.decode import compile_cache
 
-        compile_cache.enable()  # compiled programs kept across runs (kvjax.compile_cache)
+        compile_cache.enable()  # compiled programs kept across runs (kvjax.decode.compile_cache)
     try:
         return args.func(args)
     except ConfigError as e:

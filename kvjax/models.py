@@ -102,9 +102,9 @@ def load(name: str | Path, dtype: str = "float32") -> LoadedModel:
     """Config, parameters (on device), tokenizer, chat template and stop ids of a registered
     model, or of a local GGUF file or Hugging Face folder (`dtype`: float32, or bfloat16
     for the parameters and activations; a folder loads in float32)."""
-    from kvjax import compile_cache
+    from kvjax.decode import compile_cache
 
-    compile_cache.enable()  # its conversions' programs are kept too (kvjax.compile_cache)
+    compile_cache.enable()  # its conversions' programs are kept too (kvjax.decode.compile_cache)
     if isinstance(name, str) and name in MODELS:
         return _load_gguf(source(name), path(name), dtype)
     local = Path(name)

@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from kvjax.compile_cache import host_folder, prune
-from kvjax.paths import cache_home
+from kvjax.backend import cache_home
+from kvjax.decode.compile_cache import host_folder, prune
 
 # Test modules compile many of the same programs (the engine tests share one model and cache
 # shape), every module drops its compiled code (below), and every run compiles what the run
@@ -18,7 +18,7 @@ from kvjax.paths import cache_home
 # into loads of the same executables (the same machine code, so every bitwise comparison
 # holds as before: tests/test_compile_cache.py checks a load against a compile). It lives in
 # kvjax's folder of the user's cache folder, `xla-tests` (apart from the programs users'
-# processes keep in `xla`), in the CPU's subfolder as kvjax.compile_cache keeps them.
+# processes keep in `xla`), in the CPU's subfolder as kvjax.decode.compile_cache keeps them.
 # `KVJAX_TEST_XLA_CACHE` names another folder (an empty one for a cold run); the first
 # process to load this file (pytest itself, or the xdist controller) sets it for the workers
 # it starts and keeps the folder within `TEST_CACHE_BYTES`, dropping the entries used

@@ -1,4 +1,4 @@
-"""Compiled programs kept across processes (`kvjax.compile_cache`): where the cache lives,
+"""Compiled programs kept across processes (`kvjax.decode.compile_cache`): where the cache lives,
 who switches it on, that a program loaded from it gives the bits a compile gives, and that
 the cache folder and the C++ kernel cache stay bounded."""
 
@@ -15,8 +15,9 @@ import jax
 import numpy as np
 from engine_helpers import CACHE, CONFIG, params
 
-from kvjax import Engine, EngineConfig, compile_cache
+from kvjax import Engine, EngineConfig
 from kvjax.cpu.build import STALE_DAYS, drop_stale
+from kvjax.decode import compile_cache
 from kvjax.decode import generate as generate_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +157,7 @@ def test_a_new_kernel_build_drops_stale_builds(tmp_path):
 
 def test_the_opt_out_leaves_jax_untouched(tmp_path):
     """KVJAX_XLA_CACHE=0: an engine's process compiles with no cache folder."""
-    code = ("import jax, kvjax\nfrom kvjax import compile_cache\n"
+    code = ("import jax, kvjax\nfrom kvjax.decode import compile_cache\n"
             "assert compile_cache.enable() is None\n"
             "assert jax.config.jax_compilation_cache_dir is None\n")
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from kvjax import compile_cache, memory
+from kvjax import memory
 from kvjax.bench.device_measure import (
     check_kernel,
     decode_throughput,
@@ -38,6 +38,7 @@ from kvjax.bench.device_measure import (
 from kvjax.bench.device_report import summary
 from kvjax.config import CacheConfig, ModelConfig
 from kvjax.config_files import load_config
+from kvjax.decode import compile_cache
 from kvjax.lab.report import emit, environment, refuse
 from kvjax.model.kernels import BACKENDS, resolve_backend
 

@@ -5,7 +5,7 @@ times each step: `import kvjax`, `kvjax.models.load` (or a random model of the b
 config's shape with `--model random`), `Engine(...)`, the first answer (a chat question,
 `--gen-tokens` greedy tokens) and a second answer to a question of another length. Beside
 each step: the programs it asked XLA for, and how many of them the persistent compilation
-cache (`kvjax.compile_cache`) gave back instead of compiling. "cold" runs with an empty
+cache (`kvjax.decode.compile_cache`) gave back instead of compiling. "cold" runs with an empty
 cache folder, "warm" runs again with the folder the cold run filled; `--reps` pairs of
 runs, medians. The kernel and probe caches are kept (they are what a second process has).
 """

@@ -1,7 +1,7 @@
 """Builds kvjax's CPU kernel library with the system C++ compiler: plain Python, no JAX.
 
 The library is compiled for the CPU it runs on (`-march=native`) and cached under
-`KVJAX_KERNEL_CACHE` (default `kernels` in `kvjax.paths.cache_home()`) by a digest of the
+`KVJAX_KERNEL_CACHE` (default `kernels` in `kvjax.backend.cache_home()`) by a digest of the
 sources, the compiler, its flags, the CPU's features and the jaxlib version whose FFI
 headers it was built against: any of them changed, a new library is built; the same, the
 cached one loads at once (and is marked used). A new build drops the libraries no process
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvjax.paths import cache_home
+from kvjax.backend import cache_home
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("product.cc", "attention.cc"))
 HEADERS = (Path(__file__).with_name("split.h"),)  # part of the digest, not compiled alone

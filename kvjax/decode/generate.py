@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import compile_cache
 from kvjax.cache.paged import bytes_per_page, cache_bytes
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
-from kvjax.decode import steps
+from kvjax.decode import compile_cache, steps
 from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.prefill import PrefillRow, prefill, prefill_rows
 from kvjax.decode.prompts import validate_prompts

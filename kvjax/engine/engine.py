@@ -43,11 +43,12 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
-from kvjax import compile_cache, sharding
+from kvjax import sharding
 from kvjax.cache.identity import CacheNamespace, adapter_identity, model_fingerprint
 from kvjax.cache.manager import KVCacheManager
 from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from kvjax.decode import compile_cache
 from kvjax.decode.sampling import sequence_keys
 from kvjax.engine.engine_metrics import EngineMetrics, tier_metrics
 from kvjax.engine.plans import cpu_attention_choice, cpu_kernel_choice

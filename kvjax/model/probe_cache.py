@@ -7,7 +7,7 @@ defines it (every module beside the probe's: edited probe code, or code it runs,
 again), and by everything that picks the kernels XLA runs: the jax and jaxlib versions, the
 backend and its device kind, `XLA_FLAGS` and `jax_disable_most_optimizations`, and the CPU
 (model name and instruction-set flags). `KVJAX_PROBE_CACHE` names the file (default
-`probes.json` in `kvjax.paths.cache_home()`); `KVJAX_PROBE_CACHE=0` turns the cache off.
+`probes.json` in `kvjax.backend.cache_home()`); `KVJAX_PROBE_CACHE=0` turns the cache off.
 A file that cannot be read is ignored (the probe runs) and one that cannot be written is
 skipped.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import jax
 
-from kvjax.paths import cache_home
+from kvjax.backend import cache_home
 
 ENV_VAR = "KVJAX_PROBE_CACHE"
 

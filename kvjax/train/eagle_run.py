@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax import compile_cache
 from kvjax.config import TrainConfig
+from kvjax.decode import compile_cache
 from kvjax.lab.report import emit
 
 

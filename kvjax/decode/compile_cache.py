@@ -11,7 +11,7 @@ subfolder named by a digest of the CPU's model and flags (`host_folder`), as the
 kernel caches key theirs, so a cache folder shared between hosts never hands one host
 another's code.
 
-Where: `$KVJAX_XLA_CACHE`, else `xla` in `kvjax.paths.cache_home()`
+Where: `$KVJAX_XLA_CACHE`, else `xla` in `kvjax.backend.cache_home()`
 (`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`), then the CPU's subfolder.
 `KVJAX_XLA_CACHE=0` leaves it off. A user who set JAX's own cache folder
 (`jax_compilation_cache_dir`, or the `JAX_COMPILATION_CACHE_DIR` variable) keeps it as
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import jax
 
+from kvjax.backend import cache_home
 from kvjax.cpu.build import cpu_features
-from kvjax.paths import cache_home
 
 ENV_VAR, BYTES_VAR = "KVJAX_XLA_CACHE", "KVJAX_XLA_CACHE_BYTES"
 MAX_BYTES = 4 << 30
