@@ -19,20 +19,24 @@ from kvjax.decode.compile_cache import host_folder, prune
 # holds as before: tests/test_compile_cache.py checks a load against a compile). It lives in
 # kvjax's folder of the user's cache folder, `xla-tests` (apart from the programs users'
 # processes keep in `xla`), in the CPU's subfolder as kvjax.decode.compile_cache keeps them.
-# `KVJAX_TEST_XLA_CACHE` names another folder (an empty one for a cold run); the first
-# process to load this file (pytest itself, or the xdist controller) sets it for the workers
-# it starts and keeps the folder within `TEST_CACHE_BYTES`, dropping the entries used
-# longest ago. A run killed while an entry was written may leave it cut short: JAX warns and
-# compiles that program again; deleting the folder clears it.
+# `KVJAX_TEST_XLA_CACHE` names another folder (an empty one for a cold run; the CPU's
+# subfolder is made there as well); the first process to load this file (pytest itself, or
+# the xdist controller) sets it for the workers it starts and keeps the folder within
+# `TEST_CACHE_BYTES`, dropping the entries used longest ago. A run killed while an entry was
+# written may leave it cut short: JAX warns and compiles that program again; deleting the
+# folder clears it.
 _CACHE_ENV = "KVJAX_TEST_XLA_CACHE"
 TEST_CACHE_BYTES = 4 << 30
-if _CACHE_ENV not in os.environ:
-    os.environ[_CACHE_ENV] = str(host_folder(cache_home() / "xla-tests"))  # per CPU
-    Path(os.environ[_CACHE_ENV]).mkdir(parents=True, exist_ok=True)
-    prune(Path(os.environ[_CACHE_ENV]), TEST_CACHE_BYTES)
+_OWNER = _CACHE_ENV not in os.environ
+if _OWNER:
+    os.environ[_CACHE_ENV] = str(cache_home() / "xla-tests")
+_FOLDER = host_folder(Path(os.environ[_CACHE_ENV]))  # this CPU's programs
+_FOLDER.mkdir(parents=True, exist_ok=True)
+if _OWNER:
+    prune(_FOLDER, TEST_CACHE_BYTES)
 # the processes tests start (docs' blocks, the CLI, mesh checks) cache there too
 os.environ.setdefault("KVJAX_XLA_CACHE", os.environ[_CACHE_ENV])
-jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+jax.config.update("jax_compilation_cache_dir", str(_FOLDER))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -44,7 +48,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from kvjax.backend import host_cpu
 
     terminalreporter.write_line(f"host CPU: {host_cpu()}")
-    terminalreporter.write_line(f"XLA compilation cache: {os.environ[_CACHE_ENV]}")
+    terminalreporter.write_line(f"XLA compilation cache: {_FOLDER}")
 
 
 # Files that take a minute or more of one worker, longest first (`--durations` on two
