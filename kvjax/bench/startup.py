@@ -67,7 +67,7 @@ for step, question in zip(("first answer", "second answer"), questions):
                                 max_new_tokens=tokens)
     engine.generate([request])
     mark(step)
-print(json.dumps(out))
+sys.stdout.write(json.dumps(out) + "\\n")
 """
 
 
