@@ -62,18 +62,25 @@ def enable(environ=os.environ) -> Path | None:
     if _enabled:
         return _enabled[0]
     own = jax.config.jax_compilation_cache_dir
-    path = Path(own) if own else folder(environ)
-    if path is not None and not own:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            path = None  # an unwritable cache folder costs compile time, not a failure
-    if path is not None and not own:
-        prune(path, int(environ.get(BYTES_VAR, MAX_BYTES)))
-        jax.config.update("jax_compilation_cache_dir", str(path))
-        if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECS:
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    path = Path(own) if own else _switch_on(folder(environ), environ)
     _enabled.append(path)
+    return path
+
+
+def _switch_on(path: Path | None, environ) -> Path | None:
+    """JAX's cache in `path` (made and pruned first), every program cached unless the user
+    set the threshold; None when there is no folder or it cannot be made (an unwritable
+    cache folder costs compile time, not a failure)."""
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    prune(path, int(environ.get(BYTES_VAR, MAX_BYTES)))
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECS:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 

@@ -298,17 +298,15 @@ class Calls(NamedTuple):
 PROBED = Calls(rows=2048, head_rows=256, queries=512, keys=0)
 
 
-def check_products(config, plan, calls: Calls | None = None,
-                   extra: dict | None = None) -> list[str]:
-    """The token-row products of `config` (and `extra`, as `choose_blocks` takes it) whose
-    rows do not keep their bits on the running backend under `plan` (cached per shape):
-    each at its `plan.block(name)` (a block: alone, in a block of three and in a loop of
-    blocks; 0: at every probed row count up to `calls`' bound; attention, with `calls`: a
-    KV head's query rows of `calls.queries` tokens, or its tiles, against `calls.keys`
-    keys). Empty when all hold."""
+def check_products(config, plan, calls: Calls | None = None) -> list[str]:
+    """The token-row products of `config` whose rows do not keep their bits on the running
+    backend under `plan` (cached per shape): each at its `plan.block(name)` (a block: alone,
+    in a block of three and in a loop of blocks; 0: at every probed row count up to
+    `calls`' bound; attention, with `calls`: a KV head's query rows of `calls.queries`
+    tokens, or its tiles, against `calls.keys` keys). Empty when all hold."""
     backend_name = jax.default_backend()
     failed = []
-    for name, (shape, contract) in (_dot_shapes(config, plan.fused) | (extra or {})).items():
+    for name, (shape, contract) in _dot_shapes(config, plan.fused).items():
         block = plan.block(name)
         ok = (_whole(shape, contract, calls.of(name), backend_name, name in plan.transposed)
               if block == 0 else _probe_dot(shape, contract, block, backend_name))
