@@ -40,7 +40,7 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
                  rows: list[PrefillRow], lora: dict | None = None, sharding=None,
                  calls: int | None = None, width: int | None = None,
                  plan: NumericsPlan = FAST, min_pages: int = 1, features: bool = False
-                 ) -> tuple[list[jax.Array | None], PagedKVCache]:
+                 ) -> tuple[list[np.ndarray | None], PagedKVCache]:
     """Prefills every row's tokens[start:] (or its first `calls` chunks); returns (each
     row's last token logits [V], or None when its last token was not in these calls, and
     the cache). Donates `cache` (through `steps.extend`; `sharding` as there). The rows are
@@ -82,6 +82,7 @@ def prefill_rows(params, config: ModelConfig, cache: PagedKVCache, cache_config:
                                      features=features)
         if features:
             logits, feats = logits
+        logits = np.asarray(logits)  # rows read on the host: no device op per row shape
         for i, r in enumerate(rows):
             if num_new[i] and lengths[i] + num_new[i] == len(r.tokens):
                 out[i] = logits[i, 0]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import SamplingConfig
+from kvjax.decode.aot import Program
 from kvjax.model.tiled import row_softmax
 
 DRAFT_TAG = 0xD4AF  # a draft model's sampling keys: fold_in(sequence key, DRAFT_TAG)
@@ -142,8 +143,8 @@ def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature
     return jax.lax.cond(jnp.all(temperature == 0), lambda: argmax, stochastic)
 
 
-_sample = jax.jit(sample)
-_greedy = jax.jit(greedy)
+_sample = Program(jax.jit(sample), "sample")
+_greedy = Program(jax.jit(greedy), "greedy")
 
 
 def sample_jit(logits, keys, positions, temperature, top_k, top_p) -> jax.Array:

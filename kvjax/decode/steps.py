@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
+from kvjax.decode.aot import program
 from kvjax.decode.sampling import any_sampled, greedy, sample
 from kvjax.decode.state import DecodeState
 from kvjax.model.kernels import AttentionKernel
@@ -48,6 +49,7 @@ def model_variables(params, lora: dict | None, plan: NumericsPlan) -> dict:
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
+@program("extend", {1: "cache"})
 @partial(jax.jit, static_argnames=("config", "last_only", "sharding", "plan", "features"),
          donate_argnames=("cache",))
 def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
@@ -139,6 +141,7 @@ class _Carry:
     fill_logits: jax.Array  # float32[Bp, V], Bp = 0 without fill
 
 
+@program("decode_loop", {1: "cache"})
 @partial(jax.jit,
          static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel",
                           "plan", "sampled"),

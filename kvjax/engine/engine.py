@@ -50,6 +50,7 @@ from kvjax.cache.pool import PagePool
 from kvjax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from kvjax.decode import compile_cache
 from kvjax.decode.sampling import sequence_keys
+from kvjax.engine import warmup
 from kvjax.engine.engine_metrics import EngineMetrics, tier_metrics
 from kvjax.engine.plans import cpu_attention_choice, cpu_kernel_choice
 from kvjax.engine.plans import numerics_blocks as numerics_blocks  # the old name's home
@@ -69,6 +70,7 @@ from kvjax.engine.requests import (
 from kvjax.engine.rounds import Rounds
 from kvjax.engine.runner import StepRunner, TargetModel
 from kvjax.engine.stats import Timers, aggregate
+from kvjax.engine.warmup import Warmup
 from kvjax.errors import NonCausalCacheError
 from kvjax.model.kernels import AttentionKernel, resolve_backend
 from kvjax.model.layout import canonical, store
@@ -242,6 +244,15 @@ class Engine:
         self.model.params = (jax.device_put(store(params, self.plan))
                               if self.sharding is None else self.sharding.place_params(params))
         self.kv.target.fingerprint = model_fingerprint(self.config, params, self.plan)
+
+    def warmup(self, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, True)
+               ) -> Warmup:
+        """Compiles (or loads from the compilation cache) the programs of requests `rows`
+        at a time, greedy and sampled, before the first request: afterwards a chat of any
+        prompt length within the context compiles nothing. Runs nothing and changes no
+        page or bit; returns what it compiled and in how long (`print` it).
+        `kvjax.engine.warmup` says which programs it leaves to their first use."""
+        return warmup.warm(self.runner, rows, sampled)
 
     def namespace(self, request: Request) -> CacheNamespace:
         """The namespace (without salt) a request's cached states live under."""

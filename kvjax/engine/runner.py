@@ -56,6 +56,8 @@ class StepRunner:
     def __init__(self, model: TargetModel, kv: KVCacheManager, engine_config: EngineConfig,
                  speculator, timers: Timers, probe_ok: bool = True):
         self.model = model
+        # the context every step's page table covers (`EngineConfig.decode_context`)
+        self.context = engine_config.decode_context(model.config.max_seq_len)
         self.kv = kv  # every page and device cache, target's and draft's
         self.engine_config = engine_config
         self.spec = speculator  # a `kvjax.speculative.plugin.Speculator`, or None
@@ -88,20 +90,13 @@ class StepRunner:
         `bucket(max_slots)` full rows, so a lone prompt does not crawl through one-row
         calls. Returns (the last token logits [V] of each row this call finished, else
         None; seconds of the target's call)."""
-        m, kv = self.model, self.kv
+        kv = self.kv
         eagle = None if self.spec is None else self.spec.eagle
         width = self.call_width(len(rows), widen, _longest_left(rows))
         before, starts = self.timers["prefill_s"], [r.start for r in rows]
 
-        def step(cache):  # with an EAGLE head: (logits, features), cache
-            out = prefill_rows(
-                m.params, m.config, cache, kv.target.cache_config, rows, m.lora, m.shardings,
-                calls=1, width=width, plan=m.plan, min_pages=self.min_pages(kv.target),
-                features=eagle is not None)
-            return (out[0], out[2]) if eagle is not None else out[0], out[1]
-
         with self.timers("prefill_s"):
-            logits = kv.run(step)
+            logits = self.target_prefill(rows, width, features=eagle is not None)
             if eagle is not None:
                 logits, features = logits
             logits = [None if x is None else np.asarray(x) for x in logits]
@@ -113,19 +108,39 @@ class StepRunner:
             return logits, seconds
         left = [r for r in draft_rows if r.start < len(r.tokens)]
         if left:
-            spec = self.spec
             width = self.call_width(len(left), widen, _longest_left(left))
             with self.timers("draft_prefill_s"):
-                kv.run(lambda cache: prefill_rows(
-                    spec.params, spec.config, cache, kv.draft.cache_config, left,
-                    sharding=spec.step_shardings, calls=1, width=width, plan=spec.plan,
-                    min_pages=self.min_pages(kv.draft)), draft=True)
+                self.draft_prefill(left, width)
             _advance(left, width)
         return logits, seconds
 
+    def target_prefill(self, rows: list[PrefillRow], width: int, features: bool = False):
+        """One `prefill_rows` call of the target at `width` tokens per row (the rows'
+        starts are not moved); returns each row's last logits (with `features`: (those,
+        the final norm's output))."""
+        m, kv = self.model, self.kv
+
+        def step(cache):
+            out = prefill_rows(
+                m.params, m.config, cache, kv.target.cache_config, rows, m.lora, m.shardings,
+                calls=1, width=width, plan=m.plan, min_pages=self.min_pages(kv.target),
+                features=features)
+            return (out[0], out[2]) if features else out[0], out[1]
+
+        return kv.run(step)
+
+    def draft_prefill(self, rows: list[PrefillRow], width: int | None = None) -> None:
+        """One `prefill_rows` call of the draft model (the rows' starts are not moved;
+        `width` None: the draft cache's chunk, as many calls as the rows need)."""
+        spec, kv = self.spec, self.kv
+        kv.run(lambda cache: prefill_rows(
+            spec.params, spec.config, cache, kv.draft.cache_config, rows,
+            sharding=spec.step_shardings, calls=None if width is None else 1, width=width,
+            plan=spec.plan, min_pages=self.min_pages(kv.draft)), draft=True)
+
     def min_pages(self, pool) -> int:
-        """The least page-table width of `pool`'s steps: `EngineConfig.min_context` tokens."""
-        return pages_for(self.engine_config.min_context, pool.cache_config.page_size)
+        """The least page-table width of `pool`'s steps: `context` tokens."""
+        return pages_for(self.context, pool.cache_config.page_size)
 
     def call_width(self, rows: int, widen: bool, longest: int) -> int:
         """Tokens per row of a prefill call of `rows` rows whose longest has `longest`
@@ -189,10 +204,7 @@ class StepRunner:
         if row.start < len(row.tokens) and spec.eagle is None:  # a head's row is done: its
             # pairs came with the target's prefill and stop one token short
             with self.timers("draft_prefill_s"):
-                kv.run(lambda cache: prefill_rows(
-                    spec.params, spec.config, cache, kv.draft.cache_config, [row],
-                    sharding=spec.step_shardings, plan=spec.plan,
-                    min_pages=self.min_pages(kv.draft)), draft=True)
+                self.draft_prefill([row])
             row.start = len(row.tokens)
         if self.engine_config.prefix_cache:
             ctx = req.context
@@ -264,14 +276,11 @@ class StepRunner:
         before = self.timers["decode_s"]
         with self.timers("decode_s"):
             if self.spec is None:
-                res = steps.decode(kv, m.params, m.config, state, ec.decode_steps,
-                                   return_logits=want_logits, lora=m.lora,
-                                   sharding=m.shardings, kernel=m.kernel, fill=packed,
-                                   plan=m.plan)
+                res = self.plain_decode(state, want_logits, packed)
                 fill_logits = None if packed is None else np.asarray(res.fill_logits)  # [Bp, V]
             else:
                 res = self.spec.decode(m, kv, ec.decode_steps, live, budgets, gamma, state,
-                                       want_logits, ec.min_context)
+                                       want_logits, self.context)
             out, logits, new_lengths = res.tokens, res.logits, res.lengths
             out, new_lengths = np.asarray(out), np.asarray(new_lengths)
             logits = np.asarray(logits) if want_logits else None
@@ -289,6 +298,14 @@ class StepRunner:
         return [fill_logits[i] if row.start == len(row.tokens) else None
                 for i, row in enumerate(fill)], share
 
+    def plain_decode(self, state, want_logits: bool, fill: steps.Fill | None = None
+                     ) -> steps.DecodeResult:
+        """One `decode_loop` call of `decode_steps` steps over `state` (`steps.decode`)."""
+        m = self.model
+        return steps.decode(self.kv, m.params, m.config, state, self.engine_config.decode_steps,
+                            return_logits=want_logits, lora=m.lora, sharding=m.shardings,
+                            kernel=m.kernel, fill=fill, plan=m.plan)
+
     def decode_rows(self, live: list[Seq], occupied: list[Seq | None]
                     ) -> tuple[int, dict[int, int]]:
         """(rows, each live sample's row) of a decode call. Under invariant numerics, where
@@ -297,12 +314,19 @@ class StepRunner:
         (attention and the products cost per row, idle or not); as many as the slots'
         bucket, a row per slot. Otherwise (fast numerics, a mesh, speculative decoding)
         every slot is a row, live or not."""
+        rows = self.decode_width(len(live))
+        if rows == self.engine_config.max_slots:
+            return rows, {id(s): s.slot for s in live}
+        return rows, {id(s): i for i, s in enumerate(live)}
+
+    def decode_width(self, live: int) -> int:
+        """The rows of a decode call of `live` samples (`decode_rows`)."""
         slots = self.engine_config.max_slots
-        rows = bucket(len(live), LIVE_ROWS)
+        rows = bucket(live, LIVE_ROWS)
         if (self.spec is not None or not self.policy.decodes_live_rows_only()
                 or rows >= slots):
-            return slots, {id(s): s.slot for s in live}
-        return rows, {id(s): i for i, s in enumerate(live)}
+            return slots
+        return rows
 
     def packed_fill(self, rows: list[PrefillRow], longest: int = 1
                     ) -> tuple[steps.Fill | None, int]:

@@ -1,0 +1,114 @@
+"""`Engine.warmup()`: after it, a chat of any prompt length within the context compiles
+nothing (no step traced, no program lowered), and the warm-up itself changes no page,
+statistic or bit."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import pytest
+from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, engine, params
+
+import kvjax
+from kvjax.decode import steps
+from kvjax.engine.warmup import prefill_widths
+
+_LOWERED: list[str] = []
+_COUNTING: list[bool] = []
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    if _COUNTING and event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        _LOWERED.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@contextlib.contextmanager
+def no_compiles():
+    """Asserts that the block lowers no program and traces no step."""
+    traces = steps.trace_counts()
+    _LOWERED.clear()
+    _COUNTING.append(True)
+    try:
+        yield
+    finally:
+        _COUNTING.pop()
+    assert steps.trace_counts() == traces, "a step was traced after the warm-up"
+    assert not _LOWERED, f"{len(_LOWERED)} programs lowered after the warm-up"
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + salt) % (CONFIG.vocab_size - 1) + 1 for i in range(n)]
+
+
+def chat(e, lengths=(5, 40, 69, 130)) -> list:
+    """One request at a time, greedy then sampled, each prompt length; then a turn that
+    continues the first conversation (its prefix comes from the trie)."""
+    results = []
+    for n in lengths:
+        results += e.generate([kvjax.Request(tokens=prompt(n), max_new_tokens=9)])
+        results += e.generate([kvjax.Request(
+            tokens=prompt(n, 3), max_new_tokens=6,
+            sampling=kvjax.SamplingConfig(temperature=0.9, top_k=20, seed=n))])
+    first = prompt(lengths[0]) + results[0].tokens + prompt(23, 5)
+    return results + e.generate([kvjax.Request(tokens=first, max_new_tokens=7)])
+
+
+@pytest.mark.parametrize("numerics", ["invariant", "fast"])
+def test_a_chat_compiles_nothing_after_warmup(numerics):
+    e = engine(params(), numerics=numerics, min_context=None)
+    report = e.warmup()
+    assert report.programs and not report.not_warmed
+    counts = report.counts()
+    widths = prefill_widths(e.runner, 1)
+    assert counts["extend"] == len(widths)
+    assert counts["decode_loop"] == 2  # greedy and sampled
+    assert "warm-up:" in str(report)
+    with no_compiles():
+        results = chat(e)
+    assert all(r.status == "finished" for r in results)
+
+
+def test_warmup_changes_no_page_statistic_or_bit():
+    p = params()
+    e = engine(p)
+    pages, metrics = e.pool.stats(), e.metrics()
+    e.warmup(rows=(1, 2))
+    assert e.pool.stats() == pages
+    assert e.metrics() == metrics
+    requests = [kvjax.Request(tokens=prompt(n), max_new_tokens=8, return_logits=True)
+                for n in (9, 33)]
+    assert_same(e.generate(requests), engine(p).generate(requests))
+
+
+def test_the_width_ladder_holds_every_call_width():
+    e = engine(params())
+    chunk = CACHE.prefill_chunk
+    for rows in range(1, SLOTS + 1):
+        widths = prefill_widths(e.runner, rows)
+        assert chunk in widths
+        got = {e.runner.call_width(rows, widen, longest)
+               for widen in (False, True) for longest in range(1, 8 * chunk * SLOTS)}
+        assert got == set(widths), (rows, got, widths)
+
+
+def test_warmup_rows_are_checked():
+    e = engine(params())
+    for rows in ((0,), (SLOTS + 1,)):
+        with pytest.raises(ValueError, match="warm-up rows"):
+            e.warmup(rows=rows)
+
+
+def test_the_decode_context_is_decided_at_start_up():
+    ec = kvjax.EngineConfig(cache=CACHE)
+    assert ec.min_context is None
+    assert ec.decode_context(CONFIG.max_seq_len) == min(
+        CONFIG.max_seq_len, CACHE.num_pages * CACHE.page_size)
+    assert kvjax.EngineConfig(cache=CACHE, min_context=0).decode_context(4096) == 0
+    e = engine(params(), min_context=None)
+    assert e.runner.context == CONFIG.max_seq_len
+    with pytest.raises(kvjax.ConfigError, match="min_context"):
+        kvjax.EngineConfig(min_context=-1)
