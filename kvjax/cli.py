@@ -154,7 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
               "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 3,
               "tiers": 5, "tree": 5, "eagle": 5,
-              "kernel": 15, "startup": 1}
+              "kernel": 15, "startup": 1, "context": 5}
 
 
 def fill_bench_defaults(args: argparse.Namespace) -> None:
@@ -162,7 +162,7 @@ def fill_bench_defaults(args: argparse.Namespace) -> None:
     args.out = args.out or f"results/bench_{args.which}.json"
     args.reps = args.reps or BENCH_REPS[args.which]
     pressure = args.which == "preemption"  # short prompts, long answers: growth preempts
-    questions = {"tree": 16, "eagle": 80}.get(args.which, 32)
+    questions = {"tree": 16, "eagle": 80, "context": 4}.get(args.which, 32)
     for key, default in (("requests", 8 if pressure else questions),
                          ("prompt_len", 64 if pressure else 1024 if args.which == "tiers" else 512),
                          ("gen_tokens", 448 if pressure else 8 if args.which == "startup"
@@ -262,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "trees vs n-gram and plain decoding on MT-Bench), "
                                          "kernel (the row-count-invariant CPU product vs "
                                          "XLA's), startup (a new process's steps to its "
-                                         "first answers, cold and warm compilation cache)")
+                                         "first answers, cold and warm compilation cache), "
+                                         "context (page tables over the whole context vs "
+                                         "grown with the sequence)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
                        default="decode")
@@ -275,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--batches", default="1,8")
     decode.add_argument("--contexts", default="512,2048")
     decode.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
+    decode.add_argument("--prompt-lens", default="32,512", help="(context) prompt lengths")
     prefix = bench.add_argument_group("prefix")
     prefix.add_argument("--requests", type=int, default=None,
                         help="requests (default 32 prefix and kv_format questions, 8 "

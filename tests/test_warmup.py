@@ -12,6 +12,7 @@ from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, engine, params
 
 import kvjax
 from kvjax.decode import steps
+from kvjax.decode.generate import warmup
 from kvjax.engine.warmup import prefill_widths
 
 _LOWERED: list[str] = []
@@ -70,6 +71,18 @@ def test_a_chat_compiles_nothing_after_warmup(numerics):
     with no_compiles():
         results = chat(e)
     assert all(r.status == "finished" for r in results)
+
+
+@pytest.mark.parametrize("sampling", [None, kvjax.SamplingConfig(temperature=0.8, seed=3)])
+def test_generate_compiles_nothing_after_its_warmup(sampling):
+    p = params()
+    report = warmup(p, CONFIG, CACHE, max_new_tokens=8, sampling=sampling)
+    assert report.counts() == {"extend": 1, "greedy" if sampling is None else "sample": 1,
+                               "decode_loop": 1}
+    with no_compiles():
+        for n in (5, 40, 130):
+            out = kvjax.generate(p, CONFIG, [prompt(n)], 8, sampling=sampling, cache=CACHE)
+            assert len(out.tokens[0]) == 8
 
 
 def test_warmup_changes_no_page_statistic_or_bit():

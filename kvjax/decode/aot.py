@@ -35,6 +35,40 @@ class Compiled:
     loaded: bool  # the persistent compilation cache held it (nothing compiled)
 
 
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """What a warm-up compiled."""
+
+    programs: tuple[Compiled, ...]
+    seconds: float
+    not_warmed: tuple[str, ...] = ()  # programs compiled at first use
+
+    @property
+    def compiled(self) -> int:
+        """Programs XLA compiled."""
+        return sum(not p.loaded for p in self.programs)
+
+    @property
+    def loaded(self) -> int:
+        """Programs the persistent compilation cache gave back."""
+        return sum(p.loaded for p in self.programs)
+
+    def counts(self) -> dict[str, int]:
+        """Programs per step name."""
+        out: dict[str, int] = {}
+        for p in self.programs:
+            out[p.name] = out.get(p.name, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        steps = ", ".join(f"{n} {name}" for name, n in self.counts().items())
+        text = (f"warm-up: {len(self.programs)} programs ({steps}; {self.loaded} from the "
+                f"compilation cache) in {self.seconds:.2f} s")
+        if self.not_warmed:
+            text += f"; compiled at first use: {', '.join(self.not_warmed)}"
+        return text
+
+
 class _Session:
     """What `compiling()` collects."""
 

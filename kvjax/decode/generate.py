@@ -22,7 +22,8 @@ import numpy as np
 from kvjax.cache.paged import bytes_per_page, cache_bytes
 from kvjax.cache.pool import KVPool
 from kvjax.config import CacheConfig, ModelConfig, SamplingConfig
-from kvjax.decode import compile_cache, steps
+from kvjax.decode import aot, compile_cache, steps
+from kvjax.decode.aot import Warmup
 from kvjax.decode.batching import bucket, page_table, pages_for
 from kvjax.decode.prefill import PrefillRow, prefill, prefill_rows
 from kvjax.decode.prompts import validate_prompts
@@ -39,6 +40,14 @@ class GenerateResult:
     stats: dict
 
 
+def context_pages(config: ModelConfig, pool: KVPool) -> int:
+    """The page-table width of every call of `generate` over `pool`: the most pages a
+    sequence can hold (the model's context, at most the pool's), so that a prompt's length
+    changes no program."""
+    cc = pool.cache_config
+    return pages_for(min(config.max_seq_len, cc.num_pages * cc.page_size), cc.page_size)
+
+
 def prefill_prompts(params, config: ModelConfig, pool: KVPool, prompts: list[list[int]],
                     rows: list[list[int]], plan: NumericsPlan = FAST) -> jax.Array:
     """Prefills the prompts into their pages; returns their last tokens' logits [n, V].
@@ -46,12 +55,13 @@ def prefill_prompts(params, config: ModelConfig, pool: KVPool, prompts: list[lis
     Under an invariant plan all prompts share each chunk call (a token's bits do not
     depend on the rows around it); under fast numerics one prompt per call, in the cache's
     one chunk shape, so that a prompt's bits do not depend on the others."""
+    width = context_pages(config, pool)
     if plan.invariant:
         rows = [PrefillRow(p, r) for p, r in zip(prompts, rows, strict=True)]
         return jnp.stack(pool.run(lambda cache: prefill_rows(
-            params, config, cache, pool.cache_config, rows, plan=plan)))
+            params, config, cache, pool.cache_config, rows, plan=plan, min_pages=width)))
     return jnp.stack([pool.run(lambda cache, prompt=prompt, pages=pages: prefill(
-        params, config, cache, pool.cache_config, prompt, pages, plan=plan))
+        params, config, cache, pool.cache_config, prompt, pages, plan=plan, min_pages=width))
         for prompt, pages in zip(prompts, rows, strict=True)])
 
 
@@ -70,10 +80,10 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
     plan.check(config)
     compile_cache.enable()
     sampling = sampling or SamplingConfig()
-    if cache is None:
+    if cache is None:  # a power of two of pages: a few pool shapes, each its programs
         page_size = CacheConfig().page_size
         need = sum(pages_for(len(p) + max_new_tokens, page_size) for p in prompts)
-        cache = CacheConfig(page_size=page_size, num_pages=need)
+        cache = CacheConfig(page_size=page_size, num_pages=bucket(need))
     if (cache.cache_config if isinstance(cache, KVPool) else cache).dtype == "int4_kivi":
         raise NotImplementedError("generate() does not name int4_kivi pages' open pages: "
                                   "serve them with the Engine")
@@ -97,6 +107,23 @@ def generate(params, config: ModelConfig, prompts, max_new_tokens: int,
     finally:
         for row in rows:
             pool.release(row)
+
+
+def warmup(params, config: ModelConfig, cache: CacheConfig | KVPool, max_new_tokens: int,
+           prompts: int = 1, sampling: SamplingConfig | None = None,
+           return_logits: bool = False, plan: NumericsPlan = FAST) -> Warmup:
+    """Compiles (or loads from the compilation cache) the programs of `generate` calls of
+    `prompts` prompts over `cache` (the same CacheConfig, or KVPool) with these
+    `max_new_tokens`, `sampling` (greedy or not decides), `return_logits` and `plan`, so
+    that such calls compile nothing whatever the prompts' lengths. Runs nothing; returns
+    what it compiled (`print` it)."""
+    compile_cache.enable()
+    pool = cache if isinstance(cache, KVPool) else KVPool(config, cache)
+    start = time.perf_counter()
+    with aot.compiling() as programs:  # the host code of a call, its steps compiled
+        _run(params, config, plan, pool, [[0]] * prompts, [[] for _ in range(prompts)],
+             max_new_tokens, sampling or SamplingConfig(), return_logits, None)
+    return Warmup(tuple(programs), time.perf_counter() - start)
 
 
 def _run(params, config, plan, pool, prompts, rows, max_new_tokens, sampling, return_logits,
@@ -123,7 +150,8 @@ def _run(params, config, plan, pool, prompts, rows, max_new_tokens, sampling, re
     out = np.full((slots, 0), -1, np.int32)
     logits = np.zeros((slots, 0, config.vocab_size), np.float32) if return_logits else None
     if budget.any():
-        table = page_table(rows, slots, pool.cache_config.block_pages)
+        table = page_table(rows, slots, pool.cache_config.block_pages,
+                           context_pages(config, pool))
         state = decode_state(table, lengths, first, budget, keys, samplings,
                              np.full(slots, -1 if stop_token is None else stop_token))
         res = steps.decode(pool, params, config, state, bucket(max_new_tokens - 1, 16),

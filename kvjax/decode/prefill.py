@@ -112,11 +112,12 @@ def prefill_open_rows(cache: PagedKVCache, rows: list[PrefillRow], b: int
 def prefill(params, config: ModelConfig, cache: PagedKVCache, cache_config: CacheConfig,
             tokens: list[int], pages: list[int], start: int = 0, position_base: int = 0,
             lora: dict | None = None, adapter_index: int | None = None,
-            sharding=None, plan: NumericsPlan = FAST) -> tuple[jax.Array | None, PagedKVCache]:
+            sharding=None, plan: NumericsPlan = FAST, min_pages: int = 1
+            ) -> tuple[jax.Array | None, PagedKVCache]:
     """Writes tokens[start:] of one sequence into `pages`; returns (last token's logits [V]
-    or None, cache). Donates `cache` (through `steps.extend`; `sharding` and `plan` as
-    there)."""
+    or None, cache). Donates `cache` (through `steps.extend`; `sharding`, `plan` and
+    `min_pages` as in `prefill_rows`)."""
     row = PrefillRow(list(tokens), list(pages), start, position_base, adapter_index or 0)
     (logits,), cache = prefill_rows(params, config, cache, cache_config, [row], lora, sharding,
-                                    plan=plan)
+                                    plan=plan, min_pages=min_pages)
     return logits, cache

@@ -15,7 +15,6 @@ head's own prefill, per-token logits (`Request.return_logits`), position bases
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -23,45 +22,12 @@ import numpy as np
 
 from kvjax.config import SamplingConfig
 from kvjax.decode import aot
+from kvjax.decode.aot import Warmup
 from kvjax.decode.batching import page_table
 from kvjax.decode.prefill import PrefillRow, open_rows
 from kvjax.decode.sampling import sample_jit, sampling_rows, sequence_keys
 from kvjax.decode.state import decode_state
 from kvjax.engine.requests import MAX_STOP_TOKENS
-
-
-@dataclasses.dataclass(frozen=True)
-class Warmup:
-    """What a warm-up compiled."""
-
-    programs: tuple[aot.Compiled, ...]
-    seconds: float
-    not_warmed: tuple[str, ...]  # programs this engine compiles at first use
-
-    @property
-    def compiled(self) -> int:
-        """Programs XLA compiled."""
-        return sum(not p.loaded for p in self.programs)
-
-    @property
-    def loaded(self) -> int:
-        """Programs the persistent compilation cache gave back."""
-        return sum(p.loaded for p in self.programs)
-
-    def counts(self) -> dict[str, int]:
-        """Programs per step name."""
-        out: dict[str, int] = {}
-        for p in self.programs:
-            out[p.name] = out.get(p.name, 0) + 1
-        return out
-
-    def __str__(self) -> str:
-        steps = ", ".join(f"{n} {name}" for name, n in self.counts().items())
-        text = (f"warm-up: {len(self.programs)} programs ({steps}; {self.loaded} from the "
-                f"compilation cache) in {self.seconds:.2f} s")
-        if self.not_warmed:
-            text += f"; compiled at first use: {', '.join(self.not_warmed)}"
-        return text
 
 
 def prefill_widths(runner, rows: int) -> list[int]:
