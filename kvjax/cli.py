@@ -278,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--contexts", default="512,2048")
     decode.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     decode.add_argument("--prompt-lens", default="32,512", help="(context) prompt lengths")
+    decode.add_argument("--no-warmup", action="store_true",
+                        help="(startup) no Engine.warmup(): programs compile at first use")
     prefix = bench.add_argument_group("prefix")
     prefix.add_argument("--requests", type=int, default=None,
                         help="requests (default 32 prefix and kv_format questions, 8 "

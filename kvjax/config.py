@@ -247,22 +247,12 @@ class EngineConfig:
     # "auto": products and attention by kvjax's CPU kernel (kvjax.cpu) where it runs (a CPU
     # backend, a C++ compiler, no mesh; `Engine.products` says), else XLA's; "products": those
     cpu_kernel: str = "auto"
-    # the context every compiled step covers at least, in tokens (page tables, the n-gram
-    # history). None: the engine's whole context (`decode_context`), one shape decided at
-    # start-up, so a growing chat compiles nothing new; 0: the longest row's need in powers
-    # of two (a growing sequence compiles a few shapes). No bit changes either way, and
-    # attention visits no block past a row's end (the cost: docs/benchmarks.md, "Context")
+    # tokens every page table covers at least. None: the whole context, one shape from start-up
+    # (`runner.decode_context`); 0: grown in powers of two. No bit changes (docs/engine.md)
     min_context: int | None = None
 
-    def decode_context(self, max_seq_len: int) -> int:
-        """The context, in tokens, every compiled step covers: `min_context`, or when None
-        the most a sequence can reach (the model's `max_seq_len`, at most the pool's)."""
-        if self.min_context is not None:
-            return self.min_context
-        return min(max_seq_len, self.cache.num_pages * self.cache.page_size)
-
     def __post_init__(self):
-        _require(self.min_context is None or self.min_context >= 0, "min_context",
+        _require((self.min_context or 0) >= 0, "min_context",
                  f"must be >= 0 or None, got {self.min_context}")
         for key in ("max_slots", "decode_steps", "evicted_record"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")

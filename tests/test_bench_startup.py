@@ -15,14 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_warm_process_loads_every_program_its_entry_points_compile():
     """Two fresh processes on the tiny model (a random one: `--model random`): the cold one
     finds nothing in its empty cache folder; the warm one gets every program the engine and
-    both answers ask for from the cache (a random model's `init_params` compiles before any
-    entry point switches the cache on, so the load step's programs are not cached)."""
+    its warm-up ask for from the cache (a random model's `init_params` compiles before any
+    entry point switches the cache on, so the load step's programs are not cached), and
+    neither asks for a program after the warm-up, whatever the questions' lengths."""
     runs = measure("random", 2, str(ROOT / "configs/tiny.toml"), 1)
     rows = {row["step"]: row for row in table(runs)}
     assert list(rows) == list(STEPS)
     for step, row in rows.items():
         assert row["cold s"] > 0 and row["warm s"] > 0
         assert row["cold from cache"] == 0
-        if step in ("engine", "first answer", "second answer"):
+        if step in ("engine", "warm-up"):
             assert row["warm programs"] > 0, step
             assert row["warm from cache"] == row["warm programs"], step
+        if step in ("first answer", "second answer"):  # after the warm-up: nothing
+            assert row["cold programs"] == row["warm programs"] == 0, step

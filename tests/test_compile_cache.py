@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from engine_helpers import CACHE, CONFIG, params
 
 from kvjax import Engine, EngineConfig
@@ -166,3 +167,11 @@ def test_the_opt_out_leaves_jax_untouched(tmp_path):
                           cwd=ROOT, env=env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not any(tmp_path.iterdir())
+
+
+def test_a_bound_that_is_no_whole_number_of_bytes_is_named():
+    assert compile_cache.max_bytes({}) == compile_cache.MAX_BYTES
+    assert compile_cache.max_bytes({"KVJAX_XLA_CACHE_BYTES": "1000"}) == 1000
+    for bad in ("4G", "-3", "1.5"):
+        with pytest.raises(ValueError, match="KVJAX_XLA_CACHE_BYTES='"):
+            compile_cache.max_bytes({"KVJAX_XLA_CACHE_BYTES": bad})

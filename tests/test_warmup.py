@@ -13,6 +13,7 @@ from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, engine, params
 import kvjax
 from kvjax.decode import steps
 from kvjax.decode.generate import warmup
+from kvjax.engine.runner import decode_context
 from kvjax.engine.warmup import prefill_widths
 
 _LOWERED: list[str] = []
@@ -118,9 +119,10 @@ def test_warmup_rows_are_checked():
 def test_the_decode_context_is_decided_at_start_up():
     ec = kvjax.EngineConfig(cache=CACHE)
     assert ec.min_context is None
-    assert ec.decode_context(CONFIG.max_seq_len) == min(
+    assert decode_context(ec, CONFIG.max_seq_len) == min(
         CONFIG.max_seq_len, CACHE.num_pages * CACHE.page_size)
-    assert kvjax.EngineConfig(cache=CACHE, min_context=0).decode_context(4096) == 0
+    assert decode_context(ec, 1 << 20) == CACHE.num_pages * CACHE.page_size
+    assert decode_context(kvjax.EngineConfig(cache=CACHE, min_context=0), 4096) == 0
     e = engine(params(), min_context=None)
     assert e.runner.context == CONFIG.max_seq_len
     with pytest.raises(kvjax.ConfigError, match="min_context"):

@@ -2,8 +2,9 @@
 
 Each run is a fresh Python process that does what the README's first example does and
 times each step: `import kvjax`, `kvjax.models.load` (or a random model of the bench
-config's shape with `--model random`), `Engine(...)`, the first answer (a chat question,
-`--gen-tokens` greedy tokens) and a second answer to a question of another length. Beside
+config's shape with `--model random`), `Engine(...)`, `Engine.warmup()` (the programs of a
+chat, greedy and sampled), the first answer (a chat question, `--gen-tokens` greedy tokens)
+and a second answer to a question of another length. Beside
 each step: the programs it asked XLA for, and how many of them the persistent compilation
 cache (`kvjax.decode.compile_cache`) gave back instead of compiling. "cold" runs with an empty
 cache folder, "warm" runs again with the folder the cold run filled; `--reps` pairs of
@@ -21,7 +22,7 @@ import tempfile
 
 from kvjax.lab.report import emit, markdown_table, write_results
 
-STEPS = ("import", "load", "engine", "first answer", "second answer")
+STEPS = ("import", "load", "engine", "warm-up", "first answer", "second answer")
 QUESTIONS = ("What is the capital of France?",
              "And which river flows through its centre, and how long is that river?")
 
@@ -57,6 +58,9 @@ else:
 mark("load")
 engine = kvjax.Engine(params, config, tokenizer=tokenizer, chat_template=template)
 mark("engine")
+if sys.argv[5] == "1":
+    engine.warmup()
+mark("warm-up")
 for step, question in zip(("first answer", "second answer"), questions):
     if tokenizer is None:  # a random model: prompts of the questions' lengths in characters
         request = kvjax.Request(tokens=[(7 * i) % config.vocab_size + 1
@@ -71,27 +75,29 @@ sys.stdout.write(json.dumps(out) + "\\n")
 """
 
 
-def run_child(model: str, tokens: int, config: str, cache: str, environ=os.environ) -> dict:
+def run_child(model: str, tokens: int, config: str, cache: str, environ=os.environ,
+              warmup: bool = True) -> dict:
     """One fresh process's step table ({step: (seconds, requests, hits)}) with its XLA cache
-    in `cache`."""
+    in `cache` (`warmup` False: no `Engine.warmup()`, its step empty)."""
     env = {k: v for k, v in environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["KVJAX_XLA_CACHE"] = cache
     proc = subprocess.run([sys.executable, "-c", CHILD, model, str(tokens),
-                           json.dumps(QUESTIONS), config], capture_output=True, text=True,
+                           json.dumps(QUESTIONS), config, str(int(warmup))],
+                          capture_output=True, text=True,
                           env=env, check=False, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"the start-up child failed: {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, tokens: int, config: str, reps: int) -> dict:
+def measure(model: str, tokens: int, config: str, reps: int, warmup: bool = True) -> dict:
     """{"cold": runs, "warm": runs}: `reps` pairs, each a cold run into an empty folder and
     a warm run from what it wrote."""
     runs = {"cold": [], "warm": []}
     for _ in range(reps):
         with tempfile.TemporaryDirectory(prefix="kvjax-startup-") as cache:
             for kind in runs:
-                runs[kind].append(run_child(model, tokens, config, cache))
+                runs[kind].append(run_child(model, tokens, config, cache, warmup=warmup))
     return runs
 
 
@@ -117,10 +123,11 @@ COLUMNS = [("step", lambda r: r["step"])] + [
 
 def main(args) -> int:
     model = args.model or "smollm2-135m-instruct"
+    warmup = not args.no_warmup
     emit(f"start-up of a new process: {model}, {args.gen_tokens} tokens per answer, "
-         f"{args.reps} cold/warm pair(s), medians")
-    runs = measure(model, args.gen_tokens, args.config, args.reps)
+         f"{args.reps} cold/warm pair(s), medians, warm-up {'on' if warmup else 'off'}")
+    runs = measure(model, args.gen_tokens, args.config, args.reps, warmup)
     rows = table(runs)
     write_results(args.out, markdown_table(rows, COLUMNS), rows, model=model,
-                  gen_tokens=args.gen_tokens, runs=runs)
+                  gen_tokens=args.gen_tokens, warmup=warmup, runs=runs)
     return 0

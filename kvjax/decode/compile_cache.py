@@ -43,6 +43,19 @@ JAX_MIN_COMPILE_SECS = 1.0  # JAX's default threshold: left alone when the user 
 _enabled: list[Path | None] = []  # this process's answer, once enable() has run
 
 
+def max_bytes(environ=os.environ) -> int:
+    """The folder's bound: `KVJAX_XLA_CACHE_BYTES`, a whole number of bytes, or `MAX_BYTES`."""
+    text = environ.get(BYTES_VAR, str(MAX_BYTES))
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{BYTES_VAR}={text!r}: give the compile cache's bound in bytes, "
+                         "a whole number >= 0")
+    return value
+
+
 def host_folder(base: Path) -> Path:
     """This CPU's subfolder of `base` (its model and instruction-set flags' digest)."""
     return base / hashlib.sha256(cpu_features().encode()).hexdigest()[:12]
@@ -77,7 +90,7 @@ def _switch_on(path: Path | None, environ) -> Path | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    prune(path, int(environ.get(BYTES_VAR, MAX_BYTES)))
+    prune(path, max_bytes(environ))
     jax.config.update("jax_compilation_cache_dir", str(path))
     if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECS:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

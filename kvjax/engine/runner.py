@@ -35,6 +35,14 @@ def knobs(requests: list[Request | None]) -> tuple[np.ndarray, np.ndarray, np.nd
     return sampling_rows([r.sampling if r else None for r in requests])
 
 
+def decode_context(ec: EngineConfig, max_seq_len: int) -> int:
+    """Tokens every step's page table covers: `ec.min_context`, or when None the most a
+    sequence can reach (the model's `max_seq_len`, at most the pool's tokens)."""
+    if ec.min_context is not None:
+        return ec.min_context
+    return min(max_seq_len, ec.cache.num_pages * ec.cache.page_size)
+
+
 LIVE_ROWS = 2  # the fewest rows a decode call of live samples alone runs (a lone row pads)
 
 
@@ -56,8 +64,8 @@ class StepRunner:
     def __init__(self, model: TargetModel, kv: KVCacheManager, engine_config: EngineConfig,
                  speculator, timers: Timers, probe_ok: bool = True):
         self.model = model
-        # the context every step's page table covers (`EngineConfig.decode_context`)
-        self.context = engine_config.decode_context(model.config.max_seq_len)
+        # the context every step's page table covers (`decode_context`)
+        self.context = decode_context(engine_config, model.config.max_seq_len)
         self.kv = kv  # every page and device cache, target's and draft's
         self.engine_config = engine_config
         self.spec = speculator  # a `kvjax.speculative.plugin.Speculator`, or None

@@ -2,7 +2,7 @@
 
 An engine's programs depend on a call's rows, a prefill call's width, the sampler (greedy
 or sampled) and the engine's options, never on a prompt's length or the context a sequence
-has reached: every page table covers `EngineConfig.decode_context` tokens from start-up,
+has reached: every page table covers `runner.decode_context` tokens from start-up,
 and a prefill call's width is one of a fixed ladder (`prefill_widths`). The warm-up runs
 the runner's own host code for each program under `kvjax.decode.aot.compiling()`, so it
 asks for exactly the programs the real calls will, compiled (or loaded from the persistent
