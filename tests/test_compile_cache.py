@@ -31,16 +31,17 @@ import jax, numpy as np
 import kvjax
 from kvjax.model.plan import INVARIANT
 assert jax.config.jax_compilation_cache_dir is None, "import kvjax switched the cache on"
-counts = {"requests": 0, "hits": 0}
+counts = {"requests": 0, "hits": 0, "kept": 0, "compiled": 0}
 EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
-          "/jax/compilation_cache/cache_hits": "hits"}
+          "/jax/compilation_cache/cache_hits": "hits", "/kvjax/programs/loaded": "kept",
+          "/kvjax/programs/compiled": "compiled"}
 jax.monitoring.register_event_listener(
     lambda event, **_: EVENTS.get(event) and counts.__setitem__(
         EVENTS[event], counts[EVENTS[event]] + 1))
 config = kvjax.ModelConfig(vocab_size=61, num_layers=2, d_model=32, num_heads=4,
                            num_kv_heads=2, d_ff=64, max_seq_len=128)
 params = kvjax.init_params(config, seed=1)
-counts.update(requests=0, hits=0)  # what generate compiles, with the cache it switches on
+counts.update(requests=0, hits=0, kept=0, compiled=0)  # generate's, with the cache it switches on
 out = kvjax.generate(params, config, [[5, 9, 2, 44, 17, 3, 8], [1, 2, 3]], 6,
                      return_logits=True, plan=INVARIANT)
 np.savez(sys.argv[1], *out.logits, tokens=np.asarray(out.tokens))
@@ -64,13 +65,20 @@ def _child(tmp_path: Path, name: str) -> tuple[dict, dict]:
 def test_a_program_loaded_from_the_cache_gives_the_bits_a_compile_gives(tmp_path):
     """The first process compiles every program (none in the cache: its folder under
     XDG_CACHE_HOME, made by `generate`, not by the import) and writes them; the second
-    loads every program it asks for and gets the first's tokens and logits bitwise."""
+    loads every program it asks for (the steps by kvjax's own key, untraced: `kept`; the
+    rest from JAX's cache) and gets the first's tokens and logits bitwise."""
     first, want = _child(tmp_path, "first")
     second, got = _child(tmp_path, "second")
-    folder = compile_cache.host_folder(tmp_path / "xdg" / "kvjax" / "xla")
+    folder = compile_cache.host_folder(tmp_path / "xdg" / "kvjax" / "xla") / \
+        compile_cache.version()
     assert first["dir"] == second["dir"] == str(folder)
-    assert first["requests"] > 0 and first["hits"] == 0
-    assert second["requests"] == first["requests"] and second["hits"] == second["requests"]
+    assert first["requests"] > 0 and first["hits"] == first["kept"] == 0
+    assert first["compiled"] >= 3  # extend, decode_loop and the first tokens' sampler
+    assert second["kept"] == first["compiled"] and second["compiled"] == 0
+    # JAX counts a request for every compile, kvjax's kept ones too (not cached by JAX)
+    assert second["requests"] + second["kept"] == first["requests"]
+    assert second["hits"] == second["requests"]
+    assert len(list((folder / "programs").iterdir())) == second["kept"]
     assert len(list(folder.iterdir())) >= first["requests"]
     assert want.keys() == got.keys() and len(want) == 3
     for key in want:
@@ -79,15 +87,32 @@ def test_a_program_loaded_from_the_cache_gives_the_bits_a_compile_gives(tmp_path
 
 def test_the_folder_is_the_user_s_cache_folder_unless_switched_off():
     """Under the user's cache folder (XDG's when absolute) or the named one, in the CPU's
-    own subfolder (a digest of its model and flags, which JAX's keys do not name)."""
+    own subfolder (a digest of its model and flags, which JAX's keys do not name), then
+    this kvjax's (a digest of its source)."""
     home, cpu = Path.home(), compile_cache.host_folder(Path("/")).name
-    assert len(cpu) == 12
-    assert compile_cache.folder({}) == home / ".cache/kvjax/xla" / cpu
+    here = Path(cpu, compile_cache.version())
+    assert len(cpu) == 12 and len(here.name) == 12
+    assert compile_cache.folder({}) == home / ".cache/kvjax/xla" / here
     assert compile_cache.folder({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/kvjax/xla",
-                                                                         cpu)
-    assert compile_cache.folder({"XDG_CACHE_HOME": "rel"}) == home / ".cache/kvjax/xla" / cpu
-    assert compile_cache.folder({compile_cache.ENV_VAR: "/y"}) == Path("/y", cpu)
+                                                                         here)
+    assert compile_cache.folder({"XDG_CACHE_HOME": "rel"}) == home / ".cache/kvjax/xla" / here
+    assert compile_cache.folder({compile_cache.ENV_VAR: "/y"}) == Path("/y", here)
     assert compile_cache.folder({compile_cache.ENV_VAR: "0"}) is None
+
+
+def test_another_kvjax_s_folder_is_dropped_when_unused(tmp_path):
+    """Each kvjax source has its own folder (a program JAX read from the cache would
+    otherwise stop kvjax keeping its steps: `kvjax.decode.programs.compile_fresh`); one
+    unused for `STALE_DAYS` goes when another kvjax switches the cache on."""
+    old = time.time() - (compile_cache.STALE_DAYS + 1) * 86400
+    mine, recent, stale = (tmp_path / name for name in ("mine", "recent", "stale"))
+    for folder in (mine, recent, stale):
+        (folder / "programs").mkdir(parents=True)
+        (folder / "programs" / "entry").write_bytes(b"x")
+    for path in (stale / "programs" / "entry", stale / "programs", stale):
+        os.utime(path, (old, old))
+    assert compile_cache.drop_versions(mine, compile_cache.STALE_DAYS) == [stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "recent"]
 
 
 def test_another_cpu_has_another_folder(monkeypatch):

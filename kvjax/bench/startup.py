@@ -36,6 +36,9 @@ counts = {"/jax/compilation_cache/compile_requests_use_cache": 0,
 def listen(event, **_):
     if event in counts:
         counts[event] += 1
+    if event == "/kvjax/programs/loaded":  # a step's program by kvjax's own key
+        for name in counts:
+            counts[name] += 1
 jax.monitoring.register_event_listener(listen)
 out, last = {}, [start, 0, 0]
 def mark(step):

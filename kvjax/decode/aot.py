@@ -14,6 +14,7 @@ will: it is the same code with placeholder results.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -23,7 +24,10 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from kvjax.decode import programs
+
 _HITS = "/jax/compilation_cache/cache_hits"
+LOADED = "/kvjax/programs/loaded"  # a step's program read from `kvjax.decode.programs`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Compiled:
     name: str  # the step (extend, decode_loop, ...)
     seconds: float  # tracing, lowering and compiling (or loading) it
     loaded: bool  # the persistent compilation cache held it (nothing compiled)
+    held: bool = False  # this process held it already (nothing compiled or loaded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +51,17 @@ class Warmup:
     @property
     def compiled(self) -> int:
         """Programs XLA compiled."""
-        return sum(not p.loaded for p in self.programs)
+        return sum(not (p.loaded or p.held) for p in self.programs)
 
     @property
     def loaded(self) -> int:
         """Programs the persistent compilation cache gave back."""
         return sum(p.loaded for p in self.programs)
+
+    @property
+    def held(self) -> int:
+        """Programs the process held already."""
+        return sum(p.held for p in self.programs)
 
     def counts(self) -> dict[str, int]:
         """Programs per step name."""
@@ -62,8 +72,9 @@ class Warmup:
 
     def __str__(self) -> str:
         steps = ", ".join(f"{n} {name}" for name, n in self.counts().items())
-        text = (f"warm-up: {len(self.programs)} programs ({steps}; {self.loaded} from the "
-                f"compilation cache) in {self.seconds:.2f} s")
+        text = (f"warm-up: {len(self.programs)} programs ({steps}; {self.compiled} compiled, "
+                f"{self.loaded} from the compilation cache, {self.held} held already) in "
+                f"{self.seconds:.2f} s")
         if self.not_warmed:
             text += f"; compiled at first use: {', '.join(self.not_warmed)}"
         return text
@@ -78,6 +89,7 @@ class _Session:
 
 
 _ACTIVE: list[_Session] = []
+_PROGRAMS: list[Program] = []
 _LISTENING = False
 
 
@@ -108,26 +120,91 @@ def active() -> bool:
 
 
 class Program:
-    """A jitted step that `compiling()` can compile without running.
+    """A jitted step that `compiling()` can compile without running, and whose compiled
+    programs outlive the process by kvjax's own key (`kvjax.decode.programs`).
 
     `caches`: {output index: argument name} of the donated caches the step returns (then
-    a tuple), given back as they came in compile-only calls."""
+    a tuple), given back as they came in compile-only calls; `static_argnames` and
+    `donate_argnames` as `jax.jit` takes them."""
 
-    def __init__(self, fn, name: str, caches: dict[int, str] | None = None):
-        self.fn, self.name, self.caches = fn, name, caches or {}
+    def __init__(self, fn, name: str, caches: dict[int, str] | None = None,
+                 static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = ()):
+        self.fn = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
+        self.name, self.caches = name, caches or {}
         self.signature = inspect.signature(fn)
+        self.params = list(self.signature.parameters)
+        self.statics = frozenset(static_argnames)
+        self.loaded: dict[str, object] = {}  # key -> compiled program, this process's
         self.__doc__, self.__wrapped__ = fn.__doc__, fn
+        _PROGRAMS.append(self)
+
+    def split(self, args: tuple, kwargs: dict) -> tuple[dict, tuple, dict]:
+        """(static arguments by name, the other positional ones, the other keywords), as
+        jit splits them."""
+        named = list(zip(self.params, args, strict=False))
+        statics = {n: a for n, a in named if n in self.statics}
+        statics.update((k, v) for k, v in kwargs.items() if k in self.statics)
+        return (statics, tuple(a for n, a in named if n not in self.statics),
+                {k: v for k, v in kwargs.items() if k not in self.statics})
 
     def __call__(self, *args, **kwargs):
+        base = programs.folder()
+        if base is None:
+            return self._jit_call(args, kwargs)
+        statics, dargs, dkwargs = self.split(args, kwargs)
+        try:
+            key = programs.key(self.name, statics, dargs, dkwargs)
+        except programs.Unkeyed:
+            return self._jit_call(args, kwargs)
+        program = self.loaded.get(key)
+        if program is not None and _ACTIVE:
+            _ACTIVE[-1].programs.append(Compiled(self.name, 0.0, False, held=True))
+        if program is None:
+            program = self._obtain(base / f"{self.name}-{key[:48]}", args, kwargs)
+            self.loaded[key] = program
+        if _ACTIVE:
+            return self._placeholder(program.out_info, args, kwargs)
+        return program(*dargs, **dkwargs)
+
+    def _obtain(self, path, args, kwargs):
+        """The program from the folder, else compiled (and kept there); a compile-only
+        session records it."""
+        session = _ACTIVE[-1] if _ACTIVE else None
+        hits, start = (session.hits if session else 0), time.perf_counter()
+        program = programs.load(path)
+        kept = program is not None
+        if kept:
+            jax.monitoring.record_event(LOADED)
+        else:
+            program, keep = programs.compile_fresh(self.fn.lower(*args, **kwargs))
+            if keep:
+                programs.save(path, program)
+        note_trace(self.name)  # a new program for this process
+        if session is not None:
+            session.programs.append(Compiled(self.name, time.perf_counter() - start,
+                                             kept or session.hits > hits))
+        return program
+
+    def _jit_call(self, args, kwargs):
+        """jit's path: run, or inside `compiling()` lower and compile."""
         if not _ACTIVE:
-            return self.fn(*args, **kwargs)
+            before = self.fn._cache_size()
+            out = self.fn(*args, **kwargs)
+            if self.fn._cache_size() > before:
+                note_trace(self.name)
+            return out
         session = _ACTIVE[-1]
         hits, start = session.hits, time.perf_counter()
+        note_trace(self.name)
         lowered = self.fn.lower(*args, **kwargs)
         lowered.compile()
         session.programs.append(Compiled(self.name, time.perf_counter() - start,
                                          session.hits > hits))
-        out = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), lowered.out_info)
+        return self._placeholder(lowered.out_info, args, kwargs)
+
+    def _placeholder(self, out_info, args, kwargs):
+        """Zeros in the results' shapes, with the given caches in their places."""
+        out = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out_info)
         if not self.caches:
             return out
         out, bound = list(out), self.signature.bind(*args, **kwargs)
@@ -135,10 +212,38 @@ class Program:
             out[index] = bound.arguments[arg]
         return tuple(out)
 
+    def clear_cache(self) -> None:
+        """Drops the programs this process holds for the step (jit's and kvjax's)."""
+        self.fn.clear_cache()
+        self.loaded.clear()
+
     def __getattr__(self, attr):  # lower, trace, eval_shape, ... of the jitted function
         return getattr(self.fn, attr)
 
 
-def program(name: str, caches: dict[int, str] | None = None):
-    """Decorator: `Program(fn, name, caches)` over a jitted function."""
-    return lambda fn: Program(fn, name, caches)
+def clear() -> None:
+    """Drops every compiled program the steps hold in this process (with `jax.clear_caches`,
+    what frees their memory maps)."""
+    for p in _PROGRAMS:
+        p.loaded.clear()
+
+
+def program(name: str, caches: dict[int, str] | None = None,
+            static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = ()):
+    """Decorator: the function as a `Program` (it applies `jax.jit` itself)."""
+    return lambda fn: Program(fn, name, caches, static_argnames, donate_argnames)
+
+
+_TRACES: collections.Counter = collections.Counter()
+
+
+def trace_counts() -> dict[str, int]:
+    """How many programs each step has taken on in this process (traced and compiled, or
+    loaded from `kvjax.decode.programs`): its compilations, as far as the process is
+    concerned (a `Program` counts its own; the other jitted loops call `note_trace`)."""
+    return dict(_TRACES)
+
+
+def note_trace(step: str) -> None:
+    """Counts one trace of a jitted step (call it from inside the traced function)."""
+    _TRACES[step] += 1

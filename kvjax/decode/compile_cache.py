@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -41,6 +43,23 @@ MAX_BYTES = 4 << 30
 JAX_MIN_COMPILE_SECS = 1.0  # JAX's default threshold: left alone when the user changed it
 
 _enabled: list[Path | None] = []  # this process's answer, once enable() has run
+_VERSION: list[str] = []
+STALE_DAYS = 7  # another kvjax's folder unused this long is dropped
+_JAX_LOADS = [0]  # programs this process read from JAX's persistent cache
+
+
+def _count_loads(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _JAX_LOADS[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_loads)
+
+
+def jax_loads() -> int:
+    """How many programs this process has read from JAX's persistent cache (since kvjax's
+    compile cache was imported, before anything of kvjax's compiled)."""
+    return _JAX_LOADS[0]
 
 
 def max_bytes(environ=os.environ) -> int:
@@ -56,6 +75,22 @@ def max_bytes(environ=os.environ) -> int:
     return value
 
 
+def source_digest(root: Path) -> str:
+    """A digest of every source file (.py, .cc, .h) under `root`, names and contents."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".cc", ".h") and "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def version() -> str:
+    """This kvjax's folder name: a digest of its source (once a process)."""
+    if not _VERSION:
+        _VERSION.append(source_digest(Path(__file__).resolve().parents[1])[:12])
+    return _VERSION[0]
+
+
 def host_folder(base: Path) -> Path:
     """This CPU's subfolder of `base` (its model and instruction-set flags' digest)."""
     return base / hashlib.sha256(cpu_features().encode()).hexdigest()[:12]
@@ -66,7 +101,7 @@ def folder(environ=os.environ) -> Path | None:
     value = environ.get(ENV_VAR, "")
     if value == "0":
         return None
-    return host_folder(Path(value) if value else cache_home(environ) / "xla")
+    return host_folder(Path(value) if value else cache_home(environ) / "xla") / version()
 
 
 def enable(environ=os.environ) -> Path | None:
@@ -80,6 +115,15 @@ def enable(environ=os.environ) -> Path | None:
     return path
 
 
+def current() -> Path | None:
+    """The folder JAX caches in now: kvjax's once `enable()` switched it on, or the user's
+    own; None when off or not switched on yet (nothing is switched on here)."""
+    own = jax.config.jax_compilation_cache_dir
+    if own:
+        return Path(own)
+    return _enabled[0] if _enabled else None
+
+
 def _switch_on(path: Path | None, environ) -> Path | None:
     """JAX's cache in `path` (made and pruned first), every program cached unless the user
     set the threshold; None when there is no folder or it cannot be made (an unwritable
@@ -90,11 +134,28 @@ def _switch_on(path: Path | None, environ) -> Path | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
+    drop_versions(path, STALE_DAYS)
     prune(path, max_bytes(environ))
     jax.config.update("jax_compilation_cache_dir", str(path))
     if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECS:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
+
+
+def drop_versions(path: Path, days: float) -> list[Path]:
+    """Removes the folders beside `path` (other kvjax versions' on this CPU) where nothing
+    was written or read for `days`; returns them."""
+    gone, cutoff = [], time.time() - days * 86400
+    for other in path.parent.iterdir():
+        if other == path or not other.is_dir():
+            continue
+        with contextlib.suppress(OSError):
+            used = max([other.stat().st_mtime] + [max(f.stat().st_mtime, f.stat().st_atime)
+                                                  for f in other.rglob("*") if f.is_file()])
+            if used < cutoff:
+                shutil.rmtree(other, ignore_errors=True)
+                gone.append(other)
+    return gone
 
 
 def prune(path: Path, max_bytes: int) -> list[Path]:

@@ -143,8 +143,8 @@ def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature
     return jax.lax.cond(jnp.all(temperature == 0), lambda: argmax, stochastic)
 
 
-_sample = Program(jax.jit(sample), "sample")
-_greedy = Program(jax.jit(greedy), "greedy")
+_sample = Program(sample, "sample")
+_greedy = Program(greedy, "greedy")
 
 
 def sample_jit(logits, keys, positions, temperature, top_k, top_p) -> jax.Array:

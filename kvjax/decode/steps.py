@@ -11,16 +11,15 @@ Legend: B batch slots, T new tokens, P pages per sequence, V vocab, S decode ste
 
 from __future__ import annotations
 
-import collections
-from functools import partial
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
+from kvjax.decode.aot import note_trace as note_trace  # the plain jitted loops count
 from kvjax.decode.aot import program
+from kvjax.decode.aot import trace_counts as trace_counts  # where callers look
 from kvjax.decode.sampling import any_sampled, greedy, sample
 from kvjax.decode.state import DecodeState
 from kvjax.model.kernels import AttentionKernel
@@ -28,18 +27,6 @@ from kvjax.model.layout import unstored
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.transformer import Cache, Transformer
 from kvjax.sharding.rules import StepShardings, maybe_constrain_cache, maybe_replicated
-
-_TRACES: collections.Counter = collections.Counter()
-
-
-def trace_counts() -> dict[str, int]:
-    """How many times each jitted step has been traced (compiled) in this process."""
-    return dict(_TRACES)
-
-
-def note_trace(step: str) -> None:
-    """Counts one trace of a jitted step (call it from inside the traced function)."""
-    _TRACES[step] += 1
 
 
 def model_variables(params, lora: dict | None, plan: NumericsPlan) -> dict:
@@ -49,8 +36,8 @@ def model_variables(params, lora: dict | None, plan: NumericsPlan) -> dict:
     return {"params": params} if lora is None else {"params": params, "lora": lora}
 
 
-@program("extend", {1: "cache"})
-@partial(jax.jit, static_argnames=("config", "last_only", "sharding", "plan", "features"),
+@program("extend", {1: "cache"},
+         static_argnames=("config", "last_only", "sharding", "plan", "features"),
          donate_argnames=("cache",))
 def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
            batch: BatchInfo, lora: dict | None = None, adapter_ids: jax.Array | None = None,
@@ -67,7 +54,6 @@ def extend(params: dict, config: ModelConfig, cache: Cache, tokens: jax.Array,
     (`kvjax.model.plan`; `params` stored as it says). `features`: (logits, the final norm's
     output [B, T, D]) in place of the logits (`Transformer`'s `features`).
     """
-    note_trace("extend")
     positions = model_positions(batch, tokens.shape[1])
     logits_at = jnp.maximum(batch.num_new - 1, 0) if last_only else None
     cache = maybe_constrain_cache(sharding, cache)
@@ -141,8 +127,7 @@ class _Carry:
     fill_logits: jax.Array  # float32[Bp, V], Bp = 0 without fill
 
 
-@program("decode_loop", {1: "cache"})
-@partial(jax.jit,
+@program("decode_loop", {1: "cache"},
          static_argnames=("config", "max_steps", "return_logits", "sharding", "kernel",
                           "plan", "sampled"),
          donate_argnames=("cache",))
@@ -169,7 +154,6 @@ def decode_loop(params: dict, config: ModelConfig, cache: Cache, state: DecodeSt
     Returns (DecodeResult, the cache): logits only with `return_logits`, fill_logits only
     with `fill`.
     """
-    note_trace("decode_loop")
     b = state.last.shape[0]
     vocab = config.vocab_size
     model = Transformer(config, sharding, kernel, plan)

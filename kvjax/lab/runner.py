@@ -225,7 +225,10 @@ def drop_compiled_code() -> None:
     """
     import jax  # here, not at the top: a mesh run picks its CPU devices before JAX starts
 
+    from kvjax.decode import aot
+
     jax.clear_caches()
+    aot.clear()  # the programs the steps hold by kvjax's key
     gc.collect()
 
 

@@ -1,0 +1,161 @@
+"""Compiled steps kept by kvjax's own key: a new process runs a step's program without
+tracing or lowering it.
+
+JAX's persistent cache (`kvjax.decode.compile_cache`) finds a program by its lowered HLO, so
+a process traces and lowers every step before it can load it: for SmolLM2 most of a warm
+start. The steps kvjax wraps (`kvjax.decode.aot.Program`) are also kept by what selects
+their program, known before any tracing:
+
+- the step's name and its static arguments' values (plain values and frozen dataclasses
+  of them: a model config, a numerics plan);
+- each array argument's shape, dtype and weak type, and the arguments' tree structure;
+- kvjax's source (a digest of every file of the package), jax's and jaxlib's versions, the
+  backend and device kind, `XLA_FLAGS` and the JAX options that change a program; the CPU
+  through the folder (`compile_cache`'s per-CPU folder, `programs/`).
+
+A hit deserializes the executable XLA compiled (`jax.experimental.serialize_executable`):
+the same program, the same bits (`tests/test_compile_cache.py` compares a fresh compile
+with a load in another process, bitwise). Kept only where every argument lives on one
+device and every static argument is plain; otherwise, and with the cache switched off
+(`KVJAX_XLA_CACHE=0`), the step is jit's as before. An entry that cannot be read is
+compiled again and rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import hashlib
+import os
+import pickle
+from pathlib import Path
+
+import jax
+import jaxlib
+import numpy as np
+from jax.experimental import serialize_executable
+
+from kvjax.decode import compile_cache
+
+FOLDER = "programs"
+COMPILED = "/kvjax/programs/compiled"  # a step's program compiled to be kept here
+# JAX options that change the program a step lowers to
+_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+            "jax_threefry_partitionable", "jax_numpy_dtype_promotion",
+            "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")
+_ENVIRONMENT: list[str] = []
+
+
+class Unkeyed(Exception):
+    """An argument kvjax does not key (a mesh, an unknown object): jit's path instead."""
+
+
+def folder() -> Path | None:
+    """Where the programs are kept: `programs/` of the folder JAX caches in (kvjax's per-CPU
+    one once an entry point switched it on, or the user's own), None when it is off."""
+    base = compile_cache.current()
+    return None if base is None else base / FOLDER
+
+
+def environment() -> str:
+    """The digest of what every program depends on beside its arguments (once a process)."""
+    if not _ENVIRONMENT:
+        h = hashlib.sha256(compile_cache.version().encode())
+        device = jax.devices()[0]
+        options = [f"{name}={getattr(jax.config, name, None)!r}" for name in _OPTIONS]
+        h.update("\0".join([jax.__version__, jaxlib.__version__, jax.default_backend(),
+                            device.device_kind, os.environ.get("XLA_FLAGS", ""),
+                            *options]).encode())
+        _ENVIRONMENT.append(h.hexdigest())
+    return _ENVIRONMENT[0]
+
+
+def plain(value) -> str:
+    """A static argument's canonical text; raises Unkeyed for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({','.join(plain(v) for v in value)})"
+    if isinstance(value, dict):
+        return "dict(" + ",".join(f"{plain(k)}:{plain(v)}" for k, v in
+                                  sorted(value.items(), key=lambda kv: repr(kv[0]))) + ")"
+    if isinstance(value, np.dtype):
+        return f"dtype:{value}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if not type(value).__dataclass_params__.frozen:
+            raise Unkeyed(type(value).__qualname__)
+        fields = ",".join(f"{f.name}={plain(getattr(value, f.name))}"
+                          for f in dataclasses.fields(value))
+        return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
+    raise Unkeyed(type(value).__qualname__)
+
+
+def leaf(x) -> str:
+    """An array argument's shape, dtype and weak type; raises Unkeyed for arrays spread
+    over devices."""
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) != 1:
+        raise Unkeyed("an array over several devices")
+    aval = jax.typeof(x)
+    return f"{aval.dtype}{list(aval.shape)}{'w' if aval.weak_type else ''}"
+
+
+def key(name: str, statics: dict, args: tuple, kwargs: dict) -> str:
+    """The program's key (module docstring): `statics` by name, the dynamic arguments as
+    the step is called with them."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    text = "\n".join([name, environment(), str(tree), ";".join(map(leaf, leaves)),
+                      *(f"{k}={plain(v)}" for k, v in sorted(statics.items()))])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def compile_fresh(lowered):
+    """(XLA's compile of a lowered step, whether it may be kept here). An XLA:CPU program
+    compiled in a process that has read any program from JAX's persistent cache serializes
+    without its kernels ("Function ... not found" when the copy runs; a program compiled
+    before, or read from here, is fine): such a process compiles through JAX's cache (which
+    keeps it) and keeps nothing here. A clean one compiles past JAX's caches and records
+    `COMPILED`."""
+    if compile_cache.jax_loads():
+        return lowered.compile(), False
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        program = lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+    jax.monitoring.record_event(COMPILED)
+    return program, True
+
+
+def load(path: Path):
+    """The compiled program kept at `path`, or None (none kept, or unreadable: removed)."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        executable, in_tree, out_tree = pickle.loads(blob)
+        program = serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
+    except Exception:  # a cut-short or foreign entry: compile again
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # last use, for `compile_cache.prune`
+    return program
+
+
+def save(path: Path, program) -> None:
+    """Keeps a compiled program at `path` (written whole, then renamed into place); a
+    folder that cannot be written costs a compile next time, not a failure."""
+    try:
+        blob = pickle.dumps(serialize_executable.serialize(program))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.name}.{os.getpid()}.part")
+        part.write_bytes(blob)
+        part.replace(path)
+    except (OSError, ValueError, TypeError, pickle.PicklingError):
+        return
