@@ -87,11 +87,19 @@ def _free_compiled_code():
 @pytest.fixture
 def swapped(monkeypatch):
     """Swaps a name a device loop traces with, `swap(module, name, value)` (the compiled
-    code is dropped before and after, so no other test runs a swapped rule)."""
+    code is dropped before and after, so no other test runs a swapped rule; kvjax's kept
+    programs are off meanwhile: their key cannot see the swap)."""
+    from kvjax.decode import aot, programs
+
+    def drop():
+        jax.clear_caches()
+        aot.clear()
+
     def swap(module, name, value):
         monkeypatch.setattr(module, name, value)
-        jax.clear_caches()
+        drop()
 
-    yield swap
-    monkeypatch.undo()
-    jax.clear_caches()
+    with programs.off():
+        yield swap
+        monkeypatch.undo()
+    drop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -87,3 +88,23 @@ def test_a_sweep_drops_the_programs_the_steps_hold():
     assert any(p.loaded for p in aot._PROGRAMS)
     drop_compiled_code()
     assert not any(p.loaded for p in aot._PROGRAMS)
+
+
+def test_the_key_names_jax_s_options():
+    """A program compiled under another option (level 0 optimizations here, which breaks
+    invariance: tests/test_tiled.py) is another program; a cache or log option is not."""
+    a = np.zeros(3, np.float32)
+    base = programs.key("f", {}, (a,), {})
+    was = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", not was)
+    try:
+        other = programs.key("f", {}, (a,), {})
+    finally:
+        jax.config.update("jax_disable_most_optimizations", was)
+    assert other != base
+    logged = jax.config.values["jax_log_compiles"]
+    jax.config.update("jax_log_compiles", not logged)
+    try:
+        assert programs.key("f", {}, (a,), {}) == base
+    finally:
+        jax.config.update("jax_log_compiles", logged)

@@ -10,15 +10,16 @@ their program, known before any tracing:
   of them: a model config, a numerics plan);
 - each array argument's shape, dtype and weak type, and the arguments' tree structure;
 - kvjax's source (a digest of every file of the package), jax's and jaxlib's versions, the
-  backend and device kind, `XLA_FLAGS` and the JAX options that change a program; the CPU
-  through the folder (`compile_cache`'s per-CPU folder, `programs/`).
+  backend and device kind, `XLA_FLAGS` and JAX's options (all but caches' and logs'); the
+  CPU through the folder (`compile_cache`'s per-CPU folder, `programs/`).
 
 A hit deserializes the executable XLA compiled (`jax.experimental.serialize_executable`):
 the same program, the same bits (`tests/test_compile_cache.py` compares a fresh compile
 with a load in another process, bitwise). Kept only where every argument lives on one
 device and every static argument is plain; otherwise, and with the cache switched off
 (`KVJAX_XLA_CACHE=0`), the step is jit's as before. An entry that cannot be read is
-compiled again and rewritten.
+compiled again and rewritten. The key cannot see code patched at run time: a test that
+swaps a rule a step traces runs under `off()`.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ from kvjax.decode import compile_cache
 
 FOLDER = "programs"
 COMPILED = "/kvjax/programs/compiled"  # a step's program compiled to be kept here
-# JAX options that change the program a step lowers to
-_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
-            "jax_threefry_partitionable", "jax_numpy_dtype_promotion",
-            "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")
+# JAX options that never change a program (caches, logs, dumps): every other is keyed
+_IGNORED = ("compilation_cache", "persistent_cache", "log", "dump", "traceback", "explain",
+            "pprint", "source_url", "check_proxy", "timeout")
 _ENVIRONMENT: list[str] = []
+_OFF: list[bool] = []
 
 
 class Unkeyed(Exception):
@@ -54,8 +55,20 @@ class Unkeyed(Exception):
 def folder() -> Path | None:
     """Where the programs are kept: `programs/` of the folder JAX caches in (kvjax's per-CPU
     one once an entry point switched it on, or the user's own), None when it is off."""
-    base = compile_cache.current()
+    base = None if _OFF else compile_cache.current()
     return None if base is None else base / FOLDER
+
+
+@contextlib.contextmanager
+def off():
+    """Within it the steps are jit's alone: for code that swaps what a step traces (a
+    patched rule), which kvjax's key cannot see. Drop the steps' programs around it
+    (`kvjax.decode.aot.clear`, `jax.clear_caches`)."""
+    _OFF.append(True)
+    try:
+        yield
+    finally:
+        _OFF.pop()
 
 
 def environment() -> str:
@@ -63,12 +76,17 @@ def environment() -> str:
     if not _ENVIRONMENT:
         h = hashlib.sha256(compile_cache.version().encode())
         device = jax.devices()[0]
-        options = [f"{name}={getattr(jax.config, name, None)!r}" for name in _OPTIONS]
         h.update("\0".join([jax.__version__, jaxlib.__version__, jax.default_backend(),
-                            device.device_kind, os.environ.get("XLA_FLAGS", ""),
-                            *options]).encode())
+                            device.device_kind, os.environ.get("XLA_FLAGS", "")]).encode())
         _ENVIRONMENT.append(h.hexdigest())
     return _ENVIRONMENT[0]
+
+
+def options() -> str:
+    """JAX's options now, but those that never change a program (read at every key: a
+    process may change them, `jax_disable_most_optimizations` one)."""
+    return ";".join(f"{name}={value!r}" for name, value in sorted(jax.config.values.items())
+                    if not any(part in name for part in _IGNORED))
 
 
 def plain(value) -> str:
@@ -106,7 +124,7 @@ def key(name: str, statics: dict, args: tuple, kwargs: dict) -> str:
     """The program's key (module docstring): `statics` by name, the dynamic arguments as
     the step is called with them."""
     leaves, tree = jax.tree.flatten((args, kwargs))
-    text = "\n".join([name, environment(), str(tree), ";".join(map(leaf, leaves)),
+    text = "\n".join([name, environment(), options(), str(tree), ";".join(map(leaf, leaves)),
                       *(f"{k}={plain(v)}" for k, v in sorted(statics.items()))])
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
+from kvjax.decode.aot import program
 from kvjax.decode.sampling import DRAFT_TAG, greedy, probabilities, sample
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
@@ -169,9 +170,10 @@ def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeSt
     return drafts, q, maybe_constrain_cache(sharding, cache, draft=True), draft_lengths
 
 
-@partial(jax.jit, static_argnames=("config", "draft_config", "drafter", "gamma", "max_out",
-                                   "ngram_max", "return_logits", "sharding", "plan",
-                                   "draft_plan", "sampled"),
+@program("spec_loop", {1: "cache", 2: "draft_cache"},
+         static_argnames=("config", "draft_config", "drafter", "gamma", "max_out",
+                          "ngram_max", "return_logits", "sharding", "plan", "draft_plan",
+                          "sampled"),
          donate_argnames=("cache", "draft_cache"))
 def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter: str,
               gamma: int, max_out: int, draft_params=None,
@@ -191,7 +193,6 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     Returns (SpecLoopResult, the cache, the draft cache): the result's logits only with
     `return_logits`, its draft only with the model drafter.
     """
-    steps.note_trace("spec_loop")
     b = state.last.shape[0]
     vocab = config.vocab_size
     g1 = gamma + 1

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions, move_slots
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
+from kvjax.decode.aot import program
 from kvjax.decode.sampling import greedy, probabilities
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
@@ -172,9 +173,10 @@ def sampled_rows(greedy_rows: tuple[jax.Array, jax.Array, jax.Array], logits: ja
     return jax.lax.cond(jnp.all(temperature == 0), lambda: greedy_rows, mixed)
 
 
-@partial(jax.jit, static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
-                                   "ngram_max", "ngram_min", "top_k", "rerank",
-                                   "return_logits", "plan", "sampled"),
+@program("tree_loop", {1: "cache"},  # (the head's cache comes back inside the result)
+         static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
+                          "ngram_max", "ngram_min", "top_k", "rerank", "return_logits",
+                          "plan", "sampled"),
          donate_argnames=("cache", "head_cache"))
 def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: jax.Array, *,
               max_nodes: int, depth: int, branches: int = 1, max_out: int, ngram_max: int = 3,
@@ -198,7 +200,6 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
     (TreeLoopResult (with the head's side after the loop), the cache)."""
     if state.adapter_ids is not None:
         raise ValueError("tree_loop serves no LoRA adapters (state.adapter_ids is set)")
-    steps.note_trace("tree_loop")
     b, vocab = state.last.shape[0], config.vocab_size
     rows = jnp.arange(b)
     cols = jnp.arange(depth + 1)[None, :]
