@@ -1,29 +1,35 @@
-"""Compiled programs kept across processes: JAX's persistent compilation cache in the user's
-cache folder, switched on by kvjax's entry points (`kvjax.models.load`, `Engine`,
-`kvjax.generate`, the `kvjax` command and the scripts), never by `import kvjax` alone.
+"""Compiled programs kept across processes, in the user's cache folder, switched on by
+kvjax's entry points (`kvjax.models.load`, `Engine`, `kvjax.generate`, the `kvjax` command
+and the scripts), never by `import kvjax` alone. Two stores share the folder:
 
-JAX keys a compiled program by its HLO, the compile options, the backend and the jaxlib
-version (XLA flags included), and a hit loads the executable the compile wrote: the same
-machine code, so a program loaded from the cache computes the same bits as a fresh compile
-(tests/test_compile_cache.py compares them in two processes). JAX's key does not name the
-CPU, whose instruction sets XLA compiles for, so kvjax keeps each CPU's programs apart: a
-subfolder named by a digest of the CPU's model and flags (`host_folder`), as the probe and
-kernel caches key theirs, so a cache folder shared between hosts never hands one host
-another's code.
+- kvjax's steps (prefill, decode and speculative loops, the samplers) by kvjax's own key,
+  `programs/` (`kvjax.decode.programs`): a new process runs them without tracing them;
+- every other program in JAX's persistent compilation cache, keyed by its HLO, the compile
+  options, the backend and the jaxlib version (XLA flags included).
+
+A hit in either loads the executable the compile wrote: the same machine code, so a loaded
+program computes the same bits as a fresh compile (tests/test_compile_cache.py compares
+them in two processes). Neither key names the CPU, whose instruction sets XLA compiles for,
+so kvjax keeps each CPU's programs apart: a subfolder named by a digest of the CPU's model
+and flags (`host_folder`), as the probe and kernel caches key theirs, so a cache folder
+shared between hosts never hands one host another's code; and each kvjax source apart
+(`version`; another's folder unused for `STALE_DAYS` is dropped), which keeps a new kvjax's
+first process free of JAX-cache reads, the condition for keeping its steps
+(`kvjax.decode.programs.compile_fresh`).
 
 Where: `$KVJAX_XLA_CACHE`, else `xla` in `kvjax.backend.cache_home()`
-(`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`), then the CPU's subfolder.
-`KVJAX_XLA_CACHE=0` leaves it off. A user who set JAX's own cache folder
+(`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`), then the CPU's subfolder, then
+kvjax's. `KVJAX_XLA_CACHE=0` leaves both off. A user who set JAX's own cache folder
 (`jax_compilation_cache_dir`, or the `JAX_COMPILATION_CACHE_DIR` variable) keeps it as
-configured: kvjax changes nothing. kvjax caches every program however quickly it compiled
-(JAX's default skips those under a second, most of a chat's small programs) unless the
-user set that threshold. The folder is bounded (`KVJAX_XLA_CACHE_BYTES`, default
-`MAX_BYTES`): when a process enables it over the bound, the entries used longest ago (the
-later of their write and read times) are dropped until it holds half the bound. A process
-killed while JAX wrote an entry may leave it cut short: JAX then warns, compiles the
-program again and leaves the entry, until the folder is deleted.
+configured (kvjax's steps go to its `programs/`). kvjax caches every program however
+quickly it compiled (JAX's default skips those under a second, most of a chat's small
+programs) unless the user set that threshold. The folder is bounded
+(`KVJAX_XLA_CACHE_BYTES`, default `MAX_BYTES`): when a process enables it over the bound,
+the entries used longest ago (the later of their write and read times) are dropped until
+it holds half the bound. A process killed while JAX wrote an entry may leave it cut short:
+JAX then warns, compiles the program again and leaves the entry, until the folder is
+deleted (kvjax's own entries are written whole and renamed into place).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -159,12 +165,12 @@ def drop_versions(path: Path, days: float) -> list[Path]:
 
 
 def prune(path: Path, max_bytes: int) -> list[Path]:
-    """When the files in `path` hold more than `max_bytes`, removes those used longest ago
+    """When the files under `path` hold more than `max_bytes`, removes those used longest ago
     (the later of write and access time: Linux updates the access time of a file read
     after its last write, and then at most daily) until they hold half of it; returns what
     it removed."""
     files = []
-    for entry in path.iterdir():
+    for entry in path.rglob("*"):
         with contextlib.suppress(OSError):
             if entry.is_file():
                 stat = entry.stat()
