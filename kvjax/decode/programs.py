@@ -15,9 +15,9 @@ their program, known before any tracing:
 
 A hit deserializes the executable XLA compiled (`jax.experimental.serialize_executable`):
 the same program, the same bits (`tests/test_compile_cache.py` compares a fresh compile
-with a load in another process, bitwise). Kept only where every argument lives on one
-device and every static argument is plain; otherwise, and with the cache switched off
-(`KVJAX_XLA_CACHE=0`), the step is jit's as before. An entry that cannot be read is
+with a load in another process, bitwise). Kept only in a process of its own, where every
+argument lives on one device and every static argument is plain; otherwise, and with the
+cache switched off (`KVJAX_XLA_CACHE=0`), the step is jit's as before. An entry that cannot be read is
 compiled again and rewritten. The key cannot see code patched at run time: a test that
 swaps a rule a step traces runs under `off()`.
 """
@@ -54,8 +54,9 @@ class Unkeyed(Exception):
 
 def folder() -> Path | None:
     """Where the programs are kept: `programs/` of the folder JAX caches in (kvjax's per-CPU
-    one once an entry point switched it on, or the user's own), None when it is off."""
-    base = None if _OFF else compile_cache.current()
+    one once an entry point switched it on, or the user's own), None when it is off or
+    the process is one of several (a program of a multi-process run is its run's)."""
+    base = None if _OFF or jax.process_count() > 1 else compile_cache.current()
     return None if base is None else base / FOLDER
 
 
