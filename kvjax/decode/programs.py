@@ -17,9 +17,9 @@ A hit deserializes the executable XLA compiled (`jax.experimental.serialize_exec
 the same program, the same bits (`tests/test_compile_cache.py` compares a fresh compile
 with a load in another process, bitwise). Kept only in a process of its own, where every
 argument lives on one device and every static argument is plain; otherwise, and with the
-cache switched off (`KVJAX_XLA_CACHE=0`), the step is jit's as before. An entry that cannot be read is
-compiled again and rewritten. The key cannot see code patched at run time: a test that
-swaps a rule a step traces runs under `off()`.
+cache switched off (`KVJAX_XLA_CACHE=0`), the step is jit's as before. An entry that
+cannot be read is compiled again and rewritten. The key cannot see code patched at run
+time: a test that swaps a rule a step traces runs under `off()`.
 """
 
 from __future__ import annotations
