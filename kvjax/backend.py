@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 from pathlib import Path
 
 FUSION_FLAG = "--xla_cpu_use_fusion_emitters"
@@ -104,4 +105,14 @@ def host_cpu(cpuinfo: str | None = None) -> str:
     return f"{model}, {os.cpu_count()} cores; {' '.join(flags) or 'no vector flags listed'}"
 
 
+def _backend_started() -> bool:
+    """Whether a JAX backend exists already (then XLA read its flags before kvjax set
+    them), read without importing JAX."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
+
+
+# XLA reads its flags once, when JAX's backend starts: if that was before kvjax's import,
+# the flags in force are not XLA_FLAGS' (kvjax.decode.programs then keeps nothing)
+STARTED_BEFORE_FLAGS = _backend_started()
 set_xla_flags()

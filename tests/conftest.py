@@ -81,6 +81,9 @@ def _free_compiled_code():
     """
     yield
     jax.clear_caches()
+    from kvjax.decode import aot
+
+    aot.clear()  # the steps' programs kvjax holds by its own key
     gc.collect()
 
 

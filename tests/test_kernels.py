@@ -266,7 +266,7 @@ def test_kernel_refuses_what_it_cannot_compute():
         paged_decode_attention(jnp.concatenate([q, q], axis=1), cache, 1, batch, "pallas_gpu")
 
 
-def test_engine_decodes_with_the_gpu_kernel_as_with_the_reference(monkeypatch):
+def test_engine_decodes_with_the_gpu_kernel_as_with_the_reference(swapped):
     """The whole engine with `attention="pallas_gpu"` (interpret mode) under fast numerics,
     where the kernels run: the decode loop traces the kernel, same greedy tokens, logits
     within float32 tolerance of the reference attention. Invariant numerics attend by the
@@ -278,8 +278,8 @@ def test_engine_decodes_with_the_gpu_kernel_as_with_the_reference(monkeypatch):
 
     calls = []
     kernel = transformer.paged_decode_attention
-    monkeypatch.setattr(transformer, "paged_decode_attention",
-                        lambda *a, **k: calls.append(a[4]) or kernel(*a, **k))
+    swapped(transformer, "paged_decode_attention",  # kvjax's kept programs off meanwhile
+            lambda *a, **k: calls.append(a[4]) or kernel(*a, **k))
     config = small_model(vocab_size=64, d_model=64, num_heads=4, num_kv_heads=2,
                          max_seq_len=256)  # head_dim 16: the GPU kernel's least
     params = sharp_params(config, seed=2)

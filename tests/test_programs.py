@@ -108,3 +108,37 @@ def test_the_key_names_jax_s_options():
         assert programs.key("f", {}, (a,), {}) == base
     finally:
         jax.config.update("jax_log_compiles", logged)
+
+
+_GREEDY = aot.Program(steps.greedy, "test_thread_greedy")
+
+
+def test_compile_only_is_the_calling_thread_s():
+    """A warm-up in one thread leaves the steps of another running for real."""
+    import threading
+
+    logits = np.arange(12, dtype=np.float32).reshape(3, 4)
+    got = {}
+
+    def other():
+        got["tokens"] = np.asarray(_GREEDY(logits))
+
+    with aot.compiling():
+        assert np.all(np.asarray(_GREEDY(logits)) == 0)  # a placeholder
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    np.testing.assert_array_equal(got["tokens"], [3, 3, 3])
+
+
+def test_the_kept_programs_follow_the_opt_out():
+    """`KVJAX_XLA_CACHE=0` turns kvjax's store off even beside the user's own JAX cache
+    (this run's, tests/conftest.py), and a remote JAX cache folder keeps nothing."""
+    assert compile_cache.current(kept=True, environ={}) is not None
+    assert compile_cache.current(kept=True, environ={compile_cache.ENV_VAR: "0"}) is None
+    own = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", "gs://bucket/cache")
+    try:
+        assert compile_cache.current(kept=True, environ={}) is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", own)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
+import threading
 import time
 from collections.abc import Iterator
 
@@ -88,14 +90,22 @@ class _Session:
         self.hits = 0
 
 
-_ACTIVE: list[_Session] = []
+_STATE = threading.local()  # .sessions: this thread's compile-only sessions
+
+
+def _sessions() -> list:
+    if not hasattr(_STATE, "sessions"):
+        _STATE.sessions = []
+    return _STATE.sessions
+
+
 _PROGRAMS: list[Program] = []
 _LISTENING = False
 
 
 def _listen(event: str, **_) -> None:
-    if event == _HITS and _ACTIVE:
-        _ACTIVE[-1].hits += 1
+    if event == _HITS and _sessions():
+        _sessions()[-1].hits += 1
 
 
 @contextlib.contextmanager
@@ -107,16 +117,16 @@ def compiling() -> Iterator[list[Compiled]]:
         jax.monitoring.register_event_listener(_listen)
         _LISTENING = True
     session = _Session()
-    _ACTIVE.append(session)
+    _sessions().append(session)
     try:
         yield session.programs
     finally:
-        _ACTIVE.remove(session)
+        _sessions().remove(session)
 
 
 def active() -> bool:
-    """Whether steps compile instead of running (inside `compiling()`)."""
-    return bool(_ACTIVE)
+    """Whether steps compile instead of running (inside `compiling()`, this thread)."""
+    return bool(_sessions())
 
 
 class Program:
@@ -129,7 +139,13 @@ class Program:
 
     def __init__(self, fn, name: str, caches: dict[int, str] | None = None,
                  static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = ()):
-        self.fn = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):  # runs once per trace: counts it
+            note_trace(name)
+            return fn(*args, **kwargs)
+
+        self.fn = jax.jit(traced, static_argnames=static_argnames,
+                          donate_argnames=donate_argnames)
         self.name, self.caches = name, caches or {}
         self.signature = inspect.signature(fn)
         self.params = list(self.signature.parameters)
@@ -157,29 +173,29 @@ class Program:
         except programs.Unkeyed:
             return self._jit_call(args, kwargs)
         program = self.loaded.get(key)
-        if program is not None and _ACTIVE:
-            _ACTIVE[-1].programs.append(Compiled(self.name, 0.0, False, held=True))
+        if program is not None and _sessions():
+            _sessions()[-1].programs.append(Compiled(self.name, 0.0, False, held=True))
         if program is None:
             program = self._obtain(base / f"{self.name}-{key[:48]}", args, kwargs)
             self.loaded[key] = program
-        if _ACTIVE:
+        if _sessions():
             return self._placeholder(program.out_info, args, kwargs)
         return program(*dargs, **dkwargs)
 
     def _obtain(self, path, args, kwargs):
         """The program from the folder, else compiled (and kept there); a compile-only
         session records it."""
-        session = _ACTIVE[-1] if _ACTIVE else None
+        session = _sessions()[-1] if _sessions() else None
         hits, start = (session.hits if session else 0), time.perf_counter()
         program = programs.load(path)
         kept = program is not None
         if kept:
             jax.monitoring.record_event(LOADED)
+            note_trace(self.name)  # a new program for this process, as a trace would be
         else:
             program, keep = programs.compile_fresh(self.fn.lower(*args, **kwargs))
             if keep:
                 programs.save(path, program)
-        note_trace(self.name)  # a new program for this process
         if session is not None:
             session.programs.append(Compiled(self.name, time.perf_counter() - start,
                                              kept or session.hits > hits))
@@ -187,15 +203,10 @@ class Program:
 
     def _jit_call(self, args, kwargs):
         """jit's path: run, or inside `compiling()` lower and compile."""
-        if not _ACTIVE:
-            before = self.fn._cache_size()
-            out = self.fn(*args, **kwargs)
-            if self.fn._cache_size() > before:
-                note_trace(self.name)
-            return out
-        session = _ACTIVE[-1]
+        if not _sessions():
+            return self.fn(*args, **kwargs)
+        session = _sessions()[-1]
         hits, start = session.hits, time.perf_counter()
-        note_trace(self.name)
         lowered = self.fn.lower(*args, **kwargs)
         lowered.compile()
         session.programs.append(Compiled(self.name, time.perf_counter() - start,
@@ -208,6 +219,7 @@ class Program:
         if not self.caches:
             return out
         out, bound = list(out), self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
         for index, arg in self.caches.items():
             out[index] = bound.arguments[arg]
         return tuple(out)

@@ -60,6 +60,11 @@ def _count_loads(event: str, **_) -> None:
 
 
 jax.monitoring.register_event_listener(_count_loads)
+with contextlib.suppress(Exception):  # JAX's cache open before this import: count a read
+    from jax._src import compilation_cache as _jax_cache
+
+    if getattr(_jax_cache, "_cache", None) is not None:
+        _JAX_LOADS[0] += 1
 
 
 def jax_loads() -> int:
@@ -121,10 +126,14 @@ def enable(environ=os.environ) -> Path | None:
     return path
 
 
-def current() -> Path | None:
+def current(kept: bool = False, environ=os.environ) -> Path | None:
     """The folder JAX caches in now: kvjax's once `enable()` switched it on, or the user's
-    own; None when off or not switched on yet (nothing is switched on here)."""
+    own; None when off or not switched on yet (nothing is switched on here). `kept`: the
+    folder for kvjax's own store (`kvjax.decode.programs`): none where `KVJAX_XLA_CACHE=0`
+    or the user's folder is not a local path."""
     own = jax.config.jax_compilation_cache_dir
+    if kept and (environ.get(ENV_VAR) == "0" or (own and "://" in own)):
+        return None
     if own:
         return Path(own)
     return _enabled[0] if _enabled else None

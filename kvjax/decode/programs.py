@@ -30,22 +30,27 @@ import enum
 import hashlib
 import os
 import pickle
+import threading
+from importlib import metadata
 from pathlib import Path
 
 import jax
-import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
+from kvjax.backend import STARTED_BEFORE_FLAGS
+from kvjax.cpu.build import cpu_features
 from kvjax.decode import compile_cache
 
 FOLDER = "programs"
 COMPILED = "/kvjax/programs/compiled"  # a step's program compiled to be kept here
+# the packages a step's program depends on beside kvjax (tracing goes through flax)
+_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")
 # JAX options that never change a program (caches, logs, dumps): every other is keyed
 _IGNORED = ("compilation_cache", "persistent_cache", "log", "dump", "traceback", "explain",
             "pprint", "source_url", "check_proxy", "timeout")
 _ENVIRONMENT: list[str] = []
-_OFF: list[bool] = []
+_OFF = threading.local()  # .on: off() in this thread
 
 
 class Unkeyed(Exception):
@@ -55,8 +60,11 @@ class Unkeyed(Exception):
 def folder() -> Path | None:
     """Where the programs are kept: `programs/` of the folder JAX caches in (kvjax's per-CPU
     one once an entry point switched it on, or the user's own), None when it is off or
-    the process is one of several (a program of a multi-process run is its run's)."""
-    base = None if _OFF or jax.process_count() > 1 else compile_cache.current()
+    the process is one of several (a program of a multi-process run is its run's), or JAX's
+    backend started before kvjax set XLA's flags (`kvjax.backend.STARTED_BEFORE_FLAGS`)."""
+    if getattr(_OFF, "on", False) or STARTED_BEFORE_FLAGS or jax.process_count() > 1:
+        return None
+    base = compile_cache.current(kept=True)
     return None if base is None else base / FOLDER
 
 
@@ -65,11 +73,11 @@ def off():
     """Within it the steps are jit's alone: for code that swaps what a step traces (a
     patched rule), which kvjax's key cannot see. Drop the steps' programs around it
     (`kvjax.decode.aot.clear`, `jax.clear_caches`)."""
-    _OFF.append(True)
+    was, _OFF.on = getattr(_OFF, "on", False), True
     try:
         yield
     finally:
-        _OFF.pop()
+        _OFF.on = was
 
 
 def environment() -> str:
@@ -77,8 +85,10 @@ def environment() -> str:
     if not _ENVIRONMENT:
         h = hashlib.sha256(compile_cache.version().encode())
         device = jax.devices()[0]
-        h.update("\0".join([jax.__version__, jaxlib.__version__, jax.default_backend(),
-                            device.device_kind, os.environ.get("XLA_FLAGS", "")]).encode())
+        versions = [f"{m}={metadata.version(m)}" for m in _PACKAGES]
+        h.update("\0".join([*versions, jax.default_backend(), device.device_kind,
+                            getattr(device, "platform_version", ""), cpu_features(),
+                            os.environ.get("XLA_FLAGS", "")]).encode())
         _ENVIRONMENT.append(h.hexdigest())
     return _ENVIRONMENT[0]
 
@@ -113,12 +123,17 @@ def plain(value) -> str:
 
 
 def leaf(x) -> str:
-    """An array argument's shape, dtype and weak type; raises Unkeyed for arrays spread
-    over devices."""
-    if isinstance(x, jax.Array) and len(x.sharding.device_set) != 1:
-        raise Unkeyed("an array over several devices")
+    """An array argument's shape, dtype, weak type and device (when not the default one, a
+    NumPy array's); raises Unkeyed for arrays spread over devices."""
+    where = ""
+    if isinstance(x, jax.Array):
+        devices = x.sharding.device_set
+        if len(devices) != 1:
+            raise Unkeyed("an array over several devices")
+        device = next(iter(devices))
+        where = "" if device == jax.devices()[0] else f"@{device}"
     aval = jax.typeof(x)
-    return f"{aval.dtype}{list(aval.shape)}{'w' if aval.weak_type else ''}"
+    return f"{aval.dtype}{list(aval.shape)}{'w' if aval.weak_type else ''}{where}"
 
 
 def key(name: str, statics: dict, args: tuple, kwargs: dict) -> str:
@@ -139,14 +154,30 @@ def compile_fresh(lowered):
     `COMPILED`."""
     if compile_cache.jax_loads():
         return lowered.compile(), False
+    with _jax_cache_off():
+        program = lowered.compile()
+    jax.monitoring.record_event(COMPILED)
+    return program, True
+
+
+@contextlib.contextmanager
+def _jax_cache_off():
+    """JAX's persistent cache off for this thread's compiles (JAX's thread-local context
+    where it has one; else the option, process-wide, for the compile)."""
+    try:
+        from jax._src.config import enable_compilation_cache
+    except ImportError:
+        enable_compilation_cache = None
+    if enable_compilation_cache is not None:
+        with enable_compilation_cache(False):
+            yield
+        return
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        program = lowered.compile()
+        yield
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
-    jax.monitoring.record_event(COMPILED)
-    return program, True
 
 
 def load(path: Path):
@@ -173,8 +204,8 @@ def save(path: Path, program) -> None:
     try:
         blob = pickle.dumps(serialize_executable.serialize(program))
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f"{path.name}.{os.getpid()}.part")
+        part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
         part.write_bytes(blob)
         part.replace(path)
-    except (OSError, ValueError, TypeError, pickle.PicklingError):
+    except Exception:  # a program that does not serialize is compiled again next time
         return
