@@ -53,6 +53,7 @@ def _child(tmp_path: Path, name: str) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", compile_cache.ENV_VAR)}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    env["KVJAX_KEEP_PROGRAMS"] = "1"  # kvjax's kept steps (opt-in) beside JAX's cache
     out = tmp_path / f"{name}.npz"
     proc = subprocess.run([sys.executable, "-c", CHILD, str(out)], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=300, check=False)

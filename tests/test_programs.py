@@ -83,7 +83,8 @@ def test_a_broken_entry_is_compiled_again(tmp_path, monkeypatch):
     assert not entry.exists() or entry.read_bytes() != b"cut short"
 
 
-def test_a_sweep_drops_the_programs_the_steps_hold():
+def test_a_sweep_drops_the_programs_the_steps_hold(monkeypatch):
+    monkeypatch.setenv(programs.SWITCH, "1")
     kvjax.generate(params(), CONFIG, [[1, 2, 3]], 2, cache=CACHE)
     assert any(p.loaded for p in aot._PROGRAMS)
     drop_compiled_code()

@@ -43,6 +43,10 @@ from kvjax.cpu.build import cpu_features
 from kvjax.decode import compile_cache
 
 FOLDER = "programs"
+# opt-in until a known failure is understood: in the test suite a kept program loaded in a
+# later process failed with XLA:CPU's "Function ... not found" although the process that
+# kept it had read nothing from JAX's cache (the one condition found so far)
+SWITCH = "KVJAX_KEEP_PROGRAMS"
 COMPILED = "/kvjax/programs/compiled"  # a step's program compiled to be kept here
 # the packages a step's program depends on beside kvjax (tracing goes through flax)
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")
@@ -59,10 +63,12 @@ class Unkeyed(Exception):
 
 def folder() -> Path | None:
     """Where the programs are kept: `programs/` of the folder JAX caches in (kvjax's per-CPU
-    one once an entry point switched it on, or the user's own), None when it is off or
+    one once an entry point switched it on, or the user's own) when `KVJAX_KEEP_PROGRAMS=1`
+    (opt-in: `SWITCH`); None when it is off, in a process of several devices, or
     the process is one of several (a program of a multi-process run is its run's), or JAX's
     backend started before kvjax set XLA's flags (`kvjax.backend.STARTED_BEFORE_FLAGS`)."""
-    if getattr(_OFF, "on", False) or STARTED_BEFORE_FLAGS or jax.process_count() > 1:
+    if (os.environ.get(SWITCH) != "1" or getattr(_OFF, "on", False) or STARTED_BEFORE_FLAGS
+            or jax.process_count() > 1 or jax.device_count() > 1):
         return None
     base = compile_cache.current(kept=True)
     return None if base is None else base / FOLDER
