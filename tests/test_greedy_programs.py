@@ -83,10 +83,11 @@ def test_only_the_sampling_programs_hold_the_sampler(p):
         "decode": lambda sampled: steps.decode_loop.lower(p, CONFIG, cache, state, 4,
                                                           sampled=sampled),
         "ngram": lambda sampled: spec_loop.lower(
-            p, CONFIG, cache, state, drafter="ngram", gamma=2, max_out=4,
+            p, CONFIG, cache, state, drafter="ngram", gamma=2, gamma_max=2, max_out=4,
             history=np.zeros((rows, 64), np.int32), sampled=sampled),
         "model": lambda sampled: spec_loop.lower(
-            p, CONFIG, cache, state, drafter="model", gamma=2, max_out=4, draft_params=draft,
+            p, CONFIG, cache, state, drafter="model", gamma=2, gamma_max=2, max_out=4,
+            draft_params=draft,
             draft_config=DRAFT, draft_cache=kvjax.init_cache(DRAFT, CACHE),
             draft=DraftState(page_table=np.zeros((rows, 4), np.int32),
                              lengths=np.zeros(rows, np.int32), prev=np.zeros(rows, np.int32)),

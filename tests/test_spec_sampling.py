@@ -224,8 +224,8 @@ def _device_tokens(models) -> tuple[np.ndarray, dict]:
     state = decode_state(table, full(4), full(PROMPT[4]), full(NEW), sequence_keys(0, ROWS),
                          [SamplingConfig(temperature=TEMP, top_k=TOP_K, top_p=TOP_P)] * ROWS)
     out, _, _ = device_spec.spec_loop(
-        target, CONFIG, caches[0], state, drafter="model", gamma=GAMMA, max_out=NEW,
-        draft_params=draft, draft_config=CONFIG, draft_cache=caches[1],
+        target, CONFIG, caches[0], state, drafter="model", gamma=GAMMA, gamma_max=GAMMA,
+        max_out=NEW, draft_params=draft, draft_config=CONFIG, draft_cache=caches[1],
         draft=device_spec.DraftState(page_table=table, lengths=full(4), prev=full(0)))
     return np.asarray(out.tokens), {k: np.asarray(getattr(out.stats, k)) for k in (
         "accepted", "drafted", "verifications", "accepted_by_position")}

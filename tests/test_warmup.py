@@ -1,5 +1,6 @@
 """`Engine.warmup()`: after it, a chat of any prompt length within the context compiles
-nothing (no step traced, no program lowered), and the warm-up itself changes no page,
+nothing (no step traced, no program lowered), speculative engines' included (a chain's one
+program for every γ, an adaptive tree's widths), and the warm-up itself changes no page,
 statistic or bit."""
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import contextlib
 import jax
 import pytest
 from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, engine, params
+from helpers import small_model
 
 import kvjax
+from kvjax.config import SpecConfig
 from kvjax.decode import steps
 from kvjax.decode.generate import warmup
 from kvjax.engine.runner import decode_context
@@ -72,6 +75,31 @@ def test_a_chat_compiles_nothing_after_warmup(numerics):
     with no_compiles():
         results = chat(e)
     assert all(r.status == "finished" for r in results)
+
+
+DRAFT = small_model(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
+                    max_seq_len=256, tie_embeddings=False)
+
+
+@pytest.mark.parametrize(("spec", "programs"), [
+    (SpecConfig(drafter="model", gamma=4, adaptive=True), {"spec_loop": 2}),
+    (SpecConfig(drafter="ngram", gamma=3), {"spec_loop": 2}),
+    (SpecConfig(drafter="ngram", gamma=3, tree_nodes=8, adaptive=True), {"tree_loop": 6})],
+    ids=["model-adaptive", "ngram", "ngram-tree-adaptive"])
+def test_a_speculative_chat_compiles_nothing_after_warmup(spec, programs):
+    """Greedy and sampled: a chain's one program (adaptive γ: every γ <= 4), an adaptive
+    tree's at widths 2, 4 and 8; an adaptive engine's costs are measured by the warm-up."""
+    draft = (kvjax.init_params(DRAFT, seed=5), DRAFT) if spec.drafter == "model" else None
+    e = kvjax.Engine(params(), CONFIG, kvjax.EngineConfig(cache=CACHE, max_slots=SLOTS,
+                                                          decode_steps=4),
+                     draft=draft, spec=spec)
+    report = e.warmup()
+    assert not report.not_warmed
+    assert {k: v for k, v in report.counts().items() if k in programs} == programs
+    with no_compiles():
+        results = chat(e)
+    assert all(r.status == "finished" for r in results)
+    assert e.metrics()["spec"]["target_calls"] > 0
 
 
 @pytest.mark.parametrize("sampling", [None, kvjax.SamplingConfig(temperature=0.8, seed=3)])

@@ -135,10 +135,13 @@ class Program:
 
     `caches`: {output index: argument name} of the donated caches the step returns (then
     a tuple), given back as they came in compile-only calls; `static_argnames` and
-    `donate_argnames` as `jax.jit` takes them."""
+    `donate_argnames` as `jax.jit` takes them; `check`, called with a call's arguments before
+    anything else, raises on what the program would silently get wrong (a traced argument's
+    range: the host still sees its value)."""
 
     def __init__(self, fn, name: str, caches: dict[int, str] | None = None,
-                 static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = ()):
+                 static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = (),
+                 check=None):
         @functools.wraps(fn)
         def traced(*args, **kwargs):  # runs once per trace: counts it
             note_trace(name)
@@ -146,7 +149,7 @@ class Program:
 
         self.fn = jax.jit(traced, static_argnames=static_argnames,
                           donate_argnames=donate_argnames)
-        self.name, self.caches = name, caches or {}
+        self.name, self.caches, self.check = name, caches or {}, check
         self.signature = inspect.signature(fn)
         self.params = list(self.signature.parameters)
         self.statics = frozenset(static_argnames)
@@ -164,6 +167,8 @@ class Program:
                 {k: v for k, v in kwargs.items() if k not in self.statics})
 
     def __call__(self, *args, **kwargs):
+        if self.check is not None:
+            self.check(*args, **kwargs)
         base = programs.folder()
         if base is None:
             return self._jit_call(args, kwargs)
@@ -241,9 +246,10 @@ def clear() -> None:
 
 
 def program(name: str, caches: dict[int, str] | None = None,
-            static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = ()):
+            static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = (),
+            check=None):
     """Decorator: the function as a `Program` (it applies `jax.jit` itself)."""
-    return lambda fn: Program(fn, name, caches, static_argnames, donate_argnames)
+    return lambda fn: Program(fn, name, caches, static_argnames, donate_argnames, check)
 
 
 _TRACES: collections.Counter = collections.Counter()

@@ -8,9 +8,12 @@ the runner's own host code for each program under `kvjax.decode.aot.compiling()`
 asks for exactly the programs the real calls will, compiled (or loaded from the persistent
 cache) and not run: no page, statistic or bit changes.
 
-Not warmed (compiled at first use): a speculative engine's verification loop and an EAGLE
-head's own prefill, per-token logits (`Request.return_logits`), position bases
-(`Request.position_base`) and packed prefill's decode calls.
+A speculative engine's loop is warmed too: a chain's one program (every γ up to the
+config's: `kvjax.speculative.loop.spec_loop`), an n-gram tree's program at each width its
+calls may take. Not warmed (compiled at first use): an EAGLE head's trees and prefill,
+per-token logits (`Request.return_logits`), position bases (`Request.position_base`) and
+packed prefill's decode calls. An adaptive engine's costs (`Speculator.calibrate`) are
+measured here, as its first call would.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ def warm(runner, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, T
         if not 1 <= n <= slots:
             raise ValueError(f"warm-up rows must be in [1, max_slots={slots}], got {n}")
     start = time.perf_counter()
+    spec = runner.spec
+    if spec is not None and spec.spec.adaptive and not spec.calibrated:
+        model = runner.model  # the costs the first call would measure (runs, times)
+        spec.calibrate(model.params, model.config, model.plan, slots)
     with aot.compiling() as programs:
         for n in sorted(set(rows)):
             _prefill(runner, n if runner.policy.shares_prefill_calls() else 1)
@@ -62,15 +69,15 @@ def warm(runner, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, T
                 _first_tokens(runner, n, s)
                 if runner.spec is None:
                     _decode(runner, n, s)
+        if runner.spec is not None and runner.spec.eagle is None:
+            for s in sampled:
+                _spec_decode(runner, s)
     return Warmup(tuple(programs), time.perf_counter() - start, _not_warmed(runner))
 
 
 def _not_warmed(runner) -> tuple[str, ...]:
     spec = runner.spec
-    if spec is None:
-        return ()
-    out = ("tree_loop" if spec.spec.tree_nodes is not None else "spec_loop",)
-    return out + (("head_prefill",) if spec.eagle is not None else ())
+    return () if spec is None or spec.eagle is None else ("tree_loop", "head_prefill")
 
 
 def _rows(runner, n: int, width: int) -> list[PrefillRow]:
@@ -102,15 +109,31 @@ def _first_tokens(runner, n: int, sampled: bool) -> None:
 
 def _decode(runner, n: int, sampled: bool) -> None:
     """The decode call of `n` live samples (`StepRunner.decode`'s plain decoding)."""
+    runner.plain_decode(_state(runner, runner.decode_width(n), sampled), want_logits=False)
+
+
+def _spec_decode(runner, sampled: bool) -> None:
+    """The speculative calls (`Speculator.call`; every slot is a row): a chain's one
+    program, or a tree's at each width its calls may take."""
+    spec = runner.spec
+    state = _state(runner, runner.engine_config.max_slots, sampled)
+    sizes = ([spec.spec.gamma] if spec.spec.tree_nodes is None else
+             spec.width_policy.widths if spec.width_policy is not None
+             else [spec.spec.tree_nodes])
+    for size in sizes:
+        spec.call(runner.model, runner.kv, runner.engine_config.decode_steps, [], {}, size,
+                  state, False, runner.context)
+
+
+def _state(runner, rows: int, sampled: bool):
+    """A decode state of `rows` empty rows, greedy or sampled."""
     kv = runner.kv
-    rows = runner.decode_width(n)
     table = page_table([[] for _ in range(rows)], rows, kv.target.cache_config.block_pages,
                        runner.min_pages(kv.target))
     zeros = np.zeros(rows, np.int32)
     sampling = SamplingConfig(temperature=1.0) if sampled else None
-    state = decode_state(table, zeros, zeros, zeros, np.zeros((rows, 2), np.uint32),
-                         [sampling] * rows, np.full((rows, MAX_STOP_TOKENS), -1, np.int32),
-                         zeros, zeros if runner.model.lora is not None else None,
-                         open_rows(kv.target.cache, {}, rows))
-    runner.plain_decode(state, want_logits=False)
+    return decode_state(table, zeros, zeros, zeros, np.zeros((rows, 2), np.uint32),
+                        [sampling] * rows, np.full((rows, MAX_STOP_TOKENS), -1, np.int32),
+                        zeros, zeros if runner.model.lora is not None else None,
+                        open_rows(kv.target.cache, {}, rows))
 

@@ -5,7 +5,9 @@ time, `expected_tokens(γ) / (γc + 1 + sγ)`: c is the draft's step cost over t
 s the verify slope (a verify of γ + 1 tokens costs 1 + sγ target steps). Expected tokens
 come from running, decayed acceptance by draft position where there is evidence (drafters
 are not i.i.d.: an n-gram continuation's later tokens fail more often), else from the
-running α. Host code: plain Python + numpy.
+running α. The engine's device loop may offer a subset of the γ values (`choices`: one
+verify width compiled each, `kvjax.speculative.loop.verify_widths`). Host code: plain
+Python + numpy.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ DECAY = 0.8  # weight of the older calls in the running estimates
 MIN_EVIDENCE = 4.0  # decayed drafts at a position before its own acceptance rate is trusted
 
 
-def best_gamma(tokens: Sequence[float], c: float, verify_slope: float = 0.0) -> int:
-    """The γ (1-based index into `tokens`, expected tokens per round for γ = 1, 2, ...)
-    with the best tokens per unit of target time; the smallest on ties."""
-    return max(range(1, len(tokens) + 1),
+def best_gamma(tokens: Sequence[float], c: float, verify_slope: float = 0.0,
+               choices: Sequence[int] | None = None) -> int:
+    """The γ (1-based index into `tokens`, expected tokens per round for γ = 1, 2, ...;
+    among `choices` when given) with the best tokens per unit of target time; the smallest
+    on ties."""
+    return max(choices or range(1, len(tokens) + 1),
                key=lambda g: (tokens[g - 1] / (g * c + 1 + verify_slope * g), -g))
 
 
@@ -46,8 +50,13 @@ def choose_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 0
 class GammaPolicy:
     """Running acceptance estimates and the γ they recommend (module docstring)."""
 
-    def __init__(self, gamma_max: int):
+    def __init__(self, gamma_max: int, choices: Sequence[int] | None = None):
         self.gamma_max = gamma_max
+        self.choices = None if choices is None else sorted(set(choices))  # None: 1 .. max
+        if self.choices is not None and not (
+                self.choices[0] >= 1 and self.choices[-1] == gamma_max):
+            raise ValueError(f"γ choices must be in [1, {gamma_max}] and include it, got "
+                             f"{choices}")
         self.alpha = [0.0, 0.0]  # decayed (sum, count) of E[min(p, q)]
         self.drafted = np.zeros(gamma_max)  # decayed drafts at each position
         self.accepted = np.zeros(gamma_max)  # decayed accepted prefixes reaching it
@@ -90,4 +99,5 @@ class GammaPolicy:
         """The next γ: gamma_max until something was observed, then the best one."""
         if not self.has_evidence:
             return self.gamma_max
-        return best_gamma(self.expected_tokens(), c or 0.0, verify_slope or 0.0)
+        return best_gamma(self.expected_tokens(), c or 0.0, verify_slope or 0.0,
+                          self.choices)

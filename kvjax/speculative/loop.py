@@ -112,8 +112,9 @@ def emitted(out: jax.Array, available: jax.Array, left: jax.Array, stops: jax.Ar
 
 
 def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeState, lengths,
-                 last, active, gamma, sharding=None, sampled=True):
-    """γ draft-model steps. Returns (drafts [B, G], q [B, G, V], cache, draft lengths)."""
+                 last, active, gamma, gamma_max: int, sharding=None, sampled=True):
+    """γ (traced, <= gamma_max) draft-model steps. Returns (drafts [B, G], q [B, G, V],
+    cache, draft lengths); the columns past γ stay 0."""
     model = Transformer(config, sharding, plan=plan)
     variables = partial(steps.model_variables, params, None, plan)  # called in the loop
     table, draft_lengths, prev, offset = draft.page_table, draft.lengths, draft.prev, \
@@ -131,8 +132,8 @@ def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeSt
     draft_keys = (jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_TAG))(keys) if sampled
                   else None)
     vocab = config.vocab_size
-    drafts = jnp.zeros((last.shape[0], gamma), jnp.int32)
-    q = jnp.zeros((last.shape[0], gamma, vocab), jnp.float32)
+    drafts = jnp.zeros((last.shape[0], gamma_max), jnp.int32)
+    q = jnp.zeros((last.shape[0], gamma_max, vocab), jnp.float32)
 
     all_greedy = jnp.all(temperature == 0)
 
@@ -164,25 +165,62 @@ def _draft_model(params, config, plan, cache, draft: DraftState, state: DecodeSt
 
     # A loop, not γ unrolled copies of the draft: XLA compiles the body once, so compile
     # time stays flat in γ, and a draft step is the same computation either way, so a
-    # round costs no more (docs/speculative.md has the measurement).
+    # round costs no more (docs/speculative.md has the measurement). Its bound is traced:
+    # one program drafts every γ <= gamma_max, each round only γ steps.
     cache, draft_lengths, drafts, q = jax.lax.fori_loop(
         1, gamma, body, (cache, draft_lengths, drafts, q))
     return drafts, q, maybe_constrain_cache(sharding, cache, draft=True), draft_lengths
 
 
+def verify_widths(gamma_max: int, widths: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The verify widths of a `spec_loop` program, checked: by default γ + 1 for γ = 1, 2,
+    4, 8, ... and gamma_max (a width is a model's copy in the program, so every γ's would
+    multiply its compile time; a γ between them verifies at the next width up); given ones
+    sorted, the largest gamma_max + 1 (it holds every γ)."""
+    if gamma_max < 1:
+        raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+    if widths is None:
+        powers = [1 << i for i in range(gamma_max.bit_length())]
+        return tuple(sorted({g + 1 for g in [*powers, gamma_max] if g <= gamma_max}))
+    widths = tuple(sorted(set(widths)))
+    if widths[0] < 2 or widths[-1] != gamma_max + 1:
+        raise ValueError(f"verify widths must be in [2, gamma_max + 1 = {gamma_max + 1}] "
+                         f"and include gamma_max + 1, got {widths}")
+    return widths
+
+
+def _check_gamma(*_, gamma, gamma_max: int, widths=None, **__) -> None:
+    """A call's γ must lie in [1, gamma_max] (traced, the program could not refuse it)."""
+    verify_widths(gamma_max, widths)
+    try:
+        value = int(gamma)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return  # called inside another trace: no value
+    if not 1 <= value <= gamma_max:
+        raise ValueError(f"gamma must be in [1, gamma_max = {gamma_max}], got {value}")
+
+
 @program("spec_loop", {1: "cache", 2: "draft_cache"},
-         static_argnames=("config", "draft_config", "drafter", "gamma", "max_out",
-                          "ngram_max", "return_logits", "sharding", "plan", "draft_plan",
-                          "sampled"),
-         donate_argnames=("cache", "draft_cache"))
+         static_argnames=("config", "draft_config", "drafter", "gamma_max", "widths",
+                          "max_out", "ngram_max", "return_logits", "sharding", "plan",
+                          "draft_plan", "sampled"),
+         donate_argnames=("cache", "draft_cache"), check=_check_gamma)
 def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter: str,
-              gamma: int, max_out: int, draft_params=None,
+              gamma, gamma_max: int, max_out: int, widths: tuple[int, ...] | None = None,
+              draft_params=None,
               draft_config: ModelConfig | None = None, draft_cache=None,
               draft: DraftState | None = None, history=None, ngram_max: int = 3,
               return_logits: bool = False, lora=None, sharding=None,
               plan: NumericsPlan = FAST, draft_plan: NumericsPlan = FAST,
               sampled: bool = True):
     """Emits up to `state.budget[b]` tokens per row by speculative rounds on device.
+
+    One program serves every γ in [1, gamma_max]: `gamma` is traced (an int or int32
+    scalar), `gamma_max` and `widths` are static. Each round drafts up to γ tokens and
+    verifies them at the smallest of `widths` (verify widths; default `verify_widths`'s)
+    that holds γ + 1, chosen on device (`jax.lax.switch`); columns past a row's drafts are
+    fed but not written. Every
+    γ's tokens, K/V and statistics are those of a program compiled for that γ alone.
 
     Donates `cache` and `draft_cache`. `drafter` is "model" (draft_params, draft_config,
     draft_cache and `draft`, its rows) or "ngram" (history int32[B, H]: each row's tokens
@@ -195,7 +233,8 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     """
     b = state.last.shape[0]
     vocab = config.vocab_size
-    g1 = gamma + 1
+    widths = verify_widths(gamma_max, widths)
+    g1 = gamma_max + 1
     rows = jnp.arange(b)
     cols = jnp.arange(g1)[None, :]
     model = Transformer(config, sharding, plan=plan)
@@ -205,7 +244,7 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     keys, budget, stops = state.keys, state.budget, state.stops
     all_greedy = jnp.all(temperature == 0)
     zeros_b = jnp.zeros((b,), jnp.int32)
-    zeros_g = jnp.zeros((b, gamma), jnp.int32)
+    zeros_g = jnp.zeros((b, gamma_max), jnp.int32)
     carry = _Carry(
         round=jnp.int32(0), count=zeros_b, done=budget <= 0,
         cache=maybe_constrain_cache(sharding, cache), lengths=state.lengths, last=state.last,
@@ -225,34 +264,46 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
         if drafter == "model":
             drafts, q, draft_cache, draft_len = _draft_model(
                 draft_params, draft_config, draft_plan, draft_cache, draft_state, state,
-                lengths, last, active, gamma, sharding, sampled)
+                lengths, last, active, gamma, gamma_max, sharding, sampled)
             num_draft = jnp.where(active, jnp.minimum(gamma, room), 0)
         else:
-            drafts, found = ngram_propose(history, lengths + 1, gamma, ngram_max)
-            num_draft = jnp.where(active, jnp.minimum(found, room), 0)
+            drafts, found = ngram_propose(history, lengths + 1, gamma_max, ngram_max)
+            num_draft = jnp.where(active, jnp.minimum(jnp.minimum(found, gamma), room), 0)
             q = jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)
 
         # Verify [last, d_1 .. d_γ] in one call; only real tokens are written.
         fed = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, G + 1]
         batch = BatchInfo(state.page_table, lengths, jnp.where(active, 1 + num_draft, 0),
                           state.position_offset)
-        logits, cache = model.apply(variables(), fed, model_positions(batch, g1), s.cache,
-                                    batch, state.adapter_ids)  # [B, G + 1, V]
+
+        def verify(width):  # the verify at `width` columns, its logits padded to G + 1
+            def run(cache):
+                logits, cache = model.apply(variables(), fed[:, :width],
+                                            model_positions(batch, width), cache, batch,
+                                            state.adapter_ids)  # [B, width, V]
+                return jnp.pad(logits, ((0, 0), (0, g1 - width), (0, 0))), cache
+            return run
+
+        if len(widths) == 1:
+            logits, cache = verify(widths[0])(s.cache)
+        else:  # the smallest width that holds γ + 1 (γ is the same for every round)
+            pick = jnp.sum(jnp.asarray(widths) < gamma + 1)
+            logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], s.cache)
         cache = maybe_constrain_cache(sharding, cache)
 
         greedy_n, greedy_next = greedy_accept(drafts, logits, num_draft)
 
         # Each branch returns (accepted, next token, E[min(p, q)] per drafted position [B, G]).
         def greedy_only():  # p and q are both one-hot: E[min(p, q)] is argmax == draft
-            best = jnp.argmax(logits[:, :gamma], -1)
+            best = jnp.argmax(logits[:, :gamma_max], -1)
             return greedy_n, greedy_next, (best == drafts).astype(jnp.float32)
 
         def mixed():
             p = probabilities(logits, temperature, top_k, top_p)
             n, nxt = sampling_accept(drafts, q, p, num_draft, keys, base + lengths + 1)
             pick = temperature == 0
-            argmax_p = jax.nn.one_hot(jnp.argmax(logits[:, :gamma], -1), vocab)
-            p_eff = jnp.where(pick[:, None, None], argmax_p, p[:, :gamma])
+            argmax_p = jax.nn.one_hot(jnp.argmax(logits[:, :gamma_max], -1), vocab)
+            p_eff = jnp.where(pick[:, None, None], argmax_p, p[:, :gamma_max])
             return (jnp.where(pick, greedy_n, n), jnp.where(pick, greedy_next, nxt),
                     jnp.sum(jnp.minimum(p_eff, q), axis=-1))
 
@@ -279,7 +330,8 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
             hist_at = jnp.where(keep, lengths[:, None] + 1 + cols, history.shape[1])
             history = history.at[rows[:, None], hist_at].set(out, mode="drop")
 
-        tested = (cols[:, :gamma] <= accepted[:, None]) & (cols[:, :gamma] < num_draft[:, None])
+        drafted = cols[:, :gamma_max] < num_draft[:, None]  # [B, G]
+        tested = (cols[:, :gamma_max] <= accepted[:, None]) & drafted
         st = s.stats
         stats = RowStats(
             verifications=st.verifications + active, drafted=st.drafted + num_draft,
@@ -287,10 +339,9 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
             emitted=st.emitted + n_emit,
             alpha_sum=st.alpha_sum + jnp.sum(jnp.where(tested, alpha_terms, 0.0), axis=1),
             alpha_count=st.alpha_count + jnp.sum(tested, axis=1).astype(jnp.int32),
-            drafted_by_position=st.drafted_by_position
-            + (cols[:, :gamma] < num_draft[:, None]).astype(jnp.int32),
+            drafted_by_position=st.drafted_by_position + drafted.astype(jnp.int32),
             accepted_by_position=st.accepted_by_position
-            + (cols[:, :gamma] < accepted[:, None]).astype(jnp.int32))
+            + (cols[:, :gamma_max] < accepted[:, None]).astype(jnp.int32))
         count = s.count + n_emit
         return _Carry(round=s.round + 1, count=count,
                       done=s.done | (count >= budget) | stopped, cache=cache,

@@ -33,7 +33,13 @@ from kvjax.speculative.eagle_engine import EagleSide
 from kvjax.speculative.eagle_file import HeadFile
 from kvjax.speculative.eagle_tree_device import candidates
 from kvjax.speculative.gamma import GammaPolicy
-from kvjax.speculative.loop import DraftState, RowStats, SpecLoopResult, spec_loop
+from kvjax.speculative.loop import (
+    DraftState,
+    RowStats,
+    SpecLoopResult,
+    spec_loop,
+    verify_widths,
+)
 from kvjax.speculative.rules import predicted_speedup
 from kvjax.speculative.stats import SpecStats
 from kvjax.speculative.tree_loop import TreeLoopResult, tree_loop
@@ -89,7 +95,7 @@ class Speculator:
         self.totals = SpecStats.empty(spec.gamma)
         self.tree_calls = 0  # target calls that verified trees (with tree_nodes: all)
         self.widths: list[int] = []  # the width of each call that verified trees
-        self.policy = GammaPolicy(spec.gamma)
+        self.policy = GammaPolicy(spec.gamma, [w - 1 for w in self.verify_widths])
         self.width_policy = self.verify_costs = None
         if spec.tree_nodes is not None and spec.adaptive:
             self.width_policy = WidthPolicy(tree_widths(spec.gamma, spec.tree_nodes))
@@ -113,6 +119,14 @@ class Speculator:
         on the tree a round verifies (a greedy row's do not under invariant numerics; under
         fast ones a near-tie may, so every recomputed request replays)."""
         return self.spec.adaptive
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """A chain call's verify widths (`spec_loop`'s `widths`): adaptive γ's one program
+        holds `verify_widths`' ladder (the γ it chooses from, so no round verifies padding);
+        a fixed γ's holds γ + 1."""
+        return verify_widths(self.spec.gamma, None if self.spec.adaptive
+                             else (self.spec.gamma + 1,))
 
     def write_ahead(self, size: int) -> int:
         """The cache slots a call of `size` (`next_gamma`'s) may write past a row's kept
@@ -138,6 +152,30 @@ class Speculator:
         per slot); updates the draft state of `live` and the statistics. `model`: the target
         (`kvjax.engine.runner.TargetModel`), `kv`: the pools; `gamma`: `next_gamma`'s size;
         `min_context` as in `EngineConfig`. Returns the result as numpy."""
+        out, tree = self.call(model, kv, decode_steps, live, budgets, gamma, state,
+                              want_logits, min_context)
+        if tree is not None:
+            if self.eagle is not None:
+                self.eagle.absorb(live, tree.head)
+            self.tree_calls += int(tree.rounds)
+            self.widths.append(gamma)
+            if self.width_policy is not None:
+                rows = [seq.slot for seq in live]
+                self.width_policy.observe(gamma, int(tree.verifications[rows].sum()),
+                                          tree.accepted_by_width[rows].sum(axis=0))
+            gamma = self.spec.gamma
+        if out.draft_lengths is not None:
+            for seq in live:
+                seq.draft_length = int(out.draft_lengths[seq.slot])
+                seq.prev = int(out.prev[seq.slot])
+        self._record(live, out, gamma)
+        return out
+
+    def call(self, model, kv: KVCacheManager, decode_steps: int, live,
+             budgets: dict[int, int], gamma: int, state: DecodeState, want_logits: bool,
+             min_context: int = 0) -> tuple[SpecLoopResult, TreeLoopResult | None]:
+        """`decode`'s device call alone, as numpy (with trees, also the tree result): no
+        statistic or sequence changes (`Engine.warmup` runs it compile-only)."""
         slots = len(state.lengths)
         kwargs = {}
         if kv.draft is not None and self.eagle is None:
@@ -178,28 +216,14 @@ class Speculator:
                 return out.replace(head=out.head.replace(cache=None)), cache, out.head.cache
 
             tree = jax.tree.map(np.asarray, kv.run_both(step))
-            if self.eagle is not None:
-                self.eagle.absorb(live, tree.head)
-            self.tree_calls += int(tree.rounds)
-            self.widths.append(gamma)
-            if self.width_policy is not None:
-                rows = [seq.slot for seq in live]
-                self.width_policy.observe(gamma, int(tree.verifications[rows].sum()),
-                                          tree.accepted_by_width[rows].sum(axis=0))
-            out, gamma = _as_chain_result(tree), self.spec.gamma
-        else:
-            out = kv.run_both(lambda cache, draft_cache: spec_loop(
-                model.params, model.config, cache, state, drafter=self.spec.drafter,
-                gamma=gamma, max_out=decode_steps, return_logits=want_logits, lora=model.lora,
-                sharding=model.shardings, plan=model.plan, draft_cache=draft_cache,
-                sampled=sampled, **kwargs))
-            out = jax.tree.map(np.asarray, out)
-        if out.draft_lengths is not None:
-            for seq in live:
-                seq.draft_length = int(out.draft_lengths[seq.slot])
-                seq.prev = int(out.prev[seq.slot])
-        self._record(live, out, gamma)
-        return out
+            return _as_chain_result(tree), tree
+        out = kv.run_both(lambda cache, draft_cache: spec_loop(
+            model.params, model.config, cache, state, drafter=self.spec.drafter,
+            gamma=gamma, gamma_max=self.spec.gamma, widths=self.verify_widths,
+            max_out=decode_steps, return_logits=want_logits, lora=model.lora,
+            sharding=model.shardings, plan=model.plan, draft_cache=draft_cache,
+            sampled=sampled, **kwargs))
+        return jax.tree.map(np.asarray, out), None
 
     def _record(self, live, out: SpecLoopResult, gamma: int) -> None:
         self.totals.target_calls += int(out.rounds)
