@@ -1,8 +1,9 @@
-"""One speculative program for every γ: `spec_loop` takes γ traced under a static γ_max, and
-each γ's tokens, logits, statistics and K/V are those of the program compiled for that γ
-alone, bitwise (both drafters, both numerics); a verify padded past γ + 1 changes no bit
-under invariant numerics; an adaptive engine, whose γ changes from call to call, compiles
-one loop and still emits plain decoding's tokens and logits."""
+"""One speculative program for every γ and every tree width: `spec_loop` takes γ traced under
+a static γ_max (`tree_loop` an n-gram tree's width under a static max_nodes), and each γ's
+(width's) tokens, logits, statistics and K/V are those of the program compiled for it
+alone, bitwise (both drafters, both numerics); a verify padded past γ + 1 (past the width)
+changes no bit under invariant numerics; an adaptive engine, whose γ changes from call to
+call, compiles one loop and still emits plain decoding's tokens and logits."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kvjax.model.layout import store
 from kvjax.model.plan import FAST, INVARIANT
 from kvjax.speculative.gamma import GammaPolicy
 from kvjax.speculative.loop import DraftState, spec_loop, verify_widths
+from kvjax.speculative.tree_loop import tree_loop
 
 GAMMA_MAX = 3  # verify widths 2, 3, 4: the program holds a branch per γ
 DRAFT, NOISE = CONFIG, 0.01  # accepted 5-7 of 36 drafts (0.02: none)
@@ -120,11 +122,55 @@ def test_a_padded_verify_changes_no_bit_under_invariant_numerics(models, drafter
                           gamma)
 
 
+TREE_WIDTHS, DEPTH = (2, 4, 8), 3
+
+
+def _tree(inputs, plan, width, max_nodes, widths):
+    target, _, caches, state, history, _ = inputs
+    out, cache = tree_loop(target, CONFIG, jax.tree.map(lambda x: x.copy(), caches[0]), state,
+                           history, max_nodes=max_nodes, width=width, widths=widths,
+                           depth=DEPTH, branches=3, max_out=NEW, return_logits=True, plan=plan)
+    return jax.tree.map(np.asarray, (out, cache))
+
+
+def _assert_same_tree(got, want, width):
+    (out, cache), (ref, ref_cache) = got, want
+    for name, value in vars(out).items():
+        if value is None:
+            continue
+        expected = getattr(ref, name)
+        if name == "accepted_by_width":  # a cut to w >= the width keeps the whole path
+            assert (value[:, width:] == value[:, width - 1:width]).all()
+            value = value[:, :width]
+        np.testing.assert_array_equal(value, expected, err_msg=name)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("plan", [FAST, INVARIANT], ids=["fast", "invariant"])
+def test_one_tree_program_serves_every_width(models, plan):
+    inputs = _inputs(models, plan)
+    traced = aot.trace_counts().get("tree_loop", 0)
+    shared = {w: _tree(inputs, plan, w, TREE_WIDTHS[-1], TREE_WIDTHS) for w in TREE_WIDTHS}
+    assert aot.trace_counts()["tree_loop"] - traced == 1
+    for width, got in shared.items():
+        _assert_same_tree(got, _tree(inputs, plan, None, width, None), width)
+    drafted = [int(out.drafted.sum()) for out, _ in shared.values()]
+    assert drafted == sorted(drafted) and len(set(drafted)) == 3  # wider trees, more drafts
+    assert min(int(out.accepted.sum()) for out, _ in shared.values()) > 0
+    # padded: a width-3 tree verified at 8 columns is the 3-node program's, bitwise
+    if plan is INVARIANT:
+        _assert_same_tree(_tree(inputs, plan, 3, 8, None), _tree(inputs, plan, None, 3, None), 3)
+
+
 def test_a_gamma_past_the_program_s_bound_is_refused(models):
     inputs = _inputs(models, FAST)
     for gamma in (0, GAMMA_MAX + 1):
         with pytest.raises(ValueError, match="gamma must be in"):
             _run(inputs, "ngram", FAST, gamma, GAMMA_MAX)
+    for width, widths in ((0, None), (9, None), (4, (2, 4))):
+        with pytest.raises(ValueError, match="max_nodes"):
+            _tree(inputs, FAST, width, 8, widths)
 
 
 def test_adaptive_gamma_chooses_among_the_program_s_widths():

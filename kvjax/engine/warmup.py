@@ -9,8 +9,8 @@ asks for exactly the programs the real calls will, compiled (or loaded from the 
 cache) and not run: no page, statistic or bit changes.
 
 A speculative engine's loop is warmed too: a chain's one program (every γ up to the
-config's: `kvjax.speculative.loop.spec_loop`), an n-gram tree's program at each width its
-calls may take. Not warmed (compiled at first use): an EAGLE head's trees and prefill,
+config's: `kvjax.speculative.loop.spec_loop`), an n-gram tree's (every width up to
+`tree_nodes`: `tree_loop`). Not warmed (compiled at first use): an EAGLE head's trees and prefill,
 per-token logits (`Request.return_logits`), position bases (`Request.position_base`) and
 packed prefill's decode calls. An adaptive engine's costs (`Speculator.calibrate`) are
 measured here, as its first call would.
@@ -113,16 +113,13 @@ def _decode(runner, n: int, sampled: bool) -> None:
 
 
 def _spec_decode(runner, sampled: bool) -> None:
-    """The speculative calls (`Speculator.call`; every slot is a row): a chain's one
-    program, or a tree's at each width its calls may take."""
+    """The speculative call (`Speculator.call`; every slot is a row): a chain's one program
+    for every γ, an n-gram tree's for every width."""
     spec = runner.spec
     state = _state(runner, runner.engine_config.max_slots, sampled)
-    sizes = ([spec.spec.gamma] if spec.spec.tree_nodes is None else
-             spec.width_policy.widths if spec.width_policy is not None
-             else [spec.spec.tree_nodes])
-    for size in sizes:
-        spec.call(runner.model, runner.kv, runner.engine_config.decode_steps, [], {}, size,
-                  state, False, runner.context)
+    size = spec.spec.gamma if spec.spec.tree_nodes is None else spec.spec.tree_nodes
+    spec.call(runner.model, runner.kv, runner.engine_config.decode_steps, [], {}, size, state,
+              False, runner.context)
 
 
 def _state(runner, rows: int, sampled: bool):

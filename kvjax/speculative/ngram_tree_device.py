@@ -63,11 +63,13 @@ def _distinct(tokens: jax.Array, lengths: jax.Array, branches: int
 
 
 def ngram_tree(history: jax.Array, hist_len: jax.Array, reach: jax.Array, max_nodes: int,
-               depth: int, branches: int, max_ngram: int, min_ngram: int = 1
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+               depth: int, branches: int, max_ngram: int, min_ngram: int = 1,
+               budget: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(parents int32[B, N] (-1: the root and padding), tokens int32[B, N], nodes int32[B])
     of each row's tree; row b's history is history[b, :hist_len[b]], its root token the
-    last of it; its paths hold at most min(depth, reach[b]) drafts."""
+    last of it; its paths hold at most min(depth, reach[b]) drafts. `budget` (traced int32,
+    <= max_nodes; None: max_nodes) is the tree's node budget: the tree built with
+    max_nodes = budget, in the first columns."""
     history = jnp.asarray(history)
     b = history.shape[0]
     rows = jnp.arange(b)
@@ -76,6 +78,7 @@ def ngram_tree(history: jax.Array, hist_len: jax.Array, reach: jax.Array, max_no
     chains = chains.reshape(b, branches * depth)
     node_ids = jnp.arange(max_nodes, dtype=jnp.int32)[None, :]
     root = jnp.take_along_axis(history, jnp.maximum(hist_len - 1, 0)[:, None], axis=1)[:, 0]
+    budget = max_nodes if budget is None else budget
 
     def add(step, carry):  # token d of chain k, step = k * depth + d, in order
         parents, tokens, nodes, at, going = carry
@@ -86,7 +89,7 @@ def ngram_tree(history: jax.Array, hist_len: jax.Array, reach: jax.Array, max_no
         child = ((parents == at[:, None]) & (tokens == t[:, None]) & (node_ids > 0)
                  & (node_ids < nodes[:, None]))
         exists = jnp.any(child, axis=1)
-        new = going & ~exists & (nodes < max_nodes)
+        new = going & ~exists & (nodes < budget)
         slot = jnp.where(new, nodes, max_nodes)  # out of range: dropped
         parents = parents.at[rows, slot].set(at, mode="drop")
         tokens = tokens.at[rows, slot].set(t, mode="drop")

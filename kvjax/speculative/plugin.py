@@ -128,6 +128,14 @@ class Speculator:
         return verify_widths(self.spec.gamma, None if self.spec.adaptive
                              else (self.spec.gamma + 1,))
 
+    def tree_widths(self, bound: int) -> tuple[int, ...]:
+        """A tree call's verify widths (`tree_loop`'s `widths`) under `max_nodes` = bound:
+        an adaptive n-gram tree's one program holds every width `WidthPolicy` chooses; an
+        EAGLE head's trees and a fixed size verify at the bound."""
+        if self.width_policy is None or self.eagle is not None:
+            return (bound,)
+        return tuple(self.width_policy.widths)
+
     def write_ahead(self, size: int) -> int:
         """The cache slots a call of `size` (`next_gamma`'s) may write past a row's kept
         history."""
@@ -204,10 +212,13 @@ class Speculator:
                 live, slots, kv.draft.cache_config.block_pages,
                 pages_for(min_context, kv.draft.cache_config.page_size))
 
+            bound = gamma if head is not None else self.spec.tree_nodes  # one n-gram program
+
             def step(cache, head_cache):
                 out, cache = tree_loop(
                     model.params, model.config, cache, state, kwargs["history"],
-                    max_nodes=gamma, depth=self.spec.gamma, branches=self.spec.branches,
+                    max_nodes=bound, width=gamma, widths=self.tree_widths(bound),
+                    depth=self.spec.gamma, branches=self.spec.branches,
                     max_out=decode_steps, ngram_max=self.spec.ngram_max, head=head,
                     head_cache=head_cache, top_k=self.spec.branches, rerank=self.spec.rerank,
                     return_logits=want_logits, plan=model.plan, sampled=sampled)

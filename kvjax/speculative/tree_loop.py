@@ -173,18 +173,43 @@ def sampled_rows(greedy_rows: tuple[jax.Array, jax.Array, jax.Array], logits: ja
     return jax.lax.cond(jnp.all(temperature == 0), lambda: greedy_rows, mixed)
 
 
+def _check_width(*_, max_nodes: int, width=None, widths=None, head=None, **__) -> None:
+    """A call's tree width must lie in [1, max_nodes] and `widths` hold max_nodes; an EAGLE
+    head's trees have one width a program (`tree_loop`)."""
+    widths = (max_nodes,) if widths is None else tuple(sorted(set(widths)))
+    if widths[0] < 1 or widths[-1] != max_nodes:
+        raise ValueError(f"verify widths must be in [1, max_nodes = {max_nodes}] and include "
+                         f"it, got {widths}")
+    if head is not None and widths != (max_nodes,):
+        raise ValueError("an EAGLE head's trees verify at max_nodes only (widths)")
+    try:
+        value = max_nodes if width is None else int(width)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return  # called inside another trace: no value
+    if not 1 <= value <= max_nodes or (head is not None and value != max_nodes):
+        raise ValueError(f"width must be in [1, max_nodes = {max_nodes}] (with a head, "
+                         f"max_nodes), got {value}")
+
+
 @program("tree_loop", {1: "cache"},  # (the head's cache comes back inside the result)
-         static_argnames=("config", "max_nodes", "depth", "branches", "max_out",
+         static_argnames=("config", "max_nodes", "widths", "depth", "branches", "max_out",
                           "ngram_max", "ngram_min", "top_k", "rerank", "return_logits",
                           "plan", "sampled"),
-         donate_argnames=("cache", "head_cache"))
+         donate_argnames=("cache", "head_cache"), check=_check_width)
 def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: jax.Array, *,
-              max_nodes: int, depth: int, branches: int = 1, max_out: int, ngram_max: int = 3,
+              max_nodes: int, depth: int, width=None, widths: tuple[int, ...] | None = None,
+              branches: int = 1, max_out: int, ngram_max: int = 3,
               ngram_min: int = 1, head: HeadDraft | None = None, head_cache=None,
               top_k: int = 4, rerank: bool = False, return_logits: bool = False,
               plan: NumericsPlan = FAST, sampled: bool = False
               ) -> tuple[TreeLoopResult, Cache]:
     """Emits up to `state.budget[b]` tokens per row by tree rounds on device.
+
+    One program serves every n-gram tree width up to `max_nodes` (static, the arrays'
+    width): `width` (traced; None: max_nodes) is this call's node budget, and each round
+    verifies at the smallest of `widths` (static verify widths, default (max_nodes,))
+    that holds it (`jax.lax.switch`): the trees, tokens, K/V and statistics of a program
+    compiled with max_nodes = width. An EAGLE head's trees take width = max_nodes.
 
     Donates `cache` and `head_cache` (the head's cache; `head.cache` is not read).
     `history` int32[B, H]: each row's tokens including `state.last`, H >= lengths +
@@ -201,6 +226,8 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
     if state.adapter_ids is not None:
         raise ValueError("tree_loop serves no LoRA adapters (state.adapter_ids is set)")
     b, vocab = state.last.shape[0], config.vocab_size
+    widths = (max_nodes,) if widths is None else tuple(sorted(set(widths)))
+    width = max_nodes if width is None else width
     rows = jnp.arange(b)
     cols = jnp.arange(depth + 1)[None, :]
     model = Transformer(config, plan=plan, features=head is not None)
@@ -224,17 +251,29 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         hd = None if head is None else with_fixed(s.head, head)
         if hd is None:
             parents, fed, nodes = ngram_tree(s.history, s.lengths + 1, reach, max_nodes,
-                                             depth, branches, ngram_max, ngram_min)
+                                             depth, branches, ngram_max, ngram_min, width)
         else:
             parents, fed, nodes, hd = grow(hd, s.last, jnp.where(active, reach, 0),
                                            max_nodes, depth, top_k, config, tree_layout,
                                            active, rerank)
         nodes = jnp.where(active, nodes, 0)
         tree_depth, ancestors = tree_layout(parents, nodes)
-        batch = BatchInfo(state.page_table, s.lengths, nodes, state.position_offset,
-                          depth=tree_depth, ancestors=ancestors)
-        logits, cache = model.apply(variables(), fed, model_positions(batch, max_nodes),
-                                    s.cache, batch, state.adapter_ids)  # [B, N, V]
+
+        def verify(w):  # the verify of the first `w` nodes, its outputs padded to N
+            def run(cache):
+                batch = BatchInfo(state.page_table, s.lengths, nodes, state.position_offset,
+                                  depth=tree_depth[:, :w], ancestors=ancestors[:, :w, :w])
+                out, cache = model.apply(variables(), fed[:, :w], model_positions(batch, w),
+                                         cache, batch, state.adapter_ids)  # [B, w, V]
+                pad = lambda x: jnp.pad(x, ((0, 0), (0, max_nodes - w), (0, 0)))  # noqa: E731
+                return jax.tree.map(pad, out), cache
+            return run
+
+        if len(widths) == 1:
+            logits, cache = verify(widths[0])(s.cache)
+        else:  # the smallest width that holds the call's (the same for every round)
+            pick = jnp.sum(jnp.asarray(widths) < width)
+            logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], s.cache)
         if hd is not None:
             logits, features = logits  # and the final norm's output [B, N, D]
         choice = greedy(logits)  # [B, N]
