@@ -154,7 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
 BENCH_REPS = {"decode": 5, "prefix": 1, "peer": 3, "spec": 3, "tiles": 7, "numerics": 3,
               "arrivals": 3, "preemption": 3, "profile": 5, "trie": 1, "kv_format": 3,
               "tiers": 5, "tree": 5, "eagle": 5,
-              "kernel": 15, "startup": 1, "context": 5}
+              "kernel": 15, "startup": 1, "context": 5, "gamma": 5}
 
 
 def fill_bench_defaults(args: argparse.Namespace) -> None:
@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "XLA's), startup (a new process's steps to its "
                                          "first answers, cold and warm compilation cache), "
                                          "context (page tables over the whole context vs "
-                                         "grown with the sequence)")
+                                         "grown with the sequence), gamma (one "
+                                         "speculative program for every γ vs one per γ)")
     bench.add_argument("which", nargs="?",
                        choices=tuple(BENCH_REPS),
                        default="decode")
@@ -347,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--target", default="checkpoints/target/ckpt/model")
     spec.add_argument("--draft", default="checkpoints/draft/ckpt/model")
     spec.add_argument("--prompts", type=int, default=8, help="held-out prompts")
-    spec.add_argument("--gammas", default="1,2,3,4,6,8")
+    spec.add_argument("--gammas", default="1,2,3,4,6,8", help="(spec, gamma) the γ values")
     spec.add_argument("--adaptive-steps", type=int, default=32,
                       help="tokens per engine call, where adaptive γ is re-chosen")
     spec.add_argument("--plot", default="docs/spec_operating_point.png")

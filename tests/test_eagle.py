@@ -10,6 +10,9 @@ import json
 import jax
 import numpy as np
 import pytest
+from eagle_helpers import markov as _markov
+from eagle_helpers import train, trained_head
+from engine_helpers import CONFIG
 from helpers import sharp_params, small_model
 
 from kvjax.cache.paged import BatchInfo, init_cache
@@ -28,17 +31,6 @@ from kvjax.speculative.eagle import (
 )
 from kvjax.speculative.eagle_file import load_head, save_head
 from kvjax.train.eagle import draft_vocab, train_head
-
-
-def _markov(n: int, length: int, vocab: int, seed: int) -> np.ndarray:
-    """Windows of a chain whose next token is (5x + 3) mod vocab 80% of the time."""
-    rng = np.random.default_rng(seed)
-    out = np.zeros((n, length), np.int32)
-    out[:, 0] = rng.integers(0, vocab, n)
-    for t in range(1, length):
-        follow = (5 * out[:, t - 1] + 3) % vocab
-        out[:, t] = np.where(rng.random(n) < 0.8, follow, rng.integers(0, vocab, n))
-    return out
 
 
 def test_the_cached_head_is_its_full_sequence_pass():
@@ -97,21 +89,9 @@ def test_the_loss_weights_mix_the_feature_and_token_terms():
     np.testing.assert_allclose(float(token), token_part, rtol=1e-6)
 
 
-def _trained(tmp_path, stop_after: int | None = None) -> dict:
-    config = small_model()
-    target = init_params(config, seed=1)  # features of order 1, as a trained model's
-    tokens = _markov(48, 33, config.vocab_size, 0)
-    held = _markov(8, 33, config.vocab_size, 1)
-    train = TrainConfig(steps=80, batch_size=8, learning_rate=3e-3, warmup_steps=5,
-                        eval_every=20, checkpoint_every=40, seed=0)
-    return train_head(target, config, (tokens, np.ones(tokens.shape, bool)),
-                        (held, np.ones(held.shape, bool)), train, 48, tmp_path, keep=(0,),
-                        log=lambda *_: None, progress=False, stop_after=stop_after)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
-    return _trained(tmp_path_factory.mktemp("head"))
+    return trained_head(tmp_path_factory)
 
 
 def test_the_head_s_training_loss_falls_on_a_tiny_target(trained):
@@ -128,8 +108,8 @@ def test_the_head_s_training_loss_falls_on_a_tiny_target(trained):
 
 def test_a_resumed_head_training_reaches_the_same_weights(tmp_path, trained):
     whole = trained
-    _trained(tmp_path / "cut", stop_after=40)
-    resumed = _trained(tmp_path / "cut")
+    train(tmp_path / "cut", stop_after=40)
+    resumed = train(tmp_path / "cut")
     np.testing.assert_array_equal(resumed["history"], whole["history"])  # nan == nan
     for a, b in zip(jax.tree.leaves(whole["head"].params),
                     jax.tree.leaves(resumed["head"].params), strict=True):
@@ -165,7 +145,7 @@ def test_eagle_tree_speculation_emits_plain_greedy_decodings_tokens_and_logits(t
     from kvjax.speculative.eagle_drafter import EagleTreeDrafter
     from kvjax.speculative.tree_host import tree_generate
 
-    config = small_model()
+    config = CONFIG  # the trained head's target
     target = init_params(config, seed=1)
     prompts = [_markov(1, n, config.vocab_size, 5 + n)[0].tolist() for n in (7, 40)]
     cache = CacheConfig(page_size=4, num_pages=64)
@@ -196,7 +176,7 @@ def test_eagle_trees_on_device_are_the_host_s(trained, max_nodes, max_depth, sto
     from kvjax.speculative.eagle_drafter import EagleTreeDrafter
     from kvjax.speculative.tree_host import device_tree_generate, tree_generate
 
-    config = small_model()
+    config = CONFIG  # the trained head's target
     target = init_params(config, seed=1)
     prompts = [_markov(1, n, config.vocab_size, 5 + n)[0].tolist() for n in (7, 40, 19)]
     cache = CacheConfig(page_size=4, num_pages=96)
@@ -329,7 +309,7 @@ def test_union_trees_emit_plain_decoding_and_both_drafters_drafts_are_accepted(t
     from kvjax.speculative.tree_host import device_tree_generate, tree_generate
     from kvjax.speculative.union_tree import BOTH, FIRST, SECOND, UnionTreeDrafter
 
-    config = small_model()
+    config = CONFIG  # the trained head's target
     target = init_params(config, seed=1)
     chain = _markov(1, 12, config.vocab_size, 3)[0].tolist()
     prompts = [chain * 3, _markov(1, 40, config.vocab_size, 45)[0].tolist()]

@@ -11,8 +11,9 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from helpers import gather_sequence, small_model
-from test_eagle import _markov, _trained
+from eagle_helpers import markov, trained_head
+from engine_helpers import CONFIG
+from helpers import gather_sequence
 
 from kvjax.config import CacheConfig
 from kvjax.cpu.product import kernel
@@ -30,10 +31,10 @@ needs_kernel = pytest.mark.skipif(not kernel().available, reason=kernel().descri
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    config = small_model()
+    config = CONFIG  # the trained head's target
     target = init_params(config, seed=1)
-    head = _trained(tmp_path_factory.mktemp("head"))["head"]
-    seq = _markov(1, 40, config.vocab_size, 9)[0]
+    head = trained_head(tmp_path_factory)["head"]
+    seq = markov(1, 40, config.vocab_size, 9)[0]
     feats = np.asarray(forward(target, config, seq[None], features=True, plan=INVARIANT)[0])
     return config, target, head, seq, feats
 

@@ -14,9 +14,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+from eagle_helpers import trained_head
 from engine_helpers import CONFIG, CONTEXT, SLOTS, assert_same
 from helpers import gather_sequence
-from test_eagle import _markov
 from test_engine_tree import (
     ONE_BUCKET,
     assert_sampled_trees,
@@ -29,7 +29,7 @@ import kvjax
 from kvjax import CacheConfig, Engine, EngineConfig
 from kvjax.cache.admission import pool_keys
 from kvjax.cache.paged import BatchInfo, init_cache
-from kvjax.config import ConfigError, SpecConfig, TrainConfig
+from kvjax.config import ConfigError, SpecConfig
 from kvjax.decode import steps
 from kvjax.decode.batching import page_table
 from kvjax.engine.requests import Request, salts_per_page
@@ -37,7 +37,6 @@ from kvjax.io.hf import CheckpointError
 from kvjax.speculative.eagle import head_config
 from kvjax.speculative.eagle_engine import head_prefill
 from kvjax.speculative.plugin import write_ahead
-from kvjax.train.eagle import train_head
 
 SPEC = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3)
 # EAGLE-2's rerank: 1 + 4 x 5 = 21 candidates grown (the head runs the 17 of the first
@@ -55,16 +54,10 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def head(target, tmp_path_factory):
-    """A head trained for `target` as tests/test_eagle.py trains one (its drafts are right
-    often enough that verifications accept some: asserted where it matters)."""
-    tokens, held = (_markov(n, 33, CONFIG.vocab_size, seed) for n, seed in ((48, 0), (8, 1)))
-    train = TrainConfig(steps=80, batch_size=8, learning_rate=3e-3, warmup_steps=5,
-                        eval_every=40, checkpoint_every=80, seed=0)
-    return train_head(target, CONFIG, (tokens, np.ones(tokens.shape, bool)),
-                      (held, np.ones(held.shape, bool)), train, 48,
-                      tmp_path_factory.mktemp("head"), keep=(0,), log=lambda *_: None,
-                      progress=False)["head"]
+def head(tmp_path_factory):
+    """The tests' head for `target` (`eagle_helpers`: its drafts are right often enough that
+    verifications accept some, asserted where it matters)."""
+    return trained_head(tmp_path_factory)["head"]
 
 
 def eagle_engine(target, head, spec=SPEC, cache=ONE_BUCKET, **kw) -> Engine:

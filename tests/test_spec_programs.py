@@ -163,6 +163,27 @@ def test_one_tree_program_serves_every_width(models, plan):
         _assert_same_tree(_tree(inputs, plan, 3, 8, None), _tree(inputs, plan, None, 3, None), 3)
 
 
+def _cache_copies(compiled, cache) -> int:
+    """Copies of a cache-shaped buffer in a compiled program's HLO."""
+    dims = ",".join(map(str, jax.tree.leaves(cache)[0].shape))
+    return sum(" copy(" in line and f"[{dims}]" in line
+               for line in compiled.as_text().splitlines())
+
+
+def test_the_shared_programs_update_the_cache_in_place(models):
+    """A branch per verify width must not copy the pool each round (XLA copies a cache a
+    conditional's branches update: `jax.lax.switch` here compiled to 8 copies of the pool a
+    round; `one_of` runs each branch in a while loop of at most one trip, carried in
+    place)."""
+    target, _, caches, state, history, _ = _inputs(models, FAST)
+    chain = spec_loop.lower(target, CONFIG, caches[0], state, drafter="ngram", gamma=1,
+                            gamma_max=GAMMA_MAX, max_out=NEW, history=history,
+                            sampled=False).compile()
+    tree = tree_loop.lower(target, CONFIG, caches[0], state, history, max_nodes=8, width=2,
+                           widths=TREE_WIDTHS, depth=DEPTH, max_out=NEW).compile()
+    assert _cache_copies(chain, caches[0]) == _cache_copies(tree, caches[0]) == 0
+
+
 def test_a_gamma_past_the_program_s_bound_is_refused(models):
     inputs = _inputs(models, FAST)
     for gamma in (0, GAMMA_MAX + 1):

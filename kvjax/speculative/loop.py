@@ -189,6 +189,24 @@ def verify_widths(gamma_max: int, widths: tuple[int, ...] | None = None) -> tupl
     return widths
 
 
+def one_of(index: jax.Array, branches: list, cache):
+    """`branches[index](cache)` -> (outputs, cache), the cache updated in place: as
+    `jax.lax.switch` would, but each branch in a while loop of at most one trip, since XLA
+    copies a cache that a conditional's branches update (every round, the whole pool) and
+    carries a while loop's in place. The outputs' shapes are the branches' (the same)."""
+    if len(branches) == 1:
+        return branches[0](cache)
+    shapes = jax.eval_shape(branches[-1], cache)[0]
+    out = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    for i, branch in enumerate(branches):
+        def body(carry, branch=branch):
+            return (jnp.bool_(True), *branch(carry[2]))
+
+        _, out, cache = jax.lax.while_loop(lambda c, i=i: ~c[0] & (index == i), body,
+                                           (jnp.bool_(False), out, cache))
+    return out, cache
+
+
 def _check_gamma(*_, gamma, gamma_max: int, widths=None, **__) -> None:
     """A call's γ must lie in [1, gamma_max] (traced, the program could not refuse it)."""
     verify_widths(gamma_max, widths)
@@ -218,7 +236,7 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     One program serves every γ in [1, gamma_max]: `gamma` is traced (an int or int32
     scalar), `gamma_max` and `widths` are static. Each round drafts up to γ tokens and
     verifies them at the smallest of `widths` (verify widths; default `verify_widths`'s)
-    that holds γ + 1, chosen on device (`jax.lax.switch`); columns past a row's drafts are
+    that holds γ + 1, chosen on device (`one_of`); columns past a row's drafts are
     fed but not written. Every
     γ's tokens, K/V and statistics are those of a program compiled for that γ alone.
 
@@ -276,33 +294,31 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
         batch = BatchInfo(state.page_table, lengths, jnp.where(active, 1 + num_draft, 0),
                           state.position_offset)
 
-        def verify(width):  # the verify at `width` columns, its logits padded to G + 1
-            def run(cache):
+        def verify(width):  # the verify at `width` columns: its argmax [B, G + 1], padded,
+            def run(cache):  # and its logits [B, G + 1, V] where a sampler or caller reads them
                 logits, cache = model.apply(variables(), fed[:, :width],
                                             model_positions(batch, width), cache, batch,
                                             state.adapter_ids)  # [B, width, V]
-                return jnp.pad(logits, ((0, 0), (0, g1 - width), (0, 0))), cache
+                pad = ((0, 0), (0, g1 - width))
+                full = jnp.pad(logits, (*pad, (0, 0))) if sampled or return_logits else None
+                return (jnp.pad(greedy(logits), pad), full), cache
             return run
 
-        if len(widths) == 1:
-            logits, cache = verify(widths[0])(s.cache)
-        else:  # the smallest width that holds γ + 1 (γ is the same for every round)
-            pick = jnp.sum(jnp.asarray(widths) < gamma + 1)
-            logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], s.cache)
+        pick = jnp.sum(jnp.asarray(widths) < gamma + 1)  # the smallest that holds γ + 1
+        (best, logits), cache = one_of(pick, [verify(w) for w in widths], s.cache)
         cache = maybe_constrain_cache(sharding, cache)
 
-        greedy_n, greedy_next = greedy_accept(drafts, logits, num_draft)
+        greedy_n, greedy_next = greedy_accept(drafts, best, num_draft)
 
         # Each branch returns (accepted, next token, E[min(p, q)] per drafted position [B, G]).
         def greedy_only():  # p and q are both one-hot: E[min(p, q)] is argmax == draft
-            best = jnp.argmax(logits[:, :gamma_max], -1)
-            return greedy_n, greedy_next, (best == drafts).astype(jnp.float32)
+            return greedy_n, greedy_next, (best[:, :gamma_max] == drafts).astype(jnp.float32)
 
         def mixed():
             p = probabilities(logits, temperature, top_k, top_p)
             n, nxt = sampling_accept(drafts, q, p, num_draft, keys, base + lengths + 1)
             pick = temperature == 0
-            argmax_p = jax.nn.one_hot(jnp.argmax(logits[:, :gamma_max], -1), vocab)
+            argmax_p = jax.nn.one_hot(best[:, :gamma_max], vocab)
             p_eff = jnp.where(pick[:, None, None], argmax_p, p[:, :gamma_max])
             return (jnp.where(pick, greedy_n, n), jnp.where(pick, greedy_next, nxt),
                     jnp.sum(jnp.minimum(p_eff, q), axis=-1))

@@ -39,15 +39,17 @@ def _leading(accept: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
 
 
-def greedy_accept(draft: jax.Array, target_logits: jax.Array,
+def greedy_accept(draft: jax.Array, target: jax.Array,
                   num_draft: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(accepted int32[B], next token int32[B]).
 
     Args:
-      draft: int32[B, G]; target_logits: float32[B, G + 1, V] (position i scores the token
-      after draft[:, :i]); num_draft: int32[B] real drafted tokens per row (<= G).
+      draft: int32[B, G]; target: the target's logits float32[B, G + 1, V] (position i
+      scores the token after draft[:, :i]) or their argmax int32[B, G + 1];
+      num_draft: int32[B] real drafted tokens per row (<= G).
     """
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, G + 1]
+    best = (target if target.ndim == 2
+            else jnp.argmax(target, axis=-1).astype(jnp.int32))  # [B, G + 1]
     g = draft.shape[1]
     real = jnp.arange(g)[None, :] < num_draft[:, None]
     accepted = _leading((draft == best[:, :g]) & real)

@@ -47,7 +47,7 @@ from kvjax.speculative.eagle_tree_device import (
     loop_state,
     with_fixed,
 )
-from kvjax.speculative.loop import emitted
+from kvjax.speculative.loop import emitted, one_of
 from kvjax.speculative.ngram_tree_device import ngram_tree
 from kvjax.speculative.rules import tree_sampling_accept, tree_uniforms
 
@@ -208,7 +208,7 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
     One program serves every n-gram tree width up to `max_nodes` (static, the arrays'
     width): `width` (traced; None: max_nodes) is this call's node budget, and each round
     verifies at the smallest of `widths` (static verify widths, default (max_nodes,))
-    that holds it (`jax.lax.switch`): the trees, tokens, K/V and statistics of a program
+    that holds it (`one_of`): the trees, tokens, K/V and statistics of a program
     compiled with max_nodes = width. An EAGLE head's trees take width = max_nodes.
 
     Donates `cache` and `head_cache` (the head's cache; `head.cache` is not read).
@@ -259,24 +259,23 @@ def tree_loop(params, config: ModelConfig, cache, state: DecodeState, history: j
         nodes = jnp.where(active, nodes, 0)
         tree_depth, ancestors = tree_layout(parents, nodes)
 
-        def verify(w):  # the verify of the first `w` nodes, its outputs padded to N
-            def run(cache):
+        def verify(w):  # the verify of the first `w` nodes: the argmax at each [B, N], its
+            def run(cache):  # logits where read, and a head's features [B, N, D]; padded to N
                 batch = BatchInfo(state.page_table, s.lengths, nodes, state.position_offset,
                                   depth=tree_depth[:, :w], ancestors=ancestors[:, :w, :w])
                 out, cache = model.apply(variables(), fed[:, :w], model_positions(batch, w),
                                          cache, batch, state.adapter_ids)  # [B, w, V]
-                pad = lambda x: jnp.pad(x, ((0, 0), (0, max_nodes - w), (0, 0)))  # noqa: E731
-                return jax.tree.map(pad, out), cache
+                logits, features = out if hd is not None else (out, None)
+                pad = ((0, 0), (0, max_nodes - w))
+                wide = lambda x: jnp.pad(x, (*pad, (0, 0)))  # noqa: E731
+                full = wide(logits) if sampled or return_logits else None
+                return (jnp.pad(greedy(logits), pad), full,
+                        None if features is None else wide(features)), cache
             return run
 
-        if len(widths) == 1:
-            logits, cache = verify(widths[0])(s.cache)
-        else:  # the smallest width that holds the call's (the same for every round)
-            pick = jnp.sum(jnp.asarray(widths) < width)
-            logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], s.cache)
-        if hd is not None:
-            logits, features = logits  # and the final norm's output [B, N, D]
-        choice = greedy(logits)  # [B, N]
+        pick = jnp.sum(jnp.asarray(widths) < width)  # the smallest that holds the width
+        (choice, logits, features), cache = one_of(pick, [verify(w) for w in widths],
+                                                   s.cache)
         path, on_path = greedy_tree_path(parents, fed, nodes, choice, depth)
         end = jnp.take_along_axis(path, (on_path - 1)[:, None], 1)[:, 0]
         nxt = choice[rows, end]
