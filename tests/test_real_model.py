@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hf_gguf import transformers_from_gguf
+from hf_gguf import Reference
 from test_experiments import _check_folder
 
 import kvjax
@@ -45,7 +45,31 @@ CHATS = [
 
 
 def _ids(x) -> list[int]:
-    return list(x["input_ids"]) if hasattr(x, "keys") else list(x)
+    return [int(t) for t in (x["input_ids"] if hasattr(x, "keys") else x)]
+
+
+def _template(ref: Reference, chat) -> list[int]:
+    """transformers' rendering of a chat (kept on disk by `Reference`, as below)."""
+    return ref.answer("template", [chat], lambda: _ids(ref.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True)))
+
+
+def _encode(ref: Reference, text: str) -> list[int]:
+    return ref.answer("encode", [text], lambda: ref.tokenizer.encode(
+        text, add_special_tokens=False))
+
+
+def _greedy(ref: Reference, ids: list[int], new: int, **kw) -> list[np.ndarray]:
+    """transformers' greedy `generate` after `ids`: [its tokens, the logits of each step
+    (with `output_logits`)]."""
+    def run():
+        with torch.no_grad():
+            out = ref.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                                     return_dict_in_generate=True, **kw)
+        tokens = out.sequences[0, len(ids):].numpy()
+        return [tokens] + ([np.stack([step[0].numpy() for step in out.logits])]
+                           if kw.get("output_logits") else [])
+    return ref.answer("generate", [ids, new, sorted(kw.items())], run)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +80,7 @@ def pair():
         if os.environ.get("KVJAX_NO_MODELS"):
             pytest.skip(f"KVJAX_NO_MODELS is set: {e}")
         pytest.fail(f"{e} (scripts/test installs it)")
-    ref, ref_tok = transformers_from_gguf(file)
-    return common.real_model(NAME), ref, ref_tok  # one load serves the experiments below too
+    return common.real_model(NAME), Reference(file)  # one load serves the experiments too
 
 
 @pytest.mark.slow
@@ -65,18 +88,15 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
     """12 greedy tokens through the paged engine (default, invariant numerics; the chat
     experiment's engine settings), stopping at the checkpoint's end of turn, and the logits of
     every step, against transformers' `generate`."""
-    model, ref, ref_tok = pair
+    model, ref = pair
     ids = model.template.render(CHATS[0])
-    assert ids == _ids(ref_tok.apply_chat_template(CHATS[0], add_generation_prompt=True))
+    assert ids == _template(ref, CHATS[0])
     engine = kvjax.Engine(model.params, model.config, ENGINE, eos_tokens=model.stop_tokens)
     result = engine.generate([kvjax.Request(ids, 12, return_logits=True)])[0]
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                           eos_token_id=list(model.stop_tokens), output_logits=True,
-                           return_dict_in_generate=True)
-    assert result.tokens == out.sequences[0, len(ids):].tolist()
+    tokens, want = _greedy(ref, ids, 12, eos_token_id=list(model.stop_tokens),
+                           output_logits=True)
+    assert result.tokens == tokens.tolist()
     assert model.tokenizer.decode(result.tokens) == "The capital of France is Paris.<|im_end|>"
-    want = np.stack([step[0].numpy() for step in out.logits])
     # measured 6.1e-5 over the 8 steps (6.6e-5 under fast numerics; over every position of the
     # prompt, with kvjax.forward:
     # 1.3e-4, logits up to 37.6; transformers' own float32 logits are 6.0e-5 from its float64
@@ -90,30 +110,28 @@ def test_an_engine_given_the_files_tokenizer_stops_where_transformers_does(pair)
     (<|im_end|>, also transformers' generation_config eos_token_id) well inside max_new, as
     transformers' default `generate` ends it. (return_logits: the compiled steps of the test
     above serve this one.)"""
-    model, ref, _ = pair
+    model, ref = pair
     tok, template = load_tokenizer(models.path(NAME))
     end = tok.token_id("<|im_end|>")
-    assert tok.eos_ids == model.stop_tokens == (end,) == (ref.generation_config.eos_token_id,)
+    eos = ref.answer("eos", [], lambda: ref.model.generation_config.eos_token_id)
+    assert tok.eos_ids == model.stop_tokens == (end,) == (eos,)
     engine = kvjax.Engine(model.params, model.config, ENGINE, tokenizer=tok,
                           chat_template=template)
     (result,) = engine.generate([kvjax.Request(messages=CHATS[0], max_new_tokens=48,
                                                return_logits=True)])
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([result.prompt_ids]), max_new_tokens=48,
-                           do_sample=False)
-    assert result.tokens == out[0, len(result.prompt_ids):].tolist()
+    (tokens,) = _greedy(ref, list(result.prompt_ids), 48)
+    assert result.tokens == tokens.tolist()
     assert result.tokens[-1] == end and result.tokens.count(end) == 1
     assert len(result.tokens) < 48
 
 
 def test_token_ids_and_chat_templates_match_transformers(pair):
-    model, _, ref_tok = pair
+    model, ref = pair
     for text in TEXTS:
-        assert model.tokenizer.encode(text) == ref_tok.encode(text, add_special_tokens=False)
+        assert model.tokenizer.encode(text) == _encode(ref, text)
         assert model.tokenizer.decode(model.tokenizer.encode(text)) == text
     for chat in CHATS:
-        assert model.template.render(chat) == _ids(
-            ref_tok.apply_chat_template(chat, add_generation_prompt=True))
+        assert model.template.render(chat) == _template(ref, chat)
     assert model.stop_tokens == (model.tokenizer.token_id("<|im_end|>"),)
     assert model.source.license == "Apache-2.0"
 

@@ -60,7 +60,7 @@ class Setup:
             batch = BatchInfo(table, np.array([start], np.int32),
                               np.array([len(body[start:start + CHUNK])], np.int32))
             cache = steps.extend(self.params, config, cache, piece, batch, plan=self.plan)[1]
-        self.cache = cache
+        self.prefilled = cache  # the prompt's K/V, copied into each call (donated)
         self.state = decode_state(table, np.array([len(body)], np.int32),
                                   np.array([prompt[-1]], np.int32),
                                   np.array([tokens], np.int32), np.zeros((1, 2), np.uint32))
@@ -69,7 +69,7 @@ class Setup:
         self.tokens = tokens
 
     def args(self, gamma: int, gamma_max: int, widths) -> tuple[tuple, dict]:
-        return ((self.params, self.config, jax.tree.map(lambda x: x.copy(), self.cache),
+        return ((self.params, self.config, jax.tree.map(lambda x: x.copy(), self.prefilled),
                  self.state),
                 dict(drafter="ngram", gamma=gamma, gamma_max=gamma_max, widths=widths,
                      max_out=self.tokens, history=self.history, plan=self.plan,

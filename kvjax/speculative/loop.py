@@ -236,9 +236,10 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     One program serves every γ in [1, gamma_max]: `gamma` is traced (an int or int32
     scalar), `gamma_max` and `widths` are static. Each round drafts up to γ tokens and
     verifies them at the smallest of `widths` (verify widths; default `verify_widths`'s)
-    that holds γ + 1, chosen on device (`one_of`); columns past a row's drafts are
-    fed but not written. Every
-    γ's tokens, K/V and statistics are those of a program compiled for that γ alone.
+    that holds γ + 1, chosen on device (`one_of`); columns past a row's drafts are fed
+    but not written. Every γ's tokens, K/V and statistics are those of a program compiled
+    for that γ alone (tests/test_spec_programs.py). A γ outside [1, gamma_max] is refused
+    before the call (ValueError).
 
     Donates `cache` and `draft_cache`. `drafter` is "model" (draft_params, draft_config,
     draft_cache and `draft`, its rows) or "ngram" (history int32[B, H]: each row's tokens
