@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
+import inspect
 import json
 import os
 from pathlib import Path
@@ -35,6 +37,9 @@ def transformers_from_gguf(file: Path):
     return model, tokenizer
 
 
+# what computes the answers: the model loader and forward, the GGUF reader, the tokenizer
+# and its chat templates
+PACKAGES = ("transformers", "torch", "gguf", "accelerate", "tokenizers", "jinja2", "numpy")
 _FILE_DIGESTS: dict[tuple, str] = {}
 
 
@@ -54,21 +59,17 @@ def file_digest(file: Path) -> str:
 class Reference:
     """transformers' model and tokenizer of a GGUF file (`transformers_from_gguf`), loaded
     at their first use, and every answer the tests ask of them kept on disk
-    (`~/.cache/kvjax/test-references`): an answer is stored under a key of its question
-    (a name and JSON inputs), the file's bytes, the transformers, torch and gguf versions and
-    this module's source, so a later run asking the same question of the same reference
-    reads what transformers answered; any change (kvjax's answers, which the questions hold,
-    a package, the file) asks transformers again. Nothing is ever answered another way."""
+    (`~/.cache/kvjax/test-references`): an answer is stored under a key of its question (a
+    name, JSON inputs and the asking file's source), the file's bytes, the versions of the
+    packages that answer (`PACKAGES`) and this module's source, so a later run asking the
+    same question of the same reference reads what transformers answered; a change to any
+    of them (kvjax's answers are in the questions) asks transformers again. Nothing is ever
+    answered another way."""
 
     def __init__(self, file: Path):
-        import gguf
-        import torch
-        import transformers
-
         self.file = file
         self._loaded = None
-        versions = [transformers.__version__, torch.__version__, getattr(gguf, "__version__",
-                                                                         "?")]
+        versions = [importlib.metadata.version(p) for p in PACKAGES]
         self.identity = hashlib.sha256(json.dumps(
             [file_digest(file), versions, Path(__file__).read_text()]).encode()).hexdigest()
         self.folder = cache_home() / "test-references"
@@ -85,9 +86,12 @@ class Reference:
         return self._loaded[1]
 
     def answer(self, name: str, inputs, compute):
-        """`compute()` (a JSON value, or a list of float32 arrays) for the question (`name`,
-        `inputs`), from the disk when transformers answered it before."""
-        key = hashlib.sha256(json.dumps([self.identity, name, inputs]).encode()).hexdigest()
+        """`compute()` (a JSON value, or a list of arrays) for the question (`name`, `inputs`,
+        and the source of the file that defines `compute`: a changed question is a new one),
+        from the disk when transformers answered it before."""
+        asker = Path(inspect.getsourcefile(compute)).read_text()
+        key = hashlib.sha256(json.dumps([self.identity, name, inputs, asker]).encode()
+                             ).hexdigest()
         path = self.folder / f"{name}-{key[:40]}"
         if path.with_suffix(".json").exists():
             return json.loads(path.with_suffix(".json").read_text())

@@ -55,7 +55,7 @@ def _template(ref: Reference, chat) -> list[int]:
 
 
 def _encode(ref: Reference, text: str) -> list[int]:
-    return ref.answer("encode", [text], lambda: ref.tokenizer.encode(
+    return ref.answer("encode", [text, False], lambda: ref.tokenizer.encode(
         text, add_special_tokens=False))
 
 

@@ -14,7 +14,7 @@ from engine_helpers import CACHE, CONFIG, CONTEXT, SLOTS, assert_same
 from helpers import prefill
 
 import kvjax
-from kvjax import Engine, EngineConfig
+from kvjax import Engine, EngineConfig, SamplingConfig
 from kvjax.config import SpecConfig
 from kvjax.decode import aot
 from kvjax.decode.batching import page_table
@@ -46,7 +46,7 @@ def models():
     return target, jax.tree.unflatten(tree, noisy)
 
 
-def _inputs(models, plan):
+def _inputs(models, plan, sampling: SamplingConfig | None = None):
     """(target, draft params as `plan` stores them, caches with each prompt prefilled but its
     last token, the state and the draft's rows)."""
     target, draft = (store(p, plan) for p in models)
@@ -59,7 +59,7 @@ def _inputs(models, plan):
     lengths = np.array([len(p) - 1 for p in PROMPTS], np.int32)
     last = np.array([p[-1] for p in PROMPTS], np.int32)
     state = decode_state(table, lengths, last, np.full(ROWS, NEW, np.int32),
-                         sequence_keys(0, ROWS))
+                         sequence_keys(0, ROWS), [sampling] * ROWS)
     history = np.zeros((ROWS, 64), np.int32)
     for i, p in enumerate(PROMPTS):
         history[i, :len(p)] = p
@@ -67,7 +67,7 @@ def _inputs(models, plan):
     return target, draft, caches, state, history, rows_state
 
 
-def _run(inputs, drafter, plan, gamma, gamma_max, widths=None):
+def _run(inputs, drafter, plan, gamma, gamma_max, widths=None, sampled=False):
     target, draft, caches, state, history, rows_state = inputs
     copies = [jax.tree.map(lambda x: x.copy(), c) for c in caches]  # the loop donates them
     extra = (dict(draft_params=draft, draft_config=DRAFT, draft=rows_state, draft_plan=plan)
@@ -75,7 +75,7 @@ def _run(inputs, drafter, plan, gamma, gamma_max, widths=None):
     out, cache, draft_cache = spec_loop(
         target, CONFIG, copies[0], state, drafter=drafter, gamma=gamma, gamma_max=gamma_max,
         widths=widths, max_out=NEW, return_logits=True, plan=plan, draft_cache=copies[1],
-        sampled=False, **extra)
+        sampled=sampled, **extra)
     return jax.tree.map(np.asarray, (out, cache, draft_cache))
 
 
@@ -108,6 +108,18 @@ def test_one_program_serves_every_gamma(models, drafter, plan):
         _assert_same_call(got, alone, gamma)
     accepted = [int(out.stats.accepted.sum()) for out, _, _ in shared.values()]
     assert len(set(accepted)) > 1 and min(accepted) > 0  # the γ reached the rounds
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_sampled_rows_get_their_own_program_s_bits(models, drafter):
+    """Sampled rows (temperature 0.8, top-k 20; invariant numerics): each γ's tokens,
+    logits, K/V and statistics are its own program's, bitwise, the α sums over the padded
+    positions included."""
+    inputs = _inputs(models, INVARIANT, SamplingConfig(temperature=0.8, top_k=20, seed=3))
+    for gamma in (1, 3):
+        _assert_same_call(_run(inputs, drafter, INVARIANT, gamma, GAMMA_MAX, sampled=True),
+                          _run(inputs, drafter, INVARIANT, gamma, gamma, (gamma + 1,),
+                               sampled=True), gamma)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])

@@ -18,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from kvjax.bench import bench_model
 from kvjax.config import EngineConfig
 from kvjax.engine import Engine, Request
 from kvjax.lab.report import emit, markdown_table, write_results
@@ -74,16 +75,7 @@ COLUMNS = [("prompt", lambda r: str(r["prompt"])),
 
 
 def main(args) -> int:
-    if args.model == "random":
-        from kvjax.config_files import load_config
-        from kvjax.model.transformer import init_params
-        config = load_config(args.config).model
-        params, name = init_params(config, seed=0), "random"
-    else:
-        from kvjax import models
-        name = args.model or "smollm2-135m-instruct"
-        model = models.load(name)
-        params, config = model.params, model.config
+    params, config, name = bench_model(args)
     lens = [int(x) for x in args.prompt_lens.split(",")]
     emit(f"one decode context vs grown page tables: {name}, prompts {lens}, "
          f"{args.requests} requests of {args.gen_tokens} tokens, {args.reps} reps, medians")

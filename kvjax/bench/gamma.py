@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 
+from kvjax.bench import bench_model
 from kvjax.cache.paged import BatchInfo, init_cache
 from kvjax.config import CacheConfig, EngineConfig
 from kvjax.decode import steps
@@ -136,16 +137,7 @@ COLUMNS = [("γ", lambda r: str(r["gamma"])), ("compile s alone", _f("alone comp
 
 def main(args) -> int:
     jax.config.update("jax_enable_compilation_cache", False)  # time XLA, not a cache read
-    if args.model == "random":
-        from kvjax.config_files import load_config
-        from kvjax.model.transformer import init_params
-        config = load_config(args.config).model
-        params, name = init_params(config, seed=0), "random"
-    else:
-        from kvjax import models
-        name = args.model or "smollm2-135m-instruct"
-        model = models.load(name)
-        params, config = model.params, model.config
+    params, config, name = bench_model(args)
     gammas = [int(x) for x in args.gammas.split(",")]
     emit(f"spec_loop programs for γ {gammas}: {name}, n-gram drafter, one row, "
          f"{args.gen_tokens} tokens a pass, {args.reps} reps, medians")

@@ -249,8 +249,9 @@ class Engine:
                ) -> Warmup:
         """Compiles (or loads from the compilation cache) the programs of requests `rows`
         at a time, greedy and sampled, before the first request: afterwards a chat of any
-        prompt length within the context compiles nothing. Runs nothing and changes no
-        page or bit; returns what it compiled and in how long (`print` it).
+        prompt length within the context compiles nothing. Runs no request and changes no
+        page or bit (an adaptive speculative engine measures its costs, as its first call
+        would); returns what it compiled and in how long (`print` it).
         `kvjax.engine.warmup` says which programs it leaves to their first use."""
         return warmup.warm(self.runner, rows, sampled)
 

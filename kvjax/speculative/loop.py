@@ -237,9 +237,11 @@ def spec_loop(params, config: ModelConfig, cache, state: DecodeState, *, drafter
     scalar), `gamma_max` and `widths` are static. Each round drafts up to γ tokens and
     verifies them at the smallest of `widths` (verify widths; default `verify_widths`'s)
     that holds γ + 1, chosen on device (`one_of`); columns past a row's drafts are fed
-    but not written. Every γ's tokens, K/V and statistics are those of a program compiled
-    for that γ alone (tests/test_spec_programs.py). A γ outside [1, gamma_max] is refused
-    before the call (ValueError).
+    but not written. A γ whose γ + 1 is a width gets the tokens, logits, K/V and
+    statistics of a program compiled for that γ alone, bitwise; a γ between widths
+    verifies padded, which changes no bit under invariant numerics only
+    (tests/test_spec_programs.py). A concrete γ outside [1, gamma_max] is refused before
+    the call (ValueError); pass a Python int (a non-weak int32 is another program).
 
     Donates `cache` and `draft_cache`. `drafter` is "model" (draft_params, draft_config,
     draft_cache and `draft`, its rows) or "ngram" (history int32[B, H]: each row's tokens
