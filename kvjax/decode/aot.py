@@ -245,6 +245,15 @@ def clear() -> None:
         p.loaded.clear()
 
 
+def concrete(value) -> int | None:
+    """`value` as an int, or None where it is traced (a `Program` check called inside
+    another trace sees no value)."""
+    try:
+        return int(value)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return None
+
+
 def program(name: str, caches: dict[int, str] | None = None,
             static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = (),
             check=None):

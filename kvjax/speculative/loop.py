@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.aot import program
+from kvjax.decode.aot import concrete, program
 from kvjax.decode.sampling import DRAFT_TAG, greedy, probabilities, sample
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
@@ -210,11 +210,8 @@ def one_of(index: jax.Array, branches: list, cache):
 def _check_gamma(*_, gamma, gamma_max: int, widths=None, **__) -> None:
     """A call's γ must lie in [1, gamma_max] (traced, the program could not refuse it)."""
     verify_widths(gamma_max, widths)
-    try:
-        value = int(gamma)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-        return  # called inside another trace: no value
-    if not 1 <= value <= gamma_max:
+    value = concrete(gamma)
+    if value is not None and not 1 <= value <= gamma_max:
         raise ValueError(f"gamma must be in [1, gamma_max = {gamma_max}], got {value}")
 
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from kvjax.cache.paged import BatchInfo, model_positions, move_slots
 from kvjax.config import ModelConfig
 from kvjax.decode import steps
-from kvjax.decode.aot import program
+from kvjax.decode.aot import concrete, program
 from kvjax.decode.sampling import greedy, probabilities
 from kvjax.decode.state import DecodeState
 from kvjax.model.plan import FAST, NumericsPlan
@@ -182,10 +182,9 @@ def _check_width(*_, max_nodes: int, width=None, widths=None, head=None, **__) -
                          f"it, got {widths}")
     if head is not None and widths != (max_nodes,):
         raise ValueError("an EAGLE head's trees verify at max_nodes only (widths)")
-    try:
-        value = max_nodes if width is None else int(width)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-        return  # called inside another trace: no value
+    value = max_nodes if width is None else concrete(width)
+    if value is None:
+        return
     if not 1 <= value <= max_nodes or (head is not None and value != max_nodes):
         raise ValueError(f"width must be in [1, max_nodes = {max_nodes}] (with a head, "
                          f"max_nodes), got {value}")
