@@ -34,8 +34,17 @@ _FOLDER = host_folder(Path(os.environ[_CACHE_ENV]))  # this CPU's programs
 _FOLDER.mkdir(parents=True, exist_ok=True)
 if _OWNER:
     prune(_FOLDER, TEST_CACHE_BYTES)
-# the processes tests start (docs' blocks, the CLI, mesh checks) cache there too
+# the processes tests start (docs' blocks, the CLI, mesh checks) cache there too, as in a
+# user's own JAX cache (which kvjax leaves as configured): one folder for every kvjax source,
+# where kvjax's own per-source folder would compile their programs again after every edit
 os.environ.setdefault("KVJAX_XLA_CACHE", os.environ[_CACHE_ENV])
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_FOLDER))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# kvjax's kept steps (`kvjax.decode.programs`, keyed by kvjax's source) stay off in the
+# suite, whose programs JAX's cache above holds across sources: tests/test_compile_cache.py,
+# tests/test_programs.py and tests/test_bench_startup.py switch them on where they test them
+os.environ.setdefault("KVJAX_KEEP_PROGRAMS", "0")
 jax.config.update("jax_compilation_cache_dir", str(_FOLDER))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

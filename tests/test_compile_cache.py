@@ -53,7 +53,7 @@ def _child(tmp_path: Path, name: str) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", compile_cache.ENV_VAR)}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    env["KVJAX_KEEP_PROGRAMS"] = "1"  # kvjax's kept steps (opt-in) beside JAX's cache
+    env["KVJAX_KEEP_PROGRAMS"] = "1"  # kvjax's kept steps (the suite's are off) beside JAX's
     out = tmp_path / f"{name}.npz"
     proc = subprocess.run([sys.executable, "-c", CHILD, str(out)], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=300, check=False)
@@ -86,6 +86,53 @@ def test_a_program_loaded_from_the_cache_gives_the_bits_a_compile_gives(tmp_path
         np.testing.assert_array_equal(got[key], want[key])
 
 
+# One step, the first program its process compiles, in a fresh process: prints how many
+# steps the process kept, read from kvjax's store, and the step's result.
+STEP_CHILD = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from kvjax.decode import aot, compile_cache
+counts = {"kept": 0, "loaded": 0}
+EVENTS = {"/kvjax/programs/compiled": "kept", "/kvjax/programs/loaded": "loaded"}
+jax.monitoring.register_event_listener(
+    lambda event, **_: EVENTS.get(event) and counts.__setitem__(
+        EVENTS[event], counts[EVENTS[event]] + 1))
+compile_cache.enable()
+step = aot.Program(lambda x: jnp.exp(-x * x).sum(-1) + jnp.tanh(x).max(-1), "child_step")
+x = np.linspace(-2, 2, 48, dtype=np.float32).reshape(6, 8)
+print(json.dumps(counts | {"out": np.asarray(step(x)).tolist()}))
+"""
+
+
+def _step_child(cache: Path, keep: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update({compile_cache.ENV_VAR: str(cache), "KVJAX_KEEP_PROGRAMS": keep})
+    proc = subprocess.run([sys.executable, "-c", STEP_CHILD], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_step_jax_s_cache_handed_back_is_not_kept(tmp_path):
+    """XLA:CPU writes a program's machine code into its copy only in the process that
+    compiled it: a step JAX's cache gave back would be kept without its kernels and fail
+    where it is loaded ("Function ... not found"). A process with kvjax's store off fills
+    JAX's cache; the next, store on, gets the step from JAX's cache and keeps nothing; the
+    one after runs it (from JAX's cache again), the same bits. Control: in an empty folder
+    the step is compiled, kept, and read back from kvjax's store by the next process."""
+    jax_only = _step_child(tmp_path / "a", "0")
+    after_jax = _step_child(tmp_path / "a", "1")
+    assert jax_only["kept"] == after_jax["kept"] == after_jax["loaded"] == 0
+    store = compile_cache.host_folder(tmp_path / "a") / compile_cache.version() / "programs"
+    assert not store.exists() or not any(store.iterdir())
+    again = _step_child(tmp_path / "a", "1")
+    fresh = _step_child(tmp_path / "b", "1")
+    loaded = _step_child(tmp_path / "b", "1")
+    assert fresh["kept"] == 1 and loaded["loaded"] == 1 and loaded["kept"] == 0
+    for other in (after_jax, again, fresh, loaded):
+        assert other["out"] == jax_only["out"]
+
+
 def test_the_folder_is_the_user_s_cache_folder_unless_switched_off():
     """Under the user's cache folder (XDG's when absolute) or the named one, in the CPU's
     own subfolder (a digest of its model and flags, which JAX's keys do not name), then
@@ -102,8 +149,8 @@ def test_the_folder_is_the_user_s_cache_folder_unless_switched_off():
 
 
 def test_another_kvjax_s_folder_is_dropped_when_unused(tmp_path):
-    """Each kvjax source has its own folder (a program JAX read from the cache would
-    otherwise stop kvjax keeping its steps: `kvjax.decode.programs.compile_fresh`); one
+    """Each kvjax source has its own folder (a step JAX's cache hands back cannot be kept:
+    `kvjax.decode.programs.serialized`, so a new kvjax compiles its steps afresh once); one
     unused for `STALE_DAYS` goes when another kvjax switches the cache on."""
     old = time.time() - (compile_cache.STALE_DAYS + 1) * 86400
     mine, recent, stale = (tmp_path / name for name in ("mine", "recent", "stale"))

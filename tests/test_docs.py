@@ -79,12 +79,7 @@ def test_python_blocks_run(page):
             if os.environ.get("KVJAX_NO_MODELS"):
                 pytest.skip(f"KVJAX_NO_MODELS is set: {e}")
             pytest.fail(str(e))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cache = os.environ.get("KVJAX_TEST_XLA_CACHE")  # the suite's (tests/conftest.py)
-    if cache:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache,
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the suite's compile cache: tests/conftest.py
     if page.name in MESH_PAGES:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                             " --xla_force_host_platform_device_count=8").strip()

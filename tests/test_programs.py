@@ -79,7 +79,7 @@ def test_a_broken_entry_is_compiled_again(tmp_path, monkeypatch):
     before = aot.trace_counts().get("test_greedy", 0)
     np.testing.assert_array_equal(sampler(logits), want)
     assert aot.trace_counts()["test_greedy"] == before + 1
-    # compiled again; kept anew unless this process read JAX's cache (programs.compile_fresh)
+    # compiled again; kept anew unless JAX's cache handed the program back (programs.serialized)
     assert not entry.exists() or entry.read_bytes() != b"cut short"
 
 

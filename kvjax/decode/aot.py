@@ -198,9 +198,8 @@ class Program:
             jax.monitoring.record_event(LOADED)
             note_trace(self.name)  # a new program for this process, as a trace would be
         else:
-            program, keep = programs.compile_fresh(self.fn.lower(*args, **kwargs))
-            if keep:
-                programs.save(path, program)
+            program = self.fn.lower(*args, **kwargs).compile()
+            programs.save(path, program)
         if session is not None:
             session.programs.append(Compiled(self.name, time.perf_counter() - start,
                                              kept or session.hits > hits))

@@ -13,9 +13,9 @@ them in two processes). Neither key names the CPU, whose instruction sets XLA co
 so kvjax keeps each CPU's programs apart: a subfolder named by a digest of the CPU's model
 and flags (`host_folder`), as the probe and kernel caches key theirs, so a cache folder
 shared between hosts never hands one host another's code; and each kvjax source apart
-(`version`; another's folder unused for `STALE_DAYS` is dropped), which keeps a new kvjax's
-first process free of JAX-cache reads, the condition for keeping its steps
-(`kvjax.decode.programs.compile_fresh`).
+(`version`; another's folder unused for `STALE_DAYS` is dropped): a new kvjax compiles its
+steps afresh once, the condition for keeping them (a program JAX's cache hands back
+serializes without its machine code: `kvjax.decode.programs.serialized`).
 
 Where: `$KVJAX_XLA_CACHE`, else `xla` in `kvjax.backend.cache_home()`
 (`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`), then the CPU's subfolder, then
@@ -51,26 +51,6 @@ JAX_MIN_COMPILE_SECS = 1.0  # JAX's default threshold: left alone when the user 
 _enabled: list[Path | None] = []  # this process's answer, once enable() has run
 _VERSION: list[str] = []
 STALE_DAYS = 7  # another kvjax's folder unused this long is dropped
-_JAX_LOADS = [0]  # programs this process read from JAX's persistent cache
-
-
-def _count_loads(event: str, **_) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _JAX_LOADS[0] += 1
-
-
-jax.monitoring.register_event_listener(_count_loads)
-with contextlib.suppress(Exception):  # JAX's cache open before this import: count a read
-    from jax._src import compilation_cache as _jax_cache
-
-    if getattr(_jax_cache, "_cache", None) is not None:
-        _JAX_LOADS[0] += 1
-
-
-def jax_loads() -> int:
-    """How many programs this process has read from JAX's persistent cache (since kvjax's
-    compile cache was imported, before anything of kvjax's compiled)."""
-    return _JAX_LOADS[0]
 
 
 def max_bytes(environ=os.environ) -> int:

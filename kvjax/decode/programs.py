@@ -16,10 +16,11 @@ their program, known before any tracing:
 A hit deserializes the executable XLA compiled (`jax.experimental.serialize_executable`):
 the same program, the same bits (`tests/test_compile_cache.py` compares a fresh compile
 with a load in another process, bitwise). Kept only in a process of its own, where every
-argument lives on one device and every static argument is plain; otherwise, and with the
-cache switched off (`KVJAX_XLA_CACHE=0`), the step is jit's as before. An entry that
-cannot be read is compiled again and rewritten. The key cannot see code patched at run
-time: a test that swaps a rule a step traces runs under `off()`.
+argument lives on one device and every static argument is plain; otherwise, with the
+cache switched off (`KVJAX_XLA_CACHE=0`) and with `KVJAX_KEEP_PROGRAMS=0`, the step is
+jit's as before. Only a program whose copy holds its machine code is kept (`serialized`).
+An entry that cannot be read is compiled again and rewritten. The key cannot see code
+patched at run time: a test that swaps a rule a step traces runs under `off()`.
 """
 
 from __future__ import annotations
@@ -43,11 +44,9 @@ from kvjax.cpu.build import cpu_features
 from kvjax.decode import compile_cache
 
 FOLDER = "programs"
-# opt-in until a known failure is understood: in the test suite a kept program loaded in a
-# later process failed with XLA:CPU's "Function ... not found" although the process that
-# kept it had read nothing from JAX's cache (the one condition found so far)
-SWITCH = "KVJAX_KEEP_PROGRAMS"
-COMPILED = "/kvjax/programs/compiled"  # a step's program compiled to be kept here
+SWITCH = "KVJAX_KEEP_PROGRAMS"  # "0": steps are jit's alone
+COMPILED = "/kvjax/programs/compiled"  # a step's program compiled and kept here
+ELF = b"\x7fELF"  # the start of an object file: XLA:CPU's machine code in a program's copy
 # the packages a step's program depends on beside kvjax (tracing goes through flax)
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")
 # JAX options that never change a program (caches, logs, dumps): every other is keyed
@@ -63,11 +62,11 @@ class Unkeyed(Exception):
 
 def folder() -> Path | None:
     """Where the programs are kept: `programs/` of the folder JAX caches in (kvjax's per-CPU
-    one once an entry point switched it on, or the user's own) when `KVJAX_KEEP_PROGRAMS=1`
-    (opt-in: `SWITCH`); None when it is off, in a process of several devices, or
-    the process is one of several (a program of a multi-process run is its run's), or JAX's
-    backend started before kvjax set XLA's flags (`kvjax.backend.STARTED_BEFORE_FLAGS`)."""
-    if (os.environ.get(SWITCH) != "1" or getattr(_OFF, "on", False) or STARTED_BEFORE_FLAGS
+    one once an entry point switched it on, or the user's own); None when
+    `KVJAX_KEEP_PROGRAMS=0` (`SWITCH`), in a process of several devices, or the process is
+    one of several (a program of a multi-process run is its run's), or JAX's backend
+    started before kvjax set XLA's flags (`kvjax.backend.STARTED_BEFORE_FLAGS`)."""
+    if (os.environ.get(SWITCH) == "0" or getattr(_OFF, "on", False) or STARTED_BEFORE_FLAGS
             or jax.process_count() > 1 or jax.device_count() > 1):
         return None
     base = compile_cache.current(kept=True)
@@ -151,39 +150,23 @@ def key(name: str, statics: dict, args: tuple, kwargs: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def compile_fresh(lowered):
-    """(XLA's compile of a lowered step, whether it may be kept here). An XLA:CPU program
-    compiled in a process that has read any program from JAX's persistent cache serializes
-    without its kernels ("Function ... not found" when the copy runs; a program compiled
-    before, or read from here, is fine): such a process compiles through JAX's cache (which
-    keeps it) and keeps nothing here. A clean one compiles past JAX's caches and records
-    `COMPILED`."""
-    if compile_cache.jax_loads():
-        return lowered.compile(), False
-    with _jax_cache_off():
-        program = lowered.compile()
-    jax.monitoring.record_event(COMPILED)
-    return program, True
+def serialized(program) -> bytes | None:
+    """A compiled program's copy to keep, or None where it would not run elsewhere.
 
-
-@contextlib.contextmanager
-def _jax_cache_off():
-    """JAX's persistent cache off for this thread's compiles (JAX's thread-local context
-    where it has one; else the option, process-wide, for the compile)."""
+    XLA:CPU writes a program's machine code (its kernels' object files) into the copy only
+    when this process compiled it: a program JAX's persistent cache handed back (or one
+    read from here) serializes without them, and its copy fails where it is loaded
+    ("Function ... not found"). JAX's cache gives back any program it holds however its
+    options are set once a process has used it, so a step compiled to be kept may be one:
+    a CPU copy that holds no object file is not kept (next time the step is compiled, or
+    read from JAX's cache, again). Checked by tests/test_compile_cache.py, in processes."""
     try:
-        from jax._src.config import enable_compilation_cache
-    except ImportError:
-        enable_compilation_cache = None
-    if enable_compilation_cache is not None:
-        with enable_compilation_cache(False):
-            yield
-        return
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", was)
+        blob = pickle.dumps(serialize_executable.serialize(program))
+    except Exception:  # a program that does not serialize is compiled again next time
+        return None
+    if jax.default_backend() == "cpu" and ELF not in blob:
+        return None
+    return blob
 
 
 def load(path: Path):
@@ -204,14 +187,19 @@ def load(path: Path):
     return program
 
 
-def save(path: Path, program) -> None:
-    """Keeps a compiled program at `path` (written whole, then renamed into place); a
-    folder that cannot be written costs a compile next time, not a failure."""
+def save(path: Path, program) -> bool:
+    """Keeps a compiled program at `path` (written whole, then renamed into place) where
+    its copy is whole (`serialized`); a folder that cannot be written costs a compile next
+    time, not a failure. Whether it was kept."""
+    blob = serialized(program)
+    if blob is None:
+        return False
     try:
-        blob = pickle.dumps(serialize_executable.serialize(program))
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
         part.write_bytes(blob)
         part.replace(path)
-    except Exception:  # a program that does not serialize is compiled again next time
-        return
+    except OSError:
+        return False
+    jax.monitoring.record_event(COMPILED)
+    return True
