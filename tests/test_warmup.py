@@ -65,7 +65,7 @@ def chat(e, lengths=(5, 40, 69, 130)) -> list:
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
 def test_a_chat_compiles_nothing_after_warmup(numerics):
     e = engine(params(), numerics=numerics, min_context=None)
-    report = e.warmup()
+    report = e.warmup(threads=2)  # two compile threads, whatever the CPU
     assert report.programs and not report.not_warmed
     counts = report.counts()
     widths = prefill_widths(e.runner, 1)
@@ -125,6 +125,18 @@ def test_warmup_changes_no_page_statistic_or_bit():
     requests = [kvjax.Request(tokens=prompt(n), max_new_tokens=8, return_logits=True)
                 for n in (9, 33)]
     assert_same(e.generate(requests), engine(p).generate(requests))
+
+
+def test_the_warmup_threads_compile_the_same_programs():
+    """One compile thread or several: the same programs, reported in the tasks' order (the
+    decode loops first, then the prefill widths from the widest, then the samplers)."""
+    one = engine(params()).warmup(threads=1)
+    two = engine(params()).warmup(threads=3)
+    names = [p.name for p in one.programs]
+    assert names == [p.name for p in two.programs]
+    assert names[:2] == ["decode_loop"] * 2 and names[-2:] == ["greedy", "sample"]
+    with pytest.raises(ValueError, match="threads"):
+        engine(params()).warmup(threads=0)
 
 
 def test_the_width_ladder_holds_every_call_width():

@@ -245,15 +245,16 @@ class Engine:
                               if self.sharding is None else self.sharding.place_params(params))
         self.kv.target.fingerprint = model_fingerprint(self.config, params, self.plan)
 
-    def warmup(self, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, True)
-               ) -> Warmup:
+    def warmup(self, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, True),
+               threads: int | None = None) -> Warmup:
         """Compiles (or loads from the compilation cache) the programs of requests `rows`
         at a time, greedy and sampled, before the first request: afterwards a chat of any
         prompt length within the context compiles nothing. Runs no request and changes no
         page or bit (an adaptive speculative engine measures its costs, as its first call
-        would); returns what it compiled and in how long (`print` it).
-        `kvjax.engine.warmup` says which programs it leaves to their first use."""
-        return warmup.warm(self.runner, rows, sampled)
+        would); returns what it compiled and in how long (`print` it). Compiles on
+        `threads` threads (default one per core). `kvjax.engine.warmup` says which
+        programs it leaves to their first use."""
+        return warmup.warm(self.runner, rows, sampled, threads)
 
     def namespace(self, request: Request) -> CacheNamespace:
         """The namespace (without salt) a request's cached states live under."""

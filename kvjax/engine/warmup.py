@@ -14,23 +14,34 @@ config's: `kvjax.speculative.loop.spec_loop`), an n-gram tree's (every width up 
 per-token logits (`Request.return_logits`), position bases (`Request.position_base`) and
 packed prefill's decode calls. An adaptive engine's costs (`Speculator.calibrate`) are
 measured here, as its first call would.
+
+The programs compile on `threads` threads (default: one per CPU core, at most
+`MAX_THREADS`): XLA compiles a program on one core, and a warm-up's programs are
+independent. Each thread runs its own compile-only session, where no step runs and every
+cache is handed back as it came, so the threads share the engine's state without changing
+it; the longest compiles (decode loops, the widest prefills) start first.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvjax.config import SamplingConfig
 from kvjax.decode import aot
-from kvjax.decode.aot import Warmup
+from kvjax.decode.aot import Compiled, Warmup
 from kvjax.decode.batching import page_table
 from kvjax.decode.prefill import PrefillRow, open_rows
 from kvjax.decode.sampling import sample_jit, sampling_rows, sequence_keys
 from kvjax.decode.state import decode_state
 from kvjax.engine.requests import MAX_STOP_TOKENS
+
+MAX_THREADS = 8  # compile threads at most (each holds a program's compile in memory)
 
 
 def prefill_widths(runner, rows: int) -> list[int]:
@@ -49,30 +60,56 @@ def prefill_widths(runner, rows: int) -> list[int]:
     return sorted(widths)
 
 
-def warm(runner, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, True)
-         ) -> Warmup:
+def warm(runner, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, True),
+         threads: int | None = None) -> Warmup:
     """Compiles the programs of requests `rows` at a time (prompts prefilled together,
-    samples decoded together), greedy and/or sampled (`sampled`)."""
+    samples decoded together), greedy and/or sampled (`sampled`), on `threads` threads
+    (module docstring)."""
     slots = runner.engine_config.max_slots
     for n in rows:
         if not 1 <= n <= slots:
             raise ValueError(f"warm-up rows must be in [1, max_slots={slots}], got {n}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"warm-up threads must be >= 1, got {threads}")
     start = time.perf_counter()
     spec = runner.spec
     if spec is not None and spec.spec.adaptive and not spec.calibrated:
         model = runner.model  # the costs the first call would measure (runs, times)
         spec.calibrate(model.params, model.config, model.plan, slots)
-    with aot.compiling() as programs:
-        for n in sorted(set(rows)):
-            _prefill(runner, n if runner.policy.shares_prefill_calls() else 1)
-            for s in sampled:
-                _first_tokens(runner, n, s)
-                if runner.spec is None:
-                    _decode(runner, n, s)
-        if runner.spec is not None and runner.spec.eagle is None:
-            for s in sampled:
-                _spec_decode(runner, s)
+    programs = compile_all(_tasks(runner, sorted(set(rows)), sampled), threads)
     return Warmup(tuple(programs), time.perf_counter() - start, _not_warmed(runner))
+
+
+def _tasks(runner, rows: list[int], sampled: Sequence[bool]) -> list[Callable[[], None]]:
+    """The warm-up's compile-only calls, the longest first: the decode (or speculative)
+    loops, then each prefill width from the widest, then the first tokens' samplers."""
+    loops, prefills, samplers = [], [], []
+    for n in rows:
+        for s in sampled:
+            samplers.append(functools.partial(_first_tokens, runner, n, s))
+            if runner.spec is None:
+                loops.append(functools.partial(_decode, runner, n, s))
+        prefills += _prefills(runner, n if runner.policy.shares_prefill_calls() else 1)
+    if runner.spec is not None and runner.spec.eagle is None:
+        loops += [functools.partial(_spec_decode, runner, s) for s in sampled]
+    return loops + sorted(prefills, key=lambda t: -t.keywords["width"]) + samplers
+
+
+def compile_all(tasks: list[Callable[[], None]], threads: int | None = None
+                ) -> list[Compiled]:
+    """Runs each compile-only task in a compile-only session of its own on `threads`
+    threads (default: the CPU's cores, at most MAX_THREADS); what they compiled, in the
+    tasks' order."""
+    def run(task) -> list[Compiled]:
+        with aot.compiling() as got:
+            task()
+        return got
+
+    threads = min(threads or os.cpu_count() or 1, MAX_THREADS, max(len(tasks), 1))
+    if threads == 1:
+        return [p for task in tasks for p in run(task)]
+    with ThreadPoolExecutor(threads, thread_name_prefix="kvjax-warmup") as pool:
+        return [p for got in pool.map(run, tasks) for p in got]
 
 
 def _not_warmed(runner) -> tuple[str, ...]:
@@ -86,16 +123,27 @@ def _rows(runner, n: int, width: int) -> list[PrefillRow]:
     return [PrefillRow([0] * width, [], open_row=0 if kivi else None) for _ in range(n)]
 
 
-def _prefill(runner, n: int) -> None:
-    """The target's prefill calls at every width (with a draft model, the draft's)."""
+def _prefills(runner, n: int) -> list[functools.partial]:
+    """The target's prefill calls of `n` rows at every width (with a draft model, the
+    draft's, and a request's last draft chunk), one task each (`width` by keyword)."""
     eagle = runner.spec is not None and runner.spec.eagle is not None
     widths = prefill_widths(runner, n)
-    for width in widths:
-        runner.target_prefill(_rows(runner, n, width), width, features=eagle)
+    out = [functools.partial(_target_prefill, runner, n, width=w, eagle=eagle) for w in widths]
     if runner.spec is not None and not eagle and runner.kv.draft is not None:
-        for width in widths:
-            runner.draft_prefill(_rows(runner, n, width), width)
-        runner.draft_prefill(_rows(runner, 1, 1))  # a request's last draft chunk
+        out += [functools.partial(_draft_prefill, runner, n, width=w) for w in widths]
+        out.append(functools.partial(_draft_prefill, runner, 1, width=1, last=True))
+    return out
+
+
+def _target_prefill(runner, n: int, width: int, eagle: bool) -> None:
+    runner.target_prefill(_rows(runner, n, width), width, features=eagle)
+
+
+def _draft_prefill(runner, n: int, width: int, last: bool = False) -> None:
+    if last:  # a request's last draft chunk: the runner picks its width
+        runner.draft_prefill(_rows(runner, 1, 1))
+    else:
+        runner.draft_prefill(_rows(runner, n, width), width)
 
 
 def _first_tokens(runner, n: int, sampled: bool) -> None:
