@@ -9,6 +9,7 @@ import contextlib
 
 import jax
 import pytest
+from eagle_helpers import markov, trained_head
 from engine_helpers import CACHE, CONFIG, SLOTS, assert_same, engine, params
 from helpers import small_model
 
@@ -66,7 +67,7 @@ def chat(e, lengths=(5, 40, 69, 130)) -> list:
 def test_a_chat_compiles_nothing_after_warmup(numerics):
     e = engine(params(), numerics=numerics, min_context=None)
     report = e.warmup(threads=2)  # two compile threads, whatever the CPU
-    assert report.programs and not report.not_warmed
+    assert report.programs
     counts = report.counts()
     widths = prefill_widths(e.runner, 1)
     assert counts["extend"] == len(widths)
@@ -95,12 +96,51 @@ def test_a_speculative_chat_compiles_nothing_after_warmup(spec, programs):
                                                           decode_steps=4),
                      draft=draft, spec=spec)
     report = e.warmup()
-    assert not report.not_warmed
     assert {k: v for k, v in report.counts().items() if k in programs} == programs
     with no_compiles():
         results = chat(e)
     assert all(r.status == "finished" for r in results)
     assert e.metrics()["spec"]["target_calls"] > 0
+
+
+def eagle_engine(tmp_path_factory, adaptive: bool = False) -> kvjax.Engine:
+    """An engine drafting with the tests' trained EAGLE head (its target's weights)."""
+    spec = SpecConfig(drafter="eagle", gamma=3, tree_nodes=8, branches=3, adaptive=adaptive,
+                      verify_costs=((2, 1.0), (4, 1.02), (8, 1.04)) if adaptive else None)
+    return kvjax.Engine(kvjax.init_params(CONFIG, seed=1), CONFIG,
+                        kvjax.EngineConfig(cache=CACHE, max_slots=SLOTS, decode_steps=4),
+                        draft=trained_head(tmp_path_factory)["head"], spec=spec)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eagle", "eagle-adaptive"])
+def test_an_eagle_chat_compiles_nothing_after_warmup(tmp_path_factory, adaptive):
+    """An EAGLE head's trees, a program per width (8; adaptive: 2, 4 and 8), greedy and
+    sampled, and the head's prefill at every prefill width."""
+    e = eagle_engine(tmp_path_factory, adaptive)
+    counts = e.warmup().counts()
+    assert counts["tree_loop"] == 2 * (3 if adaptive else 1)
+    assert counts["head_prefill"] == counts["extend"] == len(prefill_widths(e.runner, 1))
+    with no_compiles():
+        results = chat(e)
+    assert all(r.status == "finished" for r in results)
+    assert e.metrics()["spec"]["accepted"] > 0
+
+
+def test_warmup_leaves_the_eagle_head_s_pages_as_they_were(tmp_path_factory):
+    """A warm-up between two turns (the second continues the first: its head pairs come
+    from the head's cached pages) changes no token, logit or drafting statistic: the
+    compile-only tree call hands back the head's cache it was given."""
+    text = [int(t) for t in markov(1, 49, CONFIG.vocab_size, 7)[0]]  # the head's data
+    first = kvjax.Request(tokens=text[:40], max_new_tokens=12, return_logits=True)
+    engines = [eagle_engine(tmp_path_factory) for _ in range(2)]
+    answers = [e.generate([first]) for e in engines]
+    engines[0].warmup()
+    turn = kvjax.Request(tokens=text[:40] + answers[0][0].tokens + text[40:],
+                         max_new_tokens=12, return_logits=True)
+    got, want = (e.generate([turn]) for e in engines)
+    assert_same(got, want)
+    assert engines[0].metrics()["spec"] == engines[1].metrics()["spec"]
+    assert engines[0].metrics()["spec"]["accepted"] > 0
 
 
 @pytest.mark.parametrize("sampling", [None, kvjax.SamplingConfig(temperature=0.8, seed=3)])

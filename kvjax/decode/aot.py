@@ -48,7 +48,6 @@ class Warmup:
 
     programs: tuple[Compiled, ...]
     seconds: float
-    not_warmed: tuple[str, ...] = ()  # programs compiled at first use
 
     @property
     def compiled(self) -> int:
@@ -74,12 +73,9 @@ class Warmup:
 
     def __str__(self) -> str:
         steps = ", ".join(f"{n} {name}" for name, n in self.counts().items())
-        text = (f"warm-up: {len(self.programs)} programs ({steps}; {self.compiled} compiled, "
+        return (f"warm-up: {len(self.programs)} programs ({steps}; {self.compiled} compiled, "
                 f"{self.loaded} from the compilation cache, {self.held} held already) in "
                 f"{self.seconds:.2f} s")
-        if self.not_warmed:
-            text += f"; compiled at first use: {', '.join(self.not_warmed)}"
-        return text
 
 
 class _Session:
@@ -133,13 +129,15 @@ class Program:
     """A jitted step that `compiling()` can compile without running, and whose compiled
     programs outlive the process by kvjax's own key (`kvjax.decode.programs`).
 
-    `caches`: {output index: argument name} of the donated caches the step returns (then
-    a tuple), given back as they came in compile-only calls; `static_argnames` and
+    `caches`: {where in the output: argument name} of the donated caches the step returns,
+    given back as they came in compile-only calls; where: an index into the output tuple,
+    or a path of indices and field names (`()`: the output itself; `(0, "head", "cache")`:
+    the cache field of the first output's head, none where the head is None); `static_argnames` and
     `donate_argnames` as `jax.jit` takes them; `check`, called with a call's arguments before
     anything else, raises on what the program would silently get wrong (a traced argument's
     range: the host still sees its value)."""
 
-    def __init__(self, fn, name: str, caches: dict[int, str] | None = None,
+    def __init__(self, fn, name: str, caches: dict[int | tuple, str] | None = None,
                  static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = (),
                  check=None):
         @functools.wraps(fn)
@@ -222,11 +220,12 @@ class Program:
         out = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out_info)
         if not self.caches:
             return out
-        out, bound = list(out), self.signature.bind(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        for index, arg in self.caches.items():
-            out[index] = bound.arguments[arg]
-        return tuple(out)
+        for where, arg in self.caches.items():
+            out = _put(out, where if isinstance(where, tuple) else (where,),
+                       bound.arguments[arg])
+        return out
 
     def clear_cache(self) -> None:
         """Drops the programs this process holds for the step (jit's and kvjax's)."""
@@ -235,6 +234,22 @@ class Program:
 
     def __getattr__(self, attr):  # lower, trace, eval_shape, ... of the jitted function
         return getattr(self.fn, attr)
+
+
+def _put(out, path: tuple, value):
+    """`out` with `value` at `path` (indices into tuples, field names of dataclasses); `out`
+    unchanged where the path runs into None."""
+    if not path:
+        return value
+    first, rest = path[0], path[1:]
+    if isinstance(first, int):
+        items = list(out)
+        items[first] = _put(items[first], rest, value)
+        return tuple(items)
+    inner = getattr(out, first)
+    if inner is None and rest:
+        return out
+    return out.replace(**{first: _put(inner, rest, value)})
 
 
 def clear() -> None:
@@ -253,7 +268,7 @@ def concrete(value) -> int | None:
         return None
 
 
-def program(name: str, caches: dict[int, str] | None = None,
+def program(name: str, caches: dict[int | tuple, str] | None = None,
             static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = (),
             check=None):
     """Decorator: the function as a `Program` (it applies `jax.jit` itself)."""

@@ -10,10 +10,11 @@ cache) and not run: no page, statistic or bit changes.
 
 A speculative engine's loop is warmed too: a chain's one program (every γ up to the
 config's: `kvjax.speculative.loop.spec_loop`), an n-gram tree's (every width up to
-`tree_nodes`: `tree_loop`). Not warmed (compiled at first use): an EAGLE head's trees and prefill,
-per-token logits (`Request.return_logits`), position bases (`Request.position_base`) and
-packed prefill's decode calls. An adaptive engine's costs (`Speculator.calibrate`) are
-measured here, as its first call would.
+`tree_nodes`: `tree_loop`), an EAGLE head's trees (a program per width: `tree_nodes`, or
+each width an adaptive engine chooses from) and the head's prefill at every prefill width.
+Not warmed (compiled at first use): per-token logits (`Request.return_logits`), position
+bases (`Request.position_base`) and packed prefill's decode calls. An adaptive engine's
+costs (`Speculator.calibrate`) are measured here, as its first call would.
 
 The programs compile on `threads` threads (default: one per CPU core, at most
 `MAX_THREADS`): XLA compiles a program on one core, and a warm-up's programs are
@@ -77,7 +78,7 @@ def warm(runner, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, T
         model = runner.model  # the costs the first call would measure (runs, times)
         spec.calibrate(model.params, model.config, model.plan, slots)
     programs = compile_all(_tasks(runner, sorted(set(rows)), sampled), threads)
-    return Warmup(tuple(programs), time.perf_counter() - start, _not_warmed(runner))
+    return Warmup(tuple(programs), time.perf_counter() - start)
 
 
 def _tasks(runner, rows: list[int], sampled: Sequence[bool]) -> list[Callable[[], None]]:
@@ -90,8 +91,9 @@ def _tasks(runner, rows: list[int], sampled: Sequence[bool]) -> list[Callable[[]
             if runner.spec is None:
                 loops.append(functools.partial(_decode, runner, n, s))
         prefills += _prefills(runner, n if runner.policy.shares_prefill_calls() else 1)
-    if runner.spec is not None and runner.spec.eagle is None:
-        loops += [functools.partial(_spec_decode, runner, s) for s in sampled]
+    if runner.spec is not None:
+        loops += [functools.partial(_spec_decode, runner, s, size)
+                  for size in _spec_sizes(runner.spec) for s in sampled]
     return loops + sorted(prefills, key=lambda t: -t.keywords["width"]) + samplers
 
 
@@ -110,11 +112,6 @@ def compile_all(tasks: list[Callable[[], None]], threads: int | None = None
         return [p for task in tasks for p in run(task)]
     with ThreadPoolExecutor(threads, thread_name_prefix="kvjax-warmup") as pool:
         return [p for got in pool.map(run, tasks) for p in got]
-
-
-def _not_warmed(runner) -> tuple[str, ...]:
-    spec = runner.spec
-    return () if spec is None or spec.eagle is None else ("tree_loop", "head_prefill")
 
 
 def _rows(runner, n: int, width: int) -> list[PrefillRow]:
@@ -136,7 +133,16 @@ def _prefills(runner, n: int) -> list[functools.partial]:
 
 
 def _target_prefill(runner, n: int, width: int, eagle: bool) -> None:
-    runner.target_prefill(_rows(runner, n, width), width, features=eagle)
+    """The target's call; with an EAGLE head, then the head's prefill of the pairs the
+    call's features complete (`EagleSide.prefill`, as `StepRunner.prefill_call` runs it)."""
+    rows = _rows(runner, n, width)
+    out = runner.target_prefill(rows, width, features=eagle)
+    if eagle:
+        heads = [PrefillRow(row.tokens, []) for row in rows]
+        for row in rows:
+            row.start = width  # where the call left them
+        runner.spec.eagle.prefill(runner.kv, rows, heads, out[1], [0] * n,
+                                  runner.min_pages(runner.kv.draft))
 
 
 def _draft_prefill(runner, n: int, width: int, last: bool = False) -> None:
@@ -160,12 +166,21 @@ def _decode(runner, n: int, sampled: bool) -> None:
     runner.plain_decode(_state(runner, runner.decode_width(n), sampled), want_logits=False)
 
 
-def _spec_decode(runner, sampled: bool) -> None:
-    """The speculative call (`Speculator.call`; every slot is a row): a chain's one program
-    for every γ, an n-gram tree's for every width."""
+def _spec_sizes(spec) -> list[int]:
+    """The sizes `Speculator.next_gamma` may give a call, one per program: a chain's γ
+    (its one program serves every γ), an n-gram tree's `tree_nodes` (likewise every
+    width), an EAGLE head's each width (`tree_nodes`, or an adaptive engine's choices)."""
+    if spec.spec.tree_nodes is None:
+        return [spec.spec.gamma]
+    if spec.eagle is not None and spec.width_policy is not None:
+        return list(spec.width_policy.widths)
+    return [spec.spec.tree_nodes]
+
+
+def _spec_decode(runner, sampled: bool, size: int) -> None:
+    """The speculative call (`Speculator.call`; every slot is a row) of `size`."""
     spec = runner.spec
     state = _state(runner, runner.engine_config.max_slots, sampled)
-    size = spec.spec.gamma if spec.spec.tree_nodes is None else spec.spec.tree_nodes
     spec.call(runner.model, runner.kv, runner.engine_config.decode_steps, [], {}, size, state,
               False, runner.context)
 

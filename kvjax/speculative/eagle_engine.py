@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from functools import partial
 
 import jax
 import numpy as np
@@ -36,6 +35,7 @@ import numpy as np
 from kvjax.cache.identity import model_fingerprint
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
+from kvjax.decode.aot import program
 from kvjax.decode.batching import page_table
 from kvjax.decode.prefill import PrefillRow
 from kvjax.io.hf import CheckpointError
@@ -65,7 +65,8 @@ class HeadState:
                    np.zeros(width, np.int32))
 
 
-@partial(jax.jit, static_argnames=("config", "plan"), donate_argnames=("cache",))
+@program("head_prefill", {(): "cache"}, static_argnames=("config", "plan"),
+         donate_argnames=("cache",))
 def head_prefill(head: dict, embedding: jax.Array, config: ModelConfig, cache, features,
                  tokens, batch: BatchInfo, plan: NumericsPlan):
     """Appends the pairs [features, e(tokens)] ([B, T, D], int32[B, T]) to the head's
@@ -83,7 +84,10 @@ class EagleSide:
     def __init__(self, head: HeadFile, config: ModelConfig, plan: NumericsPlan,
                  target_plan: NumericsPlan, depth: int):
         self.file, self.config, self.plan, self.width = head, config, plan, depth + 1
-        self.head = jax.device_put(store(head.params, plan))
+        # through the host: the head's file restores committed arrays, which would commit
+        # every result they meet (the caches) and so change the programs jit picks after a
+        # warm-up (whose placeholders are not committed)
+        self.head = jax.device_put(jax.tree.map(np.asarray, store(head.params, plan)))
         self.vocab = np.asarray(head.vocab, np.int32)
         # the pairs' K/V depend on the head, its arithmetic and the target's features (its
         # weights are in the head's identity, its arithmetic is not)
@@ -127,9 +131,9 @@ class EagleSide:
                 BatchInfo(page_table=table, lengths=lengths, num_new=count), self.plan)),
                 draft=True)
         done = [i for i, row in enumerate(rows) if row.start == len(row.tokens)]
-        if done:
-            last = np.asarray(features[np.asarray(done), np.asarray(
-                [rows[i].start - starts[i] - 1 for i in done])])  # [done, D]
+        if done:  # read on the host: an index on device would compile per call shape
+            last = np.asarray(features)[np.asarray(done), np.asarray(
+                [rows[i].start - starts[i] - 1 for i in done])]  # [done, D]
             for i, feature in zip(done, last, strict=True):
                 heads[i].feature = feature
 

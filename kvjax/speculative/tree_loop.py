@@ -190,7 +190,7 @@ def _check_width(*_, max_nodes: int, width=None, widths=None, head=None, **__) -
                          f"max_nodes), got {value}")
 
 
-@program("tree_loop", {1: "cache"},  # (the head's cache comes back inside the result)
+@program("tree_loop", {1: "cache", (0, "head", "cache"): "head_cache"},
          static_argnames=("config", "max_nodes", "widths", "depth", "branches", "max_out",
                           "ngram_max", "ngram_min", "top_k", "rerank", "return_logits",
                           "plan", "sampled"),
