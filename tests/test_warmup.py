@@ -17,6 +17,7 @@ import kvjax
 from kvjax.config import SpecConfig
 from kvjax.decode import steps
 from kvjax.decode.generate import warmup
+from kvjax.engine import warmup as engine_warmup
 from kvjax.engine.runner import decode_context
 from kvjax.engine.warmup import prefill_widths
 
@@ -165,6 +166,40 @@ def test_warmup_changes_no_page_statistic_or_bit():
     requests = [kvjax.Request(tokens=prompt(n), max_new_tokens=8, return_logits=True)
                 for n in (9, 33)]
     assert_same(e.generate(requests), engine(p).generate(requests))
+
+
+@pytest.mark.parametrize("batch", ["greedy", "sampled", "a batch"])
+def test_a_first_round_compiles_its_programs_side_by_side(monkeypatch, batch):
+    """An engine's first round compiles its programs (the prefill call it is about to
+    make, the first tokens' sampler, the decode call of its samples) on parallel
+    compile-only threads before it runs (`kvjax.engine.warmup.ahead`): a lone request's
+    round then traces nothing more (a batch's later prefill calls and decode shapes are
+    compiled at their first use), and answers are those of an engine without it."""
+    sampling = kvjax.SamplingConfig(temperature=0.9, top_k=20, seed=4)
+    requests = {"greedy": [kvjax.Request(tokens=prompt(37), max_new_tokens=9)],
+                "sampled": [kvjax.Request(tokens=prompt(21, 2), max_new_tokens=7,
+                                          sampling=sampling)],
+                "a batch": [kvjax.Request(tokens=prompt(21, 2), max_new_tokens=7,
+                                          sampling=sampling),
+                            kvjax.Request(tokens=prompt(50, 1), max_new_tokens=7, n=2,
+                                          sampling=sampling)]}[batch]
+    ahead, seen = engine_warmup.ahead, []
+
+    def spy(*args):
+        report = ahead(*args)
+        seen.append(([p.name for p in report], steps.trace_counts()))
+        return report
+
+    monkeypatch.setattr(engine_warmup, "ahead", spy)
+    got = engine(params(), numerics="invariant").generate(requests)
+    names, traces = seen[0]
+    assert len(seen) == 1 and sorted(set(names)) == [
+        "decode_loop", "extend", "greedy" if batch == "greedy" else "sample"]
+    if batch != "a batch":
+        assert steps.trace_counts() == traces  # the real calls found every program
+    monkeypatch.setattr(engine_warmup, "ahead", lambda *args: [])
+    want = engine(params(), numerics="invariant").generate(requests)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
 def test_the_warmup_threads_compile_the_same_programs():

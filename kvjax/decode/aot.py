@@ -281,10 +281,10 @@ _TRACES: collections.Counter = collections.Counter()
 def trace_counts() -> dict[str, int]:
     """How many programs each step has taken on in this process (traced and compiled, or
     loaded from `kvjax.decode.programs`): its compilations, as far as the process is
-    concerned (a `Program` counts its own; the other jitted loops call `note_trace`)."""
+    concerned (each `Program` counts its own through `note_trace`)."""
     return dict(_TRACES)
 
 
 def note_trace(step: str) -> None:
-    """Counts one trace of a jitted step (call it from inside the traced function)."""
+    """Counts one trace (or load) of a step's program (`Program` calls it)."""
     _TRACES[step] += 1

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
-from kvjax.decode.aot import note_trace as note_trace  # the plain jitted loops count
 from kvjax.decode.aot import program
 from kvjax.decode.aot import trace_counts as trace_counts  # where callers look
 from kvjax.decode.sampling import any_sampled, greedy, sample

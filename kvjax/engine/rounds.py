@@ -15,7 +15,7 @@ import dataclasses
 from kvjax.cache.admission import Admission
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode.prefill import PrefillRow
-from kvjax.engine import results, scheduler, stop_strings
+from kvjax.engine import results, scheduler, stop_strings, warmup
 from kvjax.engine.requests import LiveRequest, RequestResult, Seq, StreamEvent, context
 from kvjax.engine.runner import StepRunner
 from kvjax.engine.stats import Timers, record_admission, record_dropped
@@ -53,16 +53,7 @@ class Rounds:
         self.prefilling: list[Prefill] = []  # seated, prompt not fully prefilled yet
         self.operator_log: list[tuple[str | None, tuple[str, ...]]] = []  # (cause, fields)
         self.admitted_log: list[dict] = []  # the entries of stats_log that were admitted
-
-    @property
-    def pool(self):
-        """The target's pool (the pages are `self.kv`'s)."""
-        return self.kv.target
-
-    @property
-    def draft_pool(self):
-        """The draft's pool, or None (the pages are `self.kv`'s)."""
-        return self.kv.draft
+        self.first_call = True  # the next prefill call is the engine's first (`warmup.ahead`)
 
     def enqueue(self, req: LiveRequest) -> None:
         self.live[req.id] = req
@@ -106,9 +97,13 @@ class Rounds:
                     rows = [e for e in rows if self._one_call_left(e)]
                 if not rows or (limit and calls >= limit):
                     return  # the decode call prefills them in its steps, or the next round
-            logits, seconds = self.runner.prefill_call(
-                [e.row for e in rows], [e.draft for e in rows if e.draft is not None],
-                widen=not self._decoding())  # wider calls stall no one
+            draft_rows = [e.draft for e in rows if e.draft is not None]
+            widen = not self._decoding()  # wider calls stall no one
+            if self.first_call:  # its prefill, sampler and decode programs side by side
+                self.first_call = False
+                warmup.ahead(self.runner, [e.row for e in rows], draft_rows, widen,
+                             [e.req.request for e in self.prefilling])
+            logits, seconds = self.runner.prefill_call([e.row for e in rows], draft_rows, widen)
             calls += 1
             self._prefilled(rows, logits, seconds, events)
 

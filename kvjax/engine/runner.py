@@ -100,7 +100,7 @@ class StepRunner:
         None; seconds of the target's call)."""
         kv = self.kv
         eagle = None if self.spec is None else self.spec.eagle
-        width = self.call_width(len(rows), widen, _longest_left(rows))
+        width = self.call_width(len(rows), widen, longest_left(rows))
         before, starts = self.timers["prefill_s"], [r.start for r in rows]
 
         with self.timers("prefill_s"):
@@ -116,7 +116,7 @@ class StepRunner:
             return logits, seconds
         left = [r for r in draft_rows if r.start < len(r.tokens)]
         if left:
-            width = self.call_width(len(left), widen, _longest_left(left))
+            width = self.call_width(len(left), widen, longest_left(left))
             with self.timers("draft_prefill_s"):
                 self.draft_prefill(left, width)
             _advance(left, width)
@@ -381,7 +381,7 @@ class StepRunner:
             self.kv.rollback(seq)
 
 
-def _longest_left(rows: list[PrefillRow]) -> int:
+def longest_left(rows: list[PrefillRow]) -> int:
     """The most tokens any of `rows` has left to prefill."""
     return max(len(r.tokens) - r.start for r in rows)
 

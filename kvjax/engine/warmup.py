@@ -38,9 +38,10 @@ from kvjax.decode import aot
 from kvjax.decode.aot import Compiled, Warmup
 from kvjax.decode.batching import page_table
 from kvjax.decode.prefill import PrefillRow, open_rows
-from kvjax.decode.sampling import sample_jit, sampling_rows, sequence_keys
+from kvjax.decode.sampling import any_sampled, sample_jit, sampling_rows, sequence_keys
 from kvjax.decode.state import decode_state
 from kvjax.engine.requests import MAX_STOP_TOKENS
+from kvjax.engine.runner import longest_left
 
 MAX_THREADS = 8  # compile threads at most (each holds a program's compile in memory)
 
@@ -79,6 +80,37 @@ def warm(runner, rows: Sequence[int] = (1,), sampled: Sequence[bool] = (False, T
         spec.calibrate(model.params, model.config, model.plan, slots)
     programs = compile_all(_tasks(runner, sorted(set(rows)), sampled), threads)
     return Warmup(tuple(programs), time.perf_counter() - start)
+
+
+def ahead(runner, rows: list[PrefillRow], draft_rows: list[PrefillRow], widen: bool,
+          requests: list) -> list[Compiled]:
+    """The programs of an engine's first round, compiled side by side before it runs
+    (`compile_all`: compile-only sessions, so nothing runs or changes): the prefill call
+    `StepRunner.prefill_call(rows, draft_rows, widen)` is about to make (the target's and a
+    draft model's; the rows' starts are not moved), the first tokens' sampler and the
+    decode (or speculative) call of the admitted `requests`' samples. Each is the program
+    its real call asks for, so the round compiles nothing more (what it guessed wrong, a
+    later call compiles). An EAGLE engine's compile in turn (its head's prefill moves its
+    rows' heads)."""
+    if runner.spec is not None and runner.spec.eagle is not None:
+        return []
+    width = runner.call_width(len(rows), widen, longest_left(rows))
+    tasks = [functools.partial(runner.target_prefill, rows, width)]
+    left = [r for r in draft_rows if r.start < len(r.tokens)]
+    if left:
+        tasks.append(functools.partial(
+            runner.draft_prefill, left, runner.call_width(len(left), widen, longest_left(left))))
+    samples = requests[0].n
+    sampled = any_sampled([0.0 if r.sampling is None else r.sampling.temperature
+                           for r in requests])
+    live = min(sum(r.n for r in requests), runner.engine_config.max_slots)
+    if runner.spec is None:
+        tasks.insert(0, functools.partial(_decode, runner, live, sampled))
+    else:
+        tasks[:0] = [functools.partial(_spec_decode, runner, sampled, size)
+                     for size in _spec_sizes(runner.spec)]
+    tasks.append(functools.partial(_first_tokens, runner, samples, sampled))
+    return compile_all(tasks)
 
 
 def _tasks(runner, rows: list[int], sampled: Sequence[bool]) -> list[Callable[[], None]]:
