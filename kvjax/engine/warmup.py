@@ -90,10 +90,19 @@ def ahead(runner, rows: list[PrefillRow], draft_rows: list[PrefillRow], widen: b
     draft model's; the rows' starts are not moved), the first tokens' sampler and the
     decode (or speculative) call of the admitted `requests`' samples. Each is the program
     its real call asks for, so the round compiles nothing more (what it guessed wrong, a
-    later call compiles). An EAGLE engine's compile in turn (its head's prefill moves its
-    rows' heads)."""
+    later call compiles; a guess that fails compiles nothing and leaves the round to its
+    own calls). An EAGLE engine's compile in turn (its head's prefill moves its rows'
+    heads)."""
     if runner.spec is not None and runner.spec.eagle is not None:
         return []
+    try:
+        return compile_all(_ahead_tasks(runner, rows, draft_rows, widen, requests))
+    except Exception:  # an optimisation only: the real calls raise what is really wrong
+        return []
+
+
+def _ahead_tasks(runner, rows, draft_rows, widen: bool, requests) -> list[Callable[[], None]]:
+    """`ahead`'s compile-only calls, the decode (or speculative) call first."""
     width = runner.call_width(len(rows), widen, longest_left(rows))
     tasks = [functools.partial(runner.target_prefill, rows, width)]
     left = [r for r in draft_rows if r.start < len(r.tokens)]
@@ -110,7 +119,7 @@ def ahead(runner, rows: list[PrefillRow], draft_rows: list[PrefillRow], widen: b
         tasks[:0] = [functools.partial(_spec_decode, runner, sampled, size)
                      for size in _spec_sizes(runner.spec)]
     tasks.append(functools.partial(_first_tokens, runner, samples, sampled))
-    return compile_all(tasks)
+    return tasks
 
 
 def _tasks(runner, rows: list[int], sampled: Sequence[bool]) -> list[Callable[[], None]]:
