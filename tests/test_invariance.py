@@ -507,13 +507,18 @@ def test_a_prompt_prefilled_while_nothing_decodes_takes_wider_calls(p, alone, mo
     two 16-token calls (max_slots 8, chunk 16: up to 8 x 16, but no wider than its tokens
     need), a lone 70-token prompt one 128-token call, two prompts of 3 and 9 tokens one
     16-token call each, and they keep their alone bits (computed in 16-token calls)."""
+    from kvjax.decode import aot
     from kvjax.engine.runner import StepRunner
 
-    widths = []
-    width = StepRunner.call_width
-    monkeypatch.setattr(StepRunner, "call_width",
-                        lambda self, rows, widen, longest: widths.append(
-                            width(self, rows, widen, longest)) or widths[-1])
+    widths = []  # of the calls run (not those a first round compiles ahead)
+    prefill = StepRunner.target_prefill
+
+    def spy(self, rows, width, **kw):
+        if not aot.active():
+            widths.append(width)
+        return prefill(self, rows, width, **kw)
+
+    monkeypatch.setattr(StepRunner, "target_prefill", spy)
     e = engine(p)
     assert_same(e.generate([requests()[6]]), [alone[6]])
     assert widths == [32]

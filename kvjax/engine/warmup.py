@@ -88,12 +88,13 @@ def ahead(runner, rows: list[PrefillRow], draft_rows: list[PrefillRow], widen: b
     (`compile_all`: compile-only sessions, so nothing runs or changes): the prefill call
     `StepRunner.prefill_call(rows, draft_rows, widen)` is about to make (the target's and a
     draft model's; the rows' starts are not moved), the first tokens' sampler and the
-    decode (or speculative) call of the admitted `requests`' samples. Each is the program
-    its real call asks for, so the round compiles nothing more (what it guessed wrong, a
-    later call compiles; a guess that fails compiles nothing and leaves the round to its
-    own calls). An EAGLE engine's compile in turn (its head's prefill moves its rows'
-    heads)."""
-    if runner.spec is not None and runner.spec.eagle is not None:
+    decode (or speculative) call of its samples (with logits where it asks for them): the
+    programs its real calls ask for, so the round compiles nothing more (a guess that fails
+    compiles nothing and leaves the round to its own calls). For a lone request only (a
+    chat's first answer): a batch's first calls depend on how its prompts are chunked and
+    when each starts decoding, and a wrong guess is a compile wasted. An EAGLE engine's
+    compile in turn (its head's prefill moves its rows' heads)."""
+    if len(requests) != 1 or (runner.spec is not None and runner.spec.eagle is not None):
         return []
     try:
         return compile_all(_ahead_tasks(runner, rows, draft_rows, widen, requests))
@@ -113,10 +114,11 @@ def _ahead_tasks(runner, rows, draft_rows, widen: bool, requests) -> list[Callab
     sampled = any_sampled([0.0 if r.sampling is None else r.sampling.temperature
                            for r in requests])
     live = min(sum(r.n for r in requests), runner.engine_config.max_slots)
+    logits = any(r.return_logits for r in requests)
     if runner.spec is None:
-        tasks.insert(0, functools.partial(_decode, runner, live, sampled))
+        tasks.insert(0, functools.partial(_decode, runner, live, sampled, logits))
     else:
-        tasks[:0] = [functools.partial(_spec_decode, runner, sampled, size)
+        tasks[:0] = [functools.partial(_spec_decode, runner, sampled, size, logits)
                      for size in _spec_sizes(runner.spec)]
     tasks.append(functools.partial(_first_tokens, runner, samples, sampled))
     return tasks
@@ -202,9 +204,9 @@ def _first_tokens(runner, n: int, sampled: bool) -> None:
                np.zeros(n, np.int32), *sampling_rows([sampling] * n))
 
 
-def _decode(runner, n: int, sampled: bool) -> None:
+def _decode(runner, n: int, sampled: bool, want_logits: bool = False) -> None:
     """The decode call of `n` live samples (`StepRunner.decode`'s plain decoding)."""
-    runner.plain_decode(_state(runner, runner.decode_width(n), sampled), want_logits=False)
+    runner.plain_decode(_state(runner, runner.decode_width(n), sampled), want_logits)
 
 
 def _spec_sizes(spec) -> list[int]:
@@ -218,12 +220,12 @@ def _spec_sizes(spec) -> list[int]:
     return [spec.spec.tree_nodes]
 
 
-def _spec_decode(runner, sampled: bool, size: int) -> None:
+def _spec_decode(runner, sampled: bool, size: int, want_logits: bool = False) -> None:
     """The speculative call (`Speculator.call`; every slot is a row) of `size`."""
     spec = runner.spec
     state = _state(runner, runner.engine_config.max_slots, sampled)
     spec.call(runner.model, runner.kv, runner.engine_config.decode_steps, [], {}, size, state,
-              False, runner.context)
+              want_logits, runner.context)
 
 
 def _state(runner, rows: int, sampled: bool):
