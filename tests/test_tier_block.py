@@ -27,18 +27,18 @@ ROOT = CacheNamespace(model="m" * 32, adapter="none", position_base=0, attention
                       kv_dtype="int8")
 
 
-def block(seed: int, tokens=None, root=ROOT, salts=None) -> TierBlock:
-    """An int8 page with its scales (2 layers, 2 KV heads, 4 slots, head dim 8)."""
+def block(seed: int, tokens=None, root=ROOT, salts=None, slots: int = 4) -> TierBlock:
+    """An int8 page with its scales (2 layers, 2 KV heads, `slots` slots, head dim 8)."""
     rng = np.random.default_rng(seed)
     tokens = tuple(tokens or rng.integers(10, 100, 8).tolist())  # one file size
     salts = tuple(salts or (None,) * (len(tokens) // 4))
     key = b""
     for i, salt in enumerate(salts):
         key = child_key(key, salt, tokens[4 * i:4 * i + 4])
-    arrays = {"k": rng.integers(-127, 128, (2, 2, 4, 8), dtype=np.int8),
-              "v": rng.integers(-127, 128, (2, 2, 4, 8), dtype=np.int8),
-              "k_scale": rng.random((2, 2, 4), dtype=np.float32),
-              "v_scale": rng.random((2, 2, 4), dtype=np.float32)}
+    arrays = {"k": rng.integers(-127, 128, (2, 2, slots, 8), dtype=np.int8),
+              "v": rng.integers(-127, 128, (2, 2, slots, 8), dtype=np.int8),
+              "k_scale": rng.random((2, 2, slots), dtype=np.float32),
+              "v_scale": rng.random((2, 2, slots), dtype=np.float32)}
     return TierBlock(root, key, tokens, salts, arrays, checksum(arrays))
 
 
@@ -115,7 +115,11 @@ def test_the_host_tier_evicts_least_recently_used_first():
     assert host.get((ROOT, blocks[0].key)) is blocks[0]  # 0 used: 1 is now the oldest
     assert host.put(blocks[3]) == [blocks[1]]
     assert host.bytes == 3 * blocks[0].nbytes
-    assert host.put(block(9, tokens=list(range(400)))) != []  # larger than the tier: out
+    big = block(9, slots=64)  # 16 pages' bytes: larger than the whole tier
+    assert big.nbytes > host.capacity
+    assert host.put(big) == [big]  # handed straight back, nothing evicted for it
+    assert host.bytes == 3 * blocks[0].nbytes
+    assert list(host.blocks) == [(ROOT, b.key) for b in (blocks[2], blocks[0], blocks[3])]
 
 
 def test_the_disk_tier_is_rebuilt_from_its_folder_and_keeps_its_bound(tmp_path):
