@@ -41,10 +41,10 @@ os.environ.setdefault("KVJAX_XLA_CACHE", os.environ[_CACHE_ENV])
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_FOLDER))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# kvjax's kept steps (`kvjax.decode.programs`, keyed by kvjax's source) stay off in the
-# suite, whose programs JAX's cache above holds across sources: tests/test_compile_cache.py,
-# tests/test_programs.py and tests/test_bench_startup.py switch them on where they test them
-os.environ.setdefault("KVJAX_KEEP_PROGRAMS", "0")
+# kvjax's kept steps (`kvjax.decode.programs`) are on as for users, in `programs/` of that
+# folder: keyed by kvjax's source, so after an edit each step is traced once, its program
+# read from JAX's cache above (which spans sources) and kept again; a second run traces
+# none. The folder's bound drops the entries of sources no longer run (used longest ago).
 jax.config.update("jax_compilation_cache_dir", str(_FOLDER))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

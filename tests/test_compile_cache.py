@@ -53,7 +53,7 @@ def _child(tmp_path: Path, name: str) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", compile_cache.ENV_VAR)}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    env["KVJAX_KEEP_PROGRAMS"] = "1"  # kvjax's kept steps (the suite's are off) beside JAX's
+    env["KVJAX_KEEP_PROGRAMS"] = "1"  # kvjax's kept steps beside JAX's (a user's default)
     out = tmp_path / f"{name}.npz"
     proc = subprocess.run([sys.executable, "-c", CHILD, str(out)], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=300, check=False)
@@ -113,19 +113,21 @@ def _step_child(cache: Path, keep: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_step_jax_s_cache_handed_back_is_not_kept(tmp_path):
+def test_a_step_jax_s_cache_handed_back_is_kept_from_the_bytes_jax_read(tmp_path):
     """XLA:CPU writes a program's machine code into its copy only in the process that
-    compiled it: a step JAX's cache gave back would be kept without its kernels and fail
-    where it is loaded ("Function ... not found"). A process with kvjax's store off fills
-    JAX's cache; the next, store on, gets the step from JAX's cache and keeps nothing; the
-    one after runs it (from JAX's cache again), the same bits. Control: in an empty folder
-    the step is compiled, kept, and read back from kvjax's store by the next process."""
+    compiled it: a step JAX's cache gave back, re-serialized, would be kept without its
+    kernels and fail where it is loaded ("Function ... not found"). So kvjax keeps it from
+    the bytes JAX read (`programs.handed_back`). A process with kvjax's store off fills
+    JAX's cache; the next, store on, gets the step from JAX's cache and keeps it; the one
+    after reads it from kvjax's store (untraced), the same bits. Control: in an empty
+    folder the step is compiled, kept, and read back by the next process."""
     jax_only = _step_child(tmp_path / "a", "0")
     after_jax = _step_child(tmp_path / "a", "1")
-    assert jax_only["kept"] == after_jax["kept"] == after_jax["loaded"] == 0
+    assert jax_only["kept"] == after_jax["loaded"] == 0 and after_jax["kept"] == 1
     store = compile_cache.host_folder(tmp_path / "a") / compile_cache.version() / "programs"
-    assert not store.exists() or not any(store.iterdir())
+    assert len(list(store.iterdir())) == 1
     again = _step_child(tmp_path / "a", "1")
+    assert again["loaded"] == 1 and again["kept"] == 0
     fresh = _step_child(tmp_path / "b", "1")
     loaded = _step_child(tmp_path / "b", "1")
     assert fresh["kept"] == 1 and loaded["loaded"] == 1 and loaded["kept"] == 0
@@ -149,9 +151,8 @@ def test_the_folder_is_the_user_s_cache_folder_unless_switched_off():
 
 
 def test_another_kvjax_s_folder_is_dropped_when_unused(tmp_path):
-    """Each kvjax source has its own folder (a step JAX's cache hands back cannot be kept:
-    `kvjax.decode.programs.serialized`, so a new kvjax compiles its steps afresh once); one
-    unused for `STALE_DAYS` goes when another kvjax switches the cache on."""
+    """Each kvjax source has its own folder; one unused for `STALE_DAYS` goes when another
+    kvjax switches the cache on."""
     old = time.time() - (compile_cache.STALE_DAYS + 1) * 86400
     mine, recent, stale = (tmp_path / name for name in ("mine", "recent", "stale"))
     for folder in (mine, recent, stale):

@@ -196,8 +196,9 @@ class Program:
             jax.monitoring.record_event(LOADED)
             note_trace(self.name)  # a new program for this process, as a trace would be
         else:
-            program = self.fn.lower(*args, **kwargs).compile()
-            programs.save(path, program)
+            with programs.handed_back() as code:
+                program = self.fn.lower(*args, **kwargs).compile()
+            programs.save(path, program, code[0] if len(code) == 1 else None)
         if session is not None:
             session.programs.append(Compiled(self.name, time.perf_counter() - start,
                                              kept or session.hits > hits))

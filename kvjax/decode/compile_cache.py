@@ -13,9 +13,7 @@ them in two processes). Neither key names the CPU, whose instruction sets XLA co
 so kvjax keeps each CPU's programs apart: a subfolder named by a digest of the CPU's model
 and flags (`host_folder`), as the probe and kernel caches key theirs, so a cache folder
 shared between hosts never hands one host another's code; and each kvjax source apart
-(`version`; another's folder unused for `STALE_DAYS` is dropped): a new kvjax compiles its
-steps afresh once, the condition for keeping them (a program JAX's cache hands back
-serializes without its machine code: `kvjax.decode.programs.serialized`).
+(`version`; another's folder unused for `STALE_DAYS` is dropped).
 
 Where: `$KVJAX_XLA_CACHE`, else `xla` in `kvjax.backend.cache_home()`
 (`$XDG_CACHE_HOME/kvjax/xla` or `~/.cache/kvjax/xla`), then the CPU's subfolder, then

@@ -18,7 +18,10 @@ the same program, the same bits (`tests/test_compile_cache.py` compares a fresh 
 with a load in another process, bitwise). Kept only in a process of its own, where every
 argument lives on one device and every static argument is plain; otherwise, with the
 cache switched off (`KVJAX_XLA_CACHE=0`) and with `KVJAX_KEEP_PROGRAMS=0`, the step is
-jit's as before. Only a program whose copy holds its machine code is kept (`serialized`).
+jit's as before. Only a program whose copy holds its machine code is kept (`serialized`):
+one compiled here, or one JAX's persistent cache handed back, kept from the bytes JAX read
+(`handed_back`: the copy its compile wrote), so a step traced once over a warm JAX cache
+is not traced again.
 An entry that cannot be read is compiled again and rewritten. The key cannot see code
 patched at run time: a test that swaps a rule a step traces runs under `off()`.
 """
@@ -29,14 +32,18 @@ import contextlib
 import dataclasses
 import enum
 import hashlib
+import io
 import os
 import pickle
 import threading
+import zlib
 from importlib import metadata
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax._src import compilation_cache as jax_cache
+from jax._src.lib import xla_client
 from jax.experimental import serialize_executable
 
 from kvjax.backend import STARTED_BEFORE_FLAGS
@@ -54,6 +61,8 @@ _IGNORED = ("compilation_cache", "persistent_cache", "log", "dump", "traceback",
             "pprint", "source_url", "check_proxy", "timeout")
 _ENVIRONMENT: list[str] = []
 _OFF = threading.local()  # .on: off() in this thread
+_HANDED = threading.local()  # .got: where handed_back() collects, in this thread
+_WATCH = threading.Lock()
 
 
 class Unkeyed(Exception):
@@ -150,18 +159,78 @@ def key(name: str, statics: dict, args: tuple, kwargs: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def serialized(program) -> bytes | None:
-    """A compiled program's copy to keep, or None where it would not run elsewhere.
+def _read(blob: bytes):
+    """JAX's reading of a cache entry (executable bytes, compile time), watched: the bytes go
+    to this thread's `handed_back` list."""
+    executable, seconds = _EXTRACT[0](blob)
+    got = getattr(_HANDED, "got", None)
+    if got is not None:
+        got.append(executable)
+    return executable, seconds
+
+
+_EXTRACT: list = []  # JAX's own reader, once watched
+
+
+@contextlib.contextmanager
+def handed_back():
+    """Within it, a program JAX's persistent cache hands back in this thread leaves the bytes
+    JAX read (the executable as its compile serialized it, machine code within) in the
+    yielded list. JAX reads an entry through `compilation_cache.extract_executable_and_time`
+    (jax 0.10): kvjax watches that function, and where a JAX lacks it nothing is collected
+    (such a step is then not kept, as before)."""
+    with _WATCH:
+        reader = getattr(jax_cache, "extract_executable_and_time", None)
+        if reader is not None and not _EXTRACT:
+            _EXTRACT.append(reader)
+            jax_cache.extract_executable_and_time = _read
+    got: list[bytes] = []
+    _HANDED.got = got
+    try:
+        yield got
+    finally:
+        _HANDED.got = None
+
+
+class _WithCode(serialize_executable._JaxPjrtPickler):
+    """JAX's pickler of a compiled program, with the executable's bytes given (`code`, what
+    JAX's cache read) in place of XLA's re-serialization of it."""
+
+    def __init__(self, file, code: bytes):
+        super().__init__(file)
+        self.code = code
+
+    def persistent_id(self, obj):
+        if isinstance(obj, xla_client.LoadedExecutable):
+            return ("exec", self.code)
+        return super().persistent_id(obj)
+
+
+def _serialize(program, code: bytes | None) -> tuple:
+    """`serialize_executable.serialize(program)`, the executable's bytes `code` when given."""
+    if code is None:
+        return serialize_executable.serialize(program)
+    unloaded = program._executable._unloaded_executable
+    args, in_tree = jax.tree.flatten(program.args_info)
+    with io.BytesIO() as file:
+        _WithCode(file, code).dump((unloaded, args, program._no_kwargs))
+        return file.getvalue(), in_tree, program.out_tree
+
+
+def serialized(program, code: bytes | None = None) -> bytes | None:
+    """A compiled program's copy to keep, or None where it would not run elsewhere; `code`:
+    the executable's bytes as JAX's cache handed them back (`handed_back`).
 
     XLA:CPU writes a program's machine code (its kernels' object files) into the copy only
     when this process compiled it: a program JAX's persistent cache handed back (or one
     read from here) serializes without them, and its copy fails where it is loaded
     ("Function ... not found"). JAX's cache gives back any program it holds however its
-    options are set once a process has used it, so a step compiled to be kept may be one:
-    a CPU copy that holds no object file is not kept (next time the step is compiled, or
-    read from JAX's cache, again). Checked by tests/test_compile_cache.py, in processes."""
+    options are set once a process has used it: such a program is kept from the bytes JAX
+    read (`code`, written by the compile), never from XLA's re-serialization; a CPU copy
+    that holds no object file is not kept (next time the step is compiled, or read from
+    JAX's cache, again). Checked by tests/test_compile_cache.py, in processes."""
     try:
-        blob = pickle.dumps(serialize_executable.serialize(program))
+        blob = pickle.dumps(_serialize(program, code))
     except Exception:  # a program that does not serialize is compiled again next time
         return None
     if jax.default_backend() == "cpu" and ELF not in blob:
@@ -176,7 +245,7 @@ def load(path: Path):
     except OSError:
         return None
     try:
-        executable, in_tree, out_tree = pickle.loads(blob)
+        executable, in_tree, out_tree = pickle.loads(zlib.decompress(blob))
         program = serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
     except Exception:  # a cut-short or foreign entry: compile again
         with contextlib.suppress(OSError):
@@ -187,17 +256,17 @@ def load(path: Path):
     return program
 
 
-def save(path: Path, program) -> bool:
+def save(path: Path, program, code: bytes | None = None) -> bool:
     """Keeps a compiled program at `path` (written whole, then renamed into place) where
-    its copy is whole (`serialized`); a folder that cannot be written costs a compile next
-    time, not a failure. Whether it was kept."""
-    blob = serialized(program)
+    its copy is whole (`serialized`; `code` as it takes it); a folder that cannot be
+    written costs a compile next time, not a failure. Whether it was kept."""
+    blob = serialized(program, code)
     if blob is None:
         return False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
-        part.write_bytes(blob)
+        part.write_bytes(zlib.compress(blob, 1))  # a quarter of the bytes, ~3 ms
         part.replace(path)
     except OSError:
         return False
