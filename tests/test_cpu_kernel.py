@@ -243,3 +243,28 @@ def test_kernel_calls_that_xla_runs_at_once_finish():
     out = subprocess.run([sys.executable, "-c", _CONCURRENT_CALLS], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "finished", out.stderr[-2000:]
+
+
+@needs_kernel
+def test_one_layer_of_a_stack_is_that_layer_s_product_read_in_place():
+    """`product(x, stack, layer=l)` gives the bits of `product(x, stack[l])`, the layer given
+    as an int or traced inside a loop over layers; the loop copies no layer's weights out
+    of the stack (its compiled temporaries stay below one layer's kernel, where slicing the
+    stack would copy a whole kernel per layer). Layer 3 of 3 is refused."""
+    i, o, layers = 576, 192, 3
+    stack = jnp.stack([pack(jnp.asarray(_weights(i, o, seed))) for seed in range(layers)])
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, i)).astype(np.float32))
+    each = [np.asarray(product(x, stack[layer])) for layer in range(layers)]
+    for layer in range(layers):
+        np.testing.assert_array_equal(np.asarray(product(x, stack, layer=layer)), each[layer])
+
+    def loop(x, stack):  # every layer's product of the same rows, by a traced index
+        def body(layer, out):
+            return out.at[layer].set(product(x, stack, layer=layer))
+        return jax.lax.fori_loop(0, layers, body, jnp.zeros((layers, 5, o), jnp.float32))
+
+    compiled = jax.jit(loop).lower(x, stack).compile()
+    np.testing.assert_array_equal(np.asarray(compiled(x, stack)), np.stack(each))
+    assert compiled.memory_analysis().temp_size_in_bytes < i * o * 4
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(product(x, stack, layer=layers))

@@ -187,18 +187,10 @@ void transposed_outputs(const Dense& d, int64_t o_begin, int64_t o_end) {
 
 // ---- the FFI handlers ------------------------------------------------------------------
 
-ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-               ffi::ResultBuffer<ffi::F32> y, bool transposed) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  int64_t in_axis = transposed ? 1 : 0;
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[in_axis] != xd[1] ||
-      wd[1 - in_axis] != yd[1] || yd[0] != xd[0])
-    return ffi::Error::InvalidArgument(
-        transposed ? "kvjax_product_t: want x[R, I], w[O, I] -> y[R, O]"
-                   : "kvjax_product: want x[R, I], w[I, O] -> y[R, O]");
-  Dense d{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
+// y = x . w on the pool's threads, one range of outputs per thread: each streams its own
+// weights front to back.
+ffi::Error Compute(ffi::ThreadPool& pool, const Dense& d, bool transposed) {
   if (d.rows == 0 || d.out == 0) return ffi::Error::Success();
-  // one range of outputs per thread: each streams its own weights front to back
   int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (transposed)
     kvjax::split(pool, d.out, threads,
@@ -211,6 +203,19 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
   return ffi::Error::Success();
 }
 
+ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+               ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  int64_t in_axis = transposed ? 1 : 0;
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[in_axis] != xd[1] ||
+      wd[1 - in_axis] != yd[1] || yd[0] != xd[0])
+    return ffi::Error::InvalidArgument(
+        transposed ? "kvjax_product_t: want x[R, I], w[O, I] -> y[R, O]"
+                   : "kvjax_product: want x[R, I], w[I, O] -> y[R, O]");
+  return Compute(pool, Dense{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1],
+                             yd[1]}, transposed);
+}
+
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                    ffi::ResultBuffer<ffi::F32> y) {
   return Run(pool, x, w, y, false);
@@ -219,6 +224,23 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 ffi::Error ProductT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                     ffi::ResultBuffer<ffi::F32> y) {
   return Run(pool, x, w, y, true);
+}
+
+// One layer's kernel of a stack w[L, I, O] (each layer packed), read in place: a loop over
+// layers hands the whole stack and the layer's index, so no layer's weights are copied out.
+ffi::Error ProductStacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] ||
+      wd[2] != yd[1] || yd[0] != xd[0] || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "kvjax_product_stacked: want x[R, I], w[L, I, O], layer[1] -> y[R, O]");
+  int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0])
+    return ffi::Error::InvalidArgument("kvjax_product_stacked: layer out of range");
+  return Compute(pool, Dense{x.typed_data(), w.typed_data() + l * wd[1] * wd[2],
+                             y->typed_data(), xd[0], xd[1], yd[1]}, false);
 }
 
 }  // namespace
@@ -232,6 +254,13 @@ ffi::Error ProductT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProduct, Product, KVJAX_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProductT, ProductT, KVJAX_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxProductStacked, ProductStacked,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" const char* kvjax_product_isa() { return ISA; }
 

@@ -1,7 +1,8 @@
 """The row-count-invariant product on XLA CPU (kvjax/cpu/product.cc) called from JAX.
 
 `kernel()` builds or loads the library once per process (`kvjax.cpu.build`) and registers
-its two products and its paged attention (`kvjax.cpu.attention`) with XLA as FFI targets;
+its products (plain, transposed, and one layer of a stack) and its paged attention
+(`kvjax.cpu.attention`) with XLA as FFI targets;
 it says whether the kernel is in use and, where not, why (no compiler, a failed build, a
 backend other than CPU, or `KVJAX_CPU_KERNEL=0`): then the pure-JAX products run.
 `product` takes a Dense kernel [I, O] packed once at load (`pack`: the same shape, another
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 TARGET, TARGET_T = "kvjax_product", "kvjax_product_t"  # w [I, O]; w [O, I]
+TARGET_STACKED = "kvjax_product_stacked"  # w [L, I, O] and a layer index
 TARGET_ATTENTION = "kvjax_attention"  # kvjax.cpu.attention's (_load registers all three)
 
 
@@ -60,6 +62,7 @@ def _load() -> Kernel:
         return Kernel(False, f"{made.path} did not load: {e}")
     lib.kvjax_product_isa.restype = ctypes.c_char_p
     for name, fn in ((TARGET, lib.KvjaxProduct), (TARGET_T, lib.KvjaxProductT),
+                     (TARGET_STACKED, lib.KvjaxProductStacked),
                      (TARGET_ATTENTION, lib.KvjaxAttention)):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     return Kernel(True, made.reason, lib.kvjax_product_isa().decode(), str(made.path))
@@ -98,17 +101,28 @@ def unpack(w: jax.Array, inputs: int = 1) -> jax.Array:
     return jnp.concatenate([panels, rest], axis=1).reshape(w.shape)
 
 
-def product(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+def product(x: jax.Array, w: jax.Array, transposed: bool = False,
+            layer: jax.Array | int | None = None) -> jax.Array:
     """x [..., I] times w [I, O] packed (`pack`: a Dense kernel), or times w [O, I]
     transposed (a tied head's embedding, as stored) -> float32 [..., O], each row's bits
-    its own (module docstring). Needs `kernel().available` (a clear error otherwise)."""
+    its own (module docstring). With `layer` (an int or int32 scalar, traced or not): w is
+    a stack [L, I, O] of packed kernels and layer `layer`'s is used, read in place (a loop
+    over layers copies no weights). Needs `kernel().available` (a clear error otherwise)."""
     if not kernel().available:
         raise RuntimeError(f"kvjax.cpu.product: {kernel().describe()}")
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    w = jnp.asarray(w, jnp.float32)
+    if layer is not None:
+        if transposed or w.ndim != 3:
+            raise ValueError(f"kvjax.cpu.product: a stacked product takes w [L, I, O], "
+                             f"not transposed; got {w.shape}, transposed={transposed}")
+        index = jnp.asarray(layer, jnp.int32).reshape(1)
+        y = jax.ffi.ffi_call(TARGET_STACKED, jax.ShapeDtypeStruct(
+            (rows.shape[0], w.shape[2]), jnp.float32))(rows, w, index)
+        return y.reshape(*x.shape[:-1], w.shape[2])
     out = w.shape[0] if transposed else w.shape[1]
     y = jax.ffi.ffi_call(TARGET_T if transposed else TARGET,
-                         jax.ShapeDtypeStruct((rows.shape[0], out), jnp.float32))(
-        rows, jnp.asarray(w, jnp.float32))
+                         jax.ShapeDtypeStruct((rows.shape[0], out), jnp.float32))(rows, w)
     return y.reshape(*x.shape[:-1], out)
 
 
