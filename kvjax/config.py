@@ -227,8 +227,7 @@ class EngineConfig:
     # measured as good or better for latency, prefill time and TTFT (docs/benchmarks.md)
     packed_prefill: bool = False
     # after a preemption: "resume" prefills prompt + cached answer (one sample, invariant
-    # numerics; others recompute); "recompute" decodes it again
-    preemption: str = "resume"
+    preemption: str = "resume"  # numerics; others recompute); "recompute" decodes it again
     poison_freed: bool = False  # debug: fill freed pages with NaN on device
     evicted_record: int = 65536  # evicted blocks remembered to attribute capacity misses
     mesh: str | None = None  # None: one device; "data=D,model=M" (or a jax.sharding.Mesh)
@@ -240,13 +239,14 @@ class EngineConfig:
     # invariant numerics: kernels stored transposed where one product of any row count then
     # replaces 32-row blocks (kvjax.model.layout; the costs: docs/numerics.md)
     transposed_kernels: bool = True
-    # invariant numerics: the largest row block the start-up probe tries (NumericsPlan)
-    row_block: int = 32
+    row_block: int = 32  # invariant numerics: the largest row block the probe tries
     # q/k/v as one product, gate/up as one (NumericsPlan.fused; not on a mesh)
     fused_projections: bool = True
     # "auto": products and attention by kvjax's CPU kernel (kvjax.cpu) where it runs (a CPU
     # backend, a C++ compiler, no mesh; `Engine.products` says), else XLA's; "products": those
     cpu_kernel: str = "auto"
+    # under both CPU kernels, layers alike and no adapters: one loop over them (same bits)
+    layer_loop: bool = True
     # tokens every page table covers at least. None: the whole context, one shape from start-up
     # (`runner.decode_context`); 0: grown in powers of two. No bit changes (docs/engine.md)
     min_context: int | None = None

@@ -124,6 +124,8 @@ class Engine:
         on, words = cpu_kernel_choice(ec)  # XLA's or kvjax's CPU kernel, and why
         self.products = f"{words}; {cpu_attention_choice(ec, config)[1]}" if on else words
         self.plan = plan.check(config)
+        if plan.layer_loop:  # kvjax.engine.plans.layer_loop_choice
+            self.products += "; the layers as one loop (one block's program for every layer)"
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         if eos_tokens is None:  # an id past the model's vocabulary is never sampled

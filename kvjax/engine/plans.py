@@ -37,8 +37,10 @@ def numerics_plans(configs: list[ModelConfig], ec: EngineConfig, gamma: int,
     base = NumericsPlan(ec.numerics, ec.row_block,
                         fused=ec.fused_projections and ec.mesh is None,
                         cpu_kernel=cpu_kernel_choice(ec)[0])
-    bases = [dataclasses.replace(base, cpu_attention=cpu_attention_choice(ec, c)[0])
-             for c in configs]
+    bases = [dataclasses.replace(base, cpu_attention=attention, layer_loop=ec.layer_loop
+                                 and layer_loop_choice(c, base.cpu_kernel and attention,
+                                                       lora=i == 0 and bool(lora_shapes)))
+        for i, c in enumerate(configs) for attention in (cpu_attention_choice(ec, c)[0],)]
     if not base.invariant:
         return [*bases, []]
     width, seqs = max(ec.cache.prefill_chunk, gamma + 1), bucket(ec.max_slots)
@@ -80,6 +82,15 @@ def cpu_kernel_choice(ec: EngineConfig) -> tuple[bool, str]:
     from kvjax.cpu.product import kernel
 
     return kernel().available, kernel().describe()
+
+
+def layer_loop_choice(config: ModelConfig, cpu_kernels: bool, lora: bool) -> bool:
+    """Whether `config`'s steps run its layers as one loop (`NumericsPlan.layer_loop`: one
+    block's program for every layer, the same bits): where both CPU kernels run (they read
+    a layer's kernels and pages in place), the model has several layers alike (one window
+    and RoPE) and no LoRA adapters are served."""
+    kinds = {(config.window(i), config.rope(i)) for i in range(config.num_layers)}
+    return cpu_kernels and not lora and config.num_layers > 1 and len(kinds) == 1
 
 
 def cpu_attention_choice(ec: EngineConfig, config: ModelConfig) -> tuple[bool, str]:

@@ -10,9 +10,10 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
 from kvjax.config import ModelConfig
-from kvjax.cpu.product import KernelDot
+from kvjax.cpu.product import KernelDot, product
 from kvjax.model.lora import add_lora
 from kvjax.model.plan import FAST, NumericsPlan
 from kvjax.model.tiled import RowInvariantDot, tree_sum
@@ -45,12 +46,47 @@ def row_log_softmax(x: jax.Array) -> jax.Array:
     return shifted - jnp.log(tree_sum(jnp.exp(shifted)))[..., None]
 
 
-class RMSNorm(nn.Module):
-    eps: float = 1e-5
+def layer_param(module: nn.Module, name: str, init, shape: tuple, index) -> jax.Array:
+    """A parameter of one layer, [*shape]; with `module.stack` layers stacked (the layer
+    loop: `kvjax.model.layout.stack_layers`), [stack, *shape] and layer `index`'s."""
+    if not module.stack:
+        return module.param(name, init, shape)
+    return module.param(name, init, (module.stack, *shape))[index]
+
+
+class StackedLinear(nn.Module):
+    """Flax's Dense/DenseGeneral under the CPU kernel's plan, for a stack of layers: kernel
+    [stack, in..., out...] (each layer's packed), bias [stack, out...]; layer `index`'s
+    product read in place (`kvjax.cpu.product.product(..., layer=)`), the same arithmetic,
+    dtype promotion and bias as Flax's module with `KernelDot`: the same bits."""
+
+    features: tuple[int, ...]
+    inputs: int  # the input's trailing axes contracted
+    stack: int
+    use_bias: bool
+    dtype: jnp.dtype | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    def __call__(self, x: jax.Array, index: jax.Array) -> jax.Array:
+        ins = x.shape[x.ndim - self.inputs:]
+        kernel = self.param("kernel", nn.initializers.zeros, (self.stack, *ins, *self.features))
+        bias = (self.param("bias", nn.initializers.zeros, (self.stack, *self.features))[index]
+                if self.use_bias else None)
+        x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
+        rows, n_in, n_out = x.shape[:x.ndim - self.inputs], math.prod(ins), math.prod(
+            self.features)
+        y = product(x.reshape(-1, n_in), kernel.reshape(self.stack, n_in, n_out), layer=index)
+        y = y.reshape(*rows, *self.features).astype(jnp.result_type(x, kernel))
+        return y if bias is None else y + bias
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+    stack: int = 0  # > 0: the scales of that many layers (`layer_param`)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, index: jax.Array | None = None) -> jax.Array:
+        scale = layer_param(self, "scale", nn.initializers.ones, (x.shape[-1],), index)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(row_mean(x32 * x32) + self.eps)
         return (normed * scale).astype(x.dtype)
@@ -60,22 +96,23 @@ class LayerNorm(nn.Module):
     """Layer normalisation with Flax's parameter names (scale, bias) and row-invariant means."""
 
     eps: float = 1e-5
+    stack: int = 0  # > 0: the parameters of that many layers (`layer_param`)
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, index: jax.Array | None = None) -> jax.Array:
         d = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (d,))
-        bias = self.param("bias", nn.initializers.zeros, (d,))
+        scale = layer_param(self, "scale", nn.initializers.ones, (d,), index)
+        bias = layer_param(self, "bias", nn.initializers.zeros, (d,), index)
         x32 = x.astype(jnp.float32)
         centred = x32 - row_mean(x32)
         normed = centred * jax.lax.rsqrt(row_mean(centred * centred) + self.eps)
         return (normed * scale + bias).astype(x.dtype)
 
 
-def make_norm(config: ModelConfig, name: str) -> nn.Module:
+def make_norm(config: ModelConfig, name: str, stack: int = 0) -> nn.Module:
     if config.norm == "rms":
-        return RMSNorm(eps=config.norm_eps, name=name)
-    return LayerNorm(eps=config.norm_eps, name=name)
+        return RMSNorm(eps=config.norm_eps, stack=stack, name=name)
+    return LayerNorm(eps=config.norm_eps, stack=stack, name=name)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> tuple[jax.Array, float]:
@@ -144,13 +181,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple 
 class MLP(nn.Module):
     config: ModelConfig
     plan: NumericsPlan = FAST
+    stack: int = 0  # > 0: the kernels of that many layers, layer `index`'s used
 
     @nn.compact
-    def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None,
+                 index: jax.Array | None = None) -> jax.Array:
         """[B, T, D] -> [B, T, D]; adapter_ids int32[B] selects LoRA deltas (see lora.py)."""
         cfg, plan = self.config, self.plan
 
         def product(inputs: jax.Array, features: int, name: str) -> jax.Array:
+            if self.stack:
+                return StackedLinear((features,), 1, self.stack, cfg.mlp_bias, cfg.dtype,
+                                     name=name)(inputs, index)
             return nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
                             dot_general=row_dot(plan, "mlp down" if name == "down" else
                                                 "mlp up"), name=name)(inputs)

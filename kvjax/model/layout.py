@@ -53,9 +53,10 @@ class Stored:
     products: tuple[str, ...]
     fused: bool = False  # q/k/v and gate/up concatenated (`NumericsPlan.fused`)
     packed: bool = False  # every kernel packed for the CPU kernel (`NumericsPlan.cpu_kernel`)
+    stacked: bool = False  # the layers' parameters stacked (`NumericsPlan.layer_loop`)
 
     def tree_flatten(self):
-        return (self.tree,), (self.products, self.fused, self.packed)
+        return (self.tree,), (self.products, self.fused, self.packed, self.stacked)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -134,18 +135,40 @@ def unfuse(params: dict, config) -> dict:
     return _each_fused(params, split)
 
 
+def stack_layers(params: dict) -> dict:
+    """Every `layer_{i}` subtree stacked into one, "layers", its leaves [L, ...] (the layer
+    loop's parameters: `kvjax.model.transformer.Transformer.layer_loop`)."""
+    names = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    out = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    out["layers"] = jax.tree.map(lambda *leaves: jnp.stack(leaves),
+                                 *(params[k] for k in names))
+    return out
+
+
+def unstack_layers(params: dict) -> dict:
+    """`stack_layers` undone."""
+    out = {k: v for k, v in params.items() if k != "layers"}
+    count = jax.tree.leaves(params["layers"])[0].shape[0]
+    for i in range(count):
+        out[f"layer_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    return out
+
+
 def store(params: dict, plan) -> dict | Stored:
     """The parameters as the steps of a `NumericsPlan` take them: its `transposed` products'
     kernels stored transposed, for a fused plan q/k/v and gate/up concatenated, for the CPU
     kernel every kernel packed (`kvjax.cpu.product.pack`: a tied head's embedding, which
-    the input lookup reads too, stays); the plain tree when there is none of these."""
+    the input lookup reads too, stays), for the layer loop the layers stacked
+    (`stack_layers`); the plain tree when there is none of these."""
     products, fused, packed = tuple(plan.transposed), plan.fused, plan.cpu_kernel
+    stacked = plan.layer_loop
     if not products and not fused and not packed:
         return params
     tree = fuse(params) if fused else params
     if packed:
         tree = _map_kernels(tree, tuple(KERNELS), pack)
-    return Stored(_map_kernels(tree, products, to_stored), products, fused, packed)
+    tree = _map_kernels(tree, products, to_stored)
+    return Stored(stack_layers(tree) if stacked else tree, products, fused, packed, stacked)
 
 
 def unstored(params: dict | Stored, plan) -> dict:
@@ -153,13 +176,17 @@ def unstored(params: dict | Stored, plan) -> dict:
     be stored as `plan` says (transposed views; fused kernels stay fused); a clear error
     when they were not stored so (their rows would silently lose invariance)."""
     products, fused, packed = tuple(plan.transposed), plan.fused, plan.cpu_kernel
-    held = ((params.products, params.fused, params.packed) if isinstance(params, Stored)
-            else ((), False, False))
-    if held != (products, fused, packed):
+    want = (products, fused, packed, plan.layer_loop)
+    held = ((params.products, params.fused, params.packed, params.stacked)
+            if isinstance(params, Stored) else ((), False, False, False))
+    if held != want:
+        def says(how, joint=""):
+            return "".join(f" {joint}{word}" for word, on in
+                           zip(("fused", "packed", "stacked"), how[1:], strict=True) if on)
+
         raise ValueError(f"the numerics plan stores {list(products)} transposed"
-                         f"{' and fused' if fused else ''}{' and packed' if packed else ''} "
-                         f"but the parameters hold {list(held[0])}"
-                         f"{' fused' if held[1] else ''}{' packed' if held[2] else ''}: "
+                         f"{says(want, 'and ')} but the parameters hold {list(held[0])}"
+                         f"{says(held)}: "
                          f"pass kvjax.model.layout.store(params, plan)")
     if not products and not fused and not packed:
         return params
@@ -173,7 +200,8 @@ def canonical(params: dict | Stored, config) -> dict:
     plain parameters as they are."""
     if not isinstance(params, Stored):
         return params
-    tree = _map_kernels(params.tree, params.products, from_stored)
+    tree = unstack_layers(params.tree) if params.stacked else params.tree
+    tree = _map_kernels(tree, params.products, from_stored)
     if params.packed:
         tree = _map_kernels(tree, tuple(KERNELS), unpack)
     return unfuse(tree, config) if params.fused else tree

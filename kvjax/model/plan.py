@@ -62,6 +62,11 @@ class NumericsPlan:
     # (not XLA's bits); float32 and bfloat16 pages, no soft cap (the engine chooses it
     # only there). int4_kivi steps keep XLA's attention
     cpu_attention: bool = False
+    # the layers as one loop over stacked parameters (`Transformer.layer_loop`): one block's
+    # program for every layer, so compile time does not grow with depth; the same bits (the
+    # same operations). Needs both CPU kernels (they read a layer of the stack in place,
+    # where XLA's products would copy it out) and layers alike (the same window and RoPE)
+    layer_loop: bool = False
 
     def __post_init__(self):
         _require(self.mode in ("fast", "invariant"), "mode",
@@ -72,6 +77,9 @@ class NumericsPlan:
             _require(name in ROW_PRODUCTS, "row_blocks", f"{name!r} is not a row product")
             _require(block == 0 or block >= 2, "row_blocks",
                      f"{name}: a block is 0 or >= 2, got {block}")
+        _require(not self.layer_loop or (self.cpu_kernel and self.cpu_attention),
+                 "layer_loop", "the layer loop reads each layer's kernels and pages in "
+                 "place by the CPU kernels: cpu_kernel and cpu_attention")
         object.__setattr__(self, "transposed", tuple(self.transposed))
         _require(not (self.cpu_kernel and self.transposed), "transposed",
                  "the CPU kernel reads the kernels as Flax stores them: nothing transposed")
@@ -93,16 +101,21 @@ class NumericsPlan:
         return dict(self.row_blocks).get(product, self.row_block)
 
     def separate(self) -> NumericsPlan:
-        """This plan on separate q/k/v and gate/up kernels (the canonical parameter tree)."""
-        if not self.fused:
+        """This plan on the canonical parameter tree: separate q/k/v and gate/up kernels,
+        the layers unrolled."""
+        if not self.fused and not self.layer_loop:
             return self
-        return dataclasses.replace(self, fused=False, transposed=tuple(
+        return dataclasses.replace(self, fused=False, layer_loop=False, transposed=tuple(
             p for p in self.transposed if p != "qkv"))
 
     def check(self, config: ModelConfig) -> NumericsPlan:
         """Itself, when it can run `config`; a ConfigError naming the field otherwise."""
         _require("head" not in self.transposed or not config.tie_embeddings, "transposed",
                  "a tied head is the embedding [V, D], stored transposed already")
+        kinds = {(config.window(layer), config.rope(layer)) for layer in range(config.num_layers)}
+        _require(not self.layer_loop or len(kinds) == 1, "layer_loop",
+                 "the layer loop runs one block for every layer: layers with different "
+                 "windows or RoPE need the unrolled layers")
         return self
 
 

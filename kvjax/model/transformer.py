@@ -29,7 +29,7 @@ from kvjax.model.kernels import (
     paged_decode_attention,
     sharded_paged_decode_attention,
 )
-from kvjax.model.layers import EMBED_INIT, MLP, apply_rope, make_norm, row_dot
+from kvjax.model.layers import EMBED_INIT, MLP, StackedLinear, apply_rope, make_norm, row_dot
 from kvjax.model.lora import add_lora, stack_adapters
 from kvjax.model.plan import FAST, NumericsPlan
 
@@ -51,20 +51,26 @@ def _write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, batch: B
 
 class Attention(nn.Module):
     config: ModelConfig
-    layer: int
+    layer: int  # the layer the config describes (any one under the layer loop: all alike)
     sharding: StepShardings | None = None
     kernel: AttentionKernel | None = None  # None: the reference for every step
     plan: NumericsPlan = FAST
+    stack: int = 0  # > 0: the layer loop's stacked parameters, layer `index`'s used
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache,
                  batch: BatchInfo | tuple[BatchInfo, ...] | None, adapter_ids: jax.Array | None,
-                 groups: Groups | None = None) -> tuple[jax.Array, Cache]:
+                 groups: Groups | None = None, index: jax.Array | None = None
+                 ) -> tuple[jax.Array, Cache]:
         cfg, plan = self.config, self.plan
         lora_block = plan.block("lora") if plan.invariant else None
+        at = self.layer if index is None else index  # the cache's layer written and read
 
         def project(heads: int, name: str, product: str) -> jax.Array:
             # [B, T, D] -> [B, T, heads, H]
+            if self.stack:
+                return StackedLinear((heads, cfg.head_dim), 1, self.stack, cfg.qkv_bias,
+                                     cfg.dtype, name=name)(x, index)
             return nn.DenseGeneral((heads, cfg.head_dim), use_bias=cfg.qkv_bias,
                                    dtype=cfg.dtype, dot_general=row_dot(plan, product),
                                    name=name)(x)
@@ -77,7 +83,8 @@ class Attention(nn.Module):
         q, k, v = (add_lora(self, name, x, y, adapter_ids, block=lora_block)
                    for name, y in (("q", q), ("k", k), ("v", v)))
         if cfg.qk_norm:  # per head, over H
-            q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
+            q = make_norm(cfg, "q_norm", self.stack)(q, index)
+            k = make_norm(cfg, "k_norm", self.stack)(k, index)
         if cfg.position == "rope":
             theta, scaling = cfg.rope(self.layer)
             q = apply_rope(q, positions, theta, scaling)
@@ -87,15 +94,19 @@ class Attention(nn.Module):
             if cache is None:
                 out = full_attention(q, k, v, positions, cfg.causal, window, **score)
             elif groups is not None:
-                out, cache = self.packed(q, k, v, cache, batch, groups)
+                out, cache = self.packed(q, k, v, cache, batch, groups, at)
             elif isinstance(cache, PagedKVCache):
-                cache, fresh = _write(cache, self.layer, k, v, batch)
-                out = self.paged(q, cache, batch, fresh)
+                cache, fresh = _write(cache, at, k, v, batch)
+                out = self.paged(q, cache, batch, fresh, at)
             else:
                 cache = dense_write_kv(cache, self.layer, k, v, batch)
                 out = dense_attention(q, cache, self.layer, batch, window, **score)
-        y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias, dtype=cfg.dtype,
-                            dot_general=row_dot(plan, "o"), name="o")(out)
+        if self.stack:
+            y = StackedLinear((cfg.d_model,), 2, self.stack, cfg.o_bias, cfg.dtype,
+                              name="o")(out, index)
+        else:
+            y = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=cfg.o_bias,
+                                dtype=cfg.dtype, dot_general=row_dot(plan, "o"), name="o")(out)
         return add_lora(self, "o", out, y, adapter_ids, in_dims=2, block=lora_block), cache
 
     @property
@@ -104,7 +115,7 @@ class Attention(nn.Module):
         return {"scale": self.config.query_scale, "softcap": self.config.attn_softcap}
 
     def packed(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache,
-               batches: tuple[BatchInfo, ...], groups: Groups) -> tuple[jax.Array, Cache]:
+               batches: tuple[BatchInfo, ...], groups: Groups, at) -> tuple[jax.Array, Cache]:
         """A packed step's attention: q, k, v [R, 1, heads, H] hold the rows of every group
         (`groups`: (B, T) each, in order); each group writes its K/V and attends over the
         paged cache as a call of its own would. The groups' sequences own disjoint pages."""
@@ -119,34 +130,35 @@ class Attention(nn.Module):
         # whole cache, which made a packed step several times slower
         fresh = []
         for i, info in enumerate(batches):
-            cache, f = _write(cache, self.layer, part(k, i), part(v, i), info)
+            cache, f = _write(cache, at, part(k, i), part(v, i), info)
             fresh.append(f)
-        outs = [self.paged(part(q, i), cache, info, f).reshape(-1, 1, *q.shape[2:])
+        outs = [self.paged(part(q, i), cache, info, f, at).reshape(-1, 1, *q.shape[2:])
                 for i, (info, f) in enumerate(zip(batches, fresh, strict=True))]
         return jnp.concatenate(outs), cache
 
     def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo,
-              fresh: kivi.Fresh | None = None) -> jax.Array:
+              fresh: kivi.Fresh | None = None, at=None) -> jax.Array:
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
         if one is chosen (under shard_map on a mesh), everything else by the reference;
         invariant numerics and int4_kivi pages (`fresh`) always by the reference; under
         `plan.cpu_attention` every step by kvjax's CPU kernel (`kvjax.cpu.attention`)."""
         kernel, window, plan = self.kernel, self.config.window(self.layer), self.plan
+        at = self.layer if at is None else at
         if plan.cpu_attention and fresh is None:
             from kvjax.cpu.attention import paged_attention
 
-            return paged_attention(q, cache, self.layer, batch, window,
+            return paged_attention(q, cache, at, batch, window,
                                    self.config.query_scale).astype(q.dtype)
         if (kernel is None or kernel.backend == "reference" or q.shape[1] != 1 or plan.invariant
                 or fresh is not None):
-            return paged_attention_reference(q, cache, self.layer, batch, window,
+            return paged_attention_reference(q, cache, at, batch, window,
                                              plan.block("attention") if plan.invariant
                                              else None, fresh=fresh, **self.score_math)
         if self.sharding is None:
-            return paged_decode_attention(q, cache, self.layer, batch, kernel.backend,
+            return paged_decode_attention(q, cache, at, batch, kernel.backend,
                                           kernel.interpret, window=window, **self.score_math)
         return sharded_paged_decode_attention(
-            q, cache, self.layer, batch, kernel.backend, mesh=self.sharding.mesh,
+            q, cache, at, batch, kernel.backend, mesh=self.sharding.mesh,
             cache_spec=self.sharding.cache, interpret=kernel.interpret, window=window,
             **self.score_math)
 
@@ -157,19 +169,25 @@ class Block(nn.Module):
     sharding: StepShardings | None = None
     kernel: AttentionKernel | None = None
     plan: NumericsPlan = FAST
+    stack: int = 0  # > 0: the layer loop's stacked parameters, layer `index`'s used
 
     @nn.compact
-    def __call__(self, x, positions, cache, batch, adapter_ids, groups=None):
-        cfg = self.config
+    def __call__(self, x, positions, cache, batch, adapter_ids, groups=None, index=None):
+        cfg, stack = self.config, self.stack
+
+        def norm(name, y):
+            return make_norm(cfg, name, stack)(y, index)
+
         attn_out, cache = Attention(cfg, self.layer, self.sharding, self.kernel, self.plan,
-                                    name="attn")(
-            make_norm(cfg, "attn_norm")(x), positions, cache, batch, adapter_ids, groups)
+                                    stack, name="attn")(
+            norm("attn_norm", x), positions, cache, batch, adapter_ids, groups, index)
         if cfg.sandwich_norms:
-            attn_out = make_norm(cfg, "post_attn_norm")(attn_out)
+            attn_out = norm("post_attn_norm", attn_out)
         x = x + attn_out
-        mlp_out = MLP(cfg, self.plan, name="mlp")(make_norm(cfg, "mlp_norm")(x), adapter_ids)
+        mlp_out = MLP(cfg, self.plan, stack, name="mlp")(norm("mlp_norm", x), adapter_ids,
+                                                          index)
         if cfg.sandwich_norms:
-            mlp_out = make_norm(cfg, "post_mlp_norm")(mlp_out)
+            mlp_out = norm("post_mlp_norm", mlp_out)
         return x + mlp_out, cache
 
 
@@ -221,7 +239,9 @@ class Transformer(nn.Module):
         if cfg.position == "learned":
             x = x + nn.Embed(cfg.max_seq_len, cfg.d_model, embedding_init=EMBED_INIT,
                              dtype=cfg.dtype, name="pos_embed")(positions)
-        for layer in range(cfg.num_layers):
+        if self.plan.layer_loop:
+            x, cache = self.layer_loop(x, positions, cache, batch, adapter_ids, groups)
+        for layer in range(0 if self.plan.layer_loop else cfg.num_layers):
             x, cache = Block(cfg, layer, self.sharding, self.kernel, self.plan,
                              name=f"layer_{layer}")(
                 x, positions, cache, batch, adapter_ids, groups)
@@ -247,6 +267,26 @@ class Transformer(nn.Module):
         if cfg.final_softcap is not None:
             logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return ((logits, features) if self.features else logits), cache
+
+
+    def layer_loop(self, x, positions, cache, batch, adapter_ids, groups):
+        """The layers as one loop (`NumericsPlan.layer_loop`): one block's program run for
+        each layer on the stacked parameters (`kvjax.model.layout.stack_layers`), its
+        kernels and cache read in place at the layer's index, so compile time does not grow
+        with depth. Every operation is the unrolled layers': the same bits."""
+        if "lora" in self.variables:
+            raise ValueError("the layer loop does not apply LoRA adapters: a plan without "
+                             "layer_loop serves them")
+        cfg, layers = self.config, self.variables["params"]["layers"]
+        block = Block(cfg, 0, self.sharding, self.kernel, self.plan, cfg.num_layers,
+                      parent=None)
+
+        def body(index, carry):
+            x, cache = carry
+            return block.apply({"params": layers}, x, positions, cache, batch, adapter_ids,
+                               groups, index)
+
+        return jax.lax.fori_loop(0, cfg.num_layers, body, (x, cache))
 
 
 def output_head(params: dict, config: ModelConfig, features: jax.Array) -> jax.Array:
