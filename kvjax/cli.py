@@ -316,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--cpu-kernel", default=None,
                       help="(peer, eagle) EngineConfig.cpu_kernel: off, products or auto "
                            "(kvjax's CPU kernel where it runs; default: the config's, auto); "
-                           "peer: several side by side, comma-separated, e.g. off,auto")
+                           "peer: several side by side, comma-separated, e.g. off,auto; "
+                           "auto:unrolled is auto without the layer loop")
     peer.add_argument("--formats", default=None,
                       help="(kv_format) page formats, comma-separated, float32 first "
                            "(default float32,bfloat16,int8,float8_e4m3fn)")

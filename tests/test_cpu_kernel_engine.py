@@ -89,7 +89,8 @@ def test_the_kernel_is_part_of_the_cache_identity_and_of_the_startup_line(p):
     assert on.plan.cpu_kernel and not off.plan.cpu_kernel
     assert on.plan.cpu_attention and not off.plan.cpu_attention
     assert on.products.startswith("kvjax CPU product kernel (")
-    assert on.products.endswith("; attention by kvjax's CPU kernel")
+    assert on.products.endswith("; attention by kvjax's CPU kernel; the layers as one loop "
+                                "(one block's program for every layer)")
     assert off.products == "XLA's products (cpu_kernel='off')"
     plan = dataclasses.replace(INVARIANT, cpu_kernel=True)
     assert model_fingerprint(CONFIG, p, plan) != model_fingerprint(CONFIG, p, INVARIANT)

@@ -224,8 +224,10 @@ def test_fused_products_are_part_of_the_model_identity(p):
 def test_every_field_of_the_numerics_plan_is_in_the_fingerprint(p):
     """The plan passed beside the model config changes a token's bits in each of its
     fields, so each is in the model fingerprint (hence the namespace); equal plans give
-    equal fingerprints, and the engine's is that of its config, weights and plan."""
-    from kvjax.cache.identity import model_fingerprint
+    equal fingerprints, and the engine's is that of its config, weights and plan. The one
+    field that changes no bit, the layer loop (tests/test_layer_loop.py), is left out: its
+    pages are the unrolled layers'."""
+    from kvjax.cache.identity import SAME_BITS, model_fingerprint
     from kvjax.model.plan import NumericsPlan
 
     base = NumericsPlan("invariant", row_blocks=(("q", 0),), transposed=("q",))
@@ -240,7 +242,11 @@ def test_every_field_of_the_numerics_plan_is_in_the_fingerprint(p):
     ]
     changed = {f.name for plan in variants for f in dataclasses.fields(plan)
                if getattr(plan, f.name) != getattr(base, f.name)}
-    assert changed == {f.name for f in dataclasses.fields(base)}  # each field varied once
+    # each field varied once
+    assert changed | set(SAME_BITS) == {f.name for f in dataclasses.fields(base)}
+    kernels = dataclasses.replace(base, transposed=(), cpu_kernel=True, cpu_attention=True)
+    assert model_fingerprint(CONFIG, p, kernels) == model_fingerprint(
+        CONFIG, p, dataclasses.replace(kernels, layer_loop=True))
     prints = {model_fingerprint(CONFIG, p, plan) for plan in [base, *variants]}
     assert len(prints) == 1 + len(variants)
     assert model_fingerprint(CONFIG, p, dataclasses.replace(base)) in prints

@@ -89,7 +89,9 @@ def main(args) -> int:
     loaded_config, loaded_params = config, params  # the Engine chooses its own forms
     runs = {}  # setting -> (its plan, the parameters stored for it)
     for setting in settings:
-        ec = dataclasses.replace(cfg.engine, cache=cache, cpu_kernel=setting)
+        kernel, _, form = setting.partition(":")  # "auto:unrolled": without the layer loop
+        ec = dataclasses.replace(cfg.engine, cache=cache, cpu_kernel=kernel,
+                                 layer_loop=form != "unrolled")
         plan, problems = numerics_plans([config], ec, 0)
         runs[setting] = plan, jax.device_put(store(params, plan))
     emit(f"bench peer: {args.model or 'random bench model'}, {config.num_layers} layers, "

@@ -42,10 +42,13 @@ def prefix_workload(vocab: int, seed: int = 1) -> dict:
 def engine_figures(params, config, prompt_len: int, new_tokens: int, reps: int,
                    prefix: dict, cpu_kernel: str = "off") -> dict:
     """The Engine's figures (see the module docstring), in seconds and tokens/s, with
-    `EngineConfig.cpu_kernel` set to `cpu_kernel`."""
+    `EngineConfig.cpu_kernel` set to `cpu_kernel` ("auto:unrolled": auto without the layer
+    loop)."""
     rng = np.random.default_rng(2)
+    kernel, _, form = cpu_kernel.partition(":")
     engine = Engine(params, config, EngineConfig(cache=CacheConfig(num_pages=1024),
-                                                 cpu_kernel=cpu_kernel))
+                                                 cpu_kernel=kernel,
+                                                 layer_loop=form != "unrolled"))
 
     def request(tokens, n):
         return Request(tokens=list(map(int, tokens)), max_new_tokens=n, ignore_eos=True)

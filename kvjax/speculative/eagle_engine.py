@@ -32,7 +32,7 @@ import json
 import jax
 import numpy as np
 
-from kvjax.cache.identity import model_fingerprint
+from kvjax.cache.identity import model_fingerprint, plan_identity
 from kvjax.cache.paged import BatchInfo, model_positions
 from kvjax.config import ModelConfig
 from kvjax.decode.aot import program
@@ -91,7 +91,7 @@ class EagleSide:
         self.vocab = np.asarray(head.vocab, np.int32)
         # the pairs' K/V depend on the head, its arithmetic and the target's features (its
         # weights are in the head's identity, its arithmetic is not)
-        text = json.dumps(dataclasses.asdict(target_plan), sort_keys=True)
+        text = json.dumps(plan_identity(target_plan), sort_keys=True)
         self.fingerprint = hashlib.sha256((head.identity + text + model_fingerprint(
             head_config(config), head.params, plan)).encode()).hexdigest()[:32]
         self.embedding = self.head_w = None  # the target's, from `bind`
