@@ -73,6 +73,19 @@ _STALE = [name for name in LONG_FILES if not (Path(__file__).parent / name).is_f
 assert not _STALE, f"LONG_FILES names files that do not exist: {_STALE}"
 
 
+# CI requires kvjax's CPU kernel (`.ci/run` sets this): the kernel tests skip where it does
+# not build, which on CI would hide a broken C++ build; there the run stops instead
+REQUIRE_KERNEL = "KVJAX_REQUIRE_KERNEL"
+
+
+def pytest_sessionstart(session):
+    from kvjax.cpu.product import kernel
+
+    if os.environ.get(REQUIRE_KERNEL) == "1" and not kernel().available:
+        pytest.exit(f"{REQUIRE_KERNEL}=1 and kvjax's CPU kernel is not in use: "
+                    f"{kernel().describe()}", returncode=1)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole

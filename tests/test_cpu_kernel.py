@@ -5,6 +5,7 @@ no library can be built."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 
@@ -205,6 +206,26 @@ def test_a_process_without_the_kernel_says_so(tmp_path, env, why):
                          env={"KVJAX_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin",
                               "JAX_PLATFORMS": "cpu", **env}, check=True).stdout.split("\n")
     assert out[0] == "False" and out[1].startswith("pure-JAX products") and why in out[1]
+
+
+def test_ci_stops_where_the_kernel_is_missing():
+    """`.ci/run` sets KVJAX_REQUIRE_KERNEL=1: a run without the kernel then stops before any
+    test (the kernel tests would skip, hiding a broken build); without the variable the
+    same run passes (users keep the pure-JAX fallback)."""
+    from pathlib import Path
+
+    def run(require: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+             "no:randomly", "tests/test_gemma3.py::test_a_missing_model_fails_where_it_was_"
+             "asked_for"], capture_output=True, text=True, check=False,
+            cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, "KVJAX_CPU_KERNEL": "0", "KVJAX_REQUIRE_KERNEL": require})
+
+    stopped, passed = run("1"), run("0")
+    assert stopped.returncode == 1, stopped.stdout[-2000:]
+    assert "KVJAX_REQUIRE_KERNEL=1 and kvjax's CPU kernel is not in use" in stopped.stdout
+    assert passed.returncode == 0, passed.stdout[-2000:]
 
 
 # Eight attention calls and an XLA dot with no data between them: XLA runs such ops on its

@@ -11,6 +11,7 @@ render Gemma's turns.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -47,9 +48,29 @@ def gemma():
     try:
         file = models.path(NAME)
     except models.ModelNotInstalledError as e:
-        pytest.skip(f"the optional Gemma 3 270M is not installed (KVJAX_GEMMA=1 scripts/test "
-                    f"installs it; Gemma's terms of use apply): {e}")
+        _not_installed(e)
     return common.real_model(NAME), Reference(file)
+
+
+def _not_installed(error: Exception) -> None:
+    """Skips the file's tests, or fails them where KVJAX_GEMMA=1 asked for the model (CI):
+    asked for and missing is a failure."""
+    if os.environ.get("KVJAX_GEMMA") == "1":
+        pytest.fail(f"KVJAX_GEMMA=1 and the Gemma 3 270M is not installed: {error}")
+    pytest.skip(f"the optional Gemma 3 270M is not installed (KVJAX_GEMMA=1 scripts/test "
+                f"installs it; Gemma's terms of use apply): {error}")
+
+
+def test_a_missing_model_fails_where_it_was_asked_for(monkeypatch):
+    """Where KVJAX_GEMMA=1 asked for the model (as `.ci/run` does), its absence fails the
+    file's tests; elsewhere it skips them."""
+    missing = models.ModelNotInstalledError("gone")
+    monkeypatch.setenv("KVJAX_GEMMA", "1")
+    with pytest.raises(pytest.fail.Exception, match="KVJAX_GEMMA=1"):
+        _not_installed(missing)
+    monkeypatch.delenv("KVJAX_GEMMA")
+    with pytest.raises(pytest.skip.Exception, match="optional Gemma"):
+        _not_installed(missing)
 
 
 def _reference(ref: Reference, prompts: list[list[int]], answers: list[list[int]]

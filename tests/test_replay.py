@@ -147,10 +147,26 @@ def test_a_trace_replay_teacher_forces_the_recorded_answers(p):
         assert t.stats["reused_tokens"] == t.ideal_reused
 
 
+def _exponential_fit(gaps: np.ndarray, rate: float) -> tuple[float, float]:
+    """(the gaps' coefficient of variation, 1 for exponential gaps; the Kolmogorov-Smirnov
+    distance of their distribution from the exponential of `rate`)."""
+    s, n = np.sort(gaps), len(gaps)
+    cdf, i = 1 - np.exp(-rate * s), np.arange(1, n + 1)
+    return float(s.std() / s.mean()), float(max((i / n - cdf).max(), (cdf - (i - 1) / n).max()))
+
+
 def test_arrivals_are_a_seeded_poisson_process_and_idle_gaps_are_skipped(p):
     a = poisson_arrivals(2000, rate=4.0, seed=3)
     assert a == poisson_arrivals(2000, rate=4.0, seed=3) and np.all(np.diff(a) > 0)
     assert abs(np.mean(np.diff(a)) - 0.25) < 0.02  # measured 0.247
+    # exponential gaps, not just their mean: CV measured 1.012; KS distance 0.0165 under
+    # the 1 % critical value 1.63 / sqrt(2000) = 0.036. Evenly spaced arrivals (the same
+    # mean) fail both: CV 0, distance 0.63
+    limit = 1.63 / np.sqrt(2000)
+    cv, distance = _exponential_fit(np.diff([0.0, *a]), 4.0)
+    assert abs(cv - 1) < 0.1 and distance < limit
+    cv, distance = _exponential_fit(np.full(2000, 0.25), 4.0)
+    assert abs(cv - 1) > 0.1 and distance > limit
     assert poisson_arrivals(3, None) == [0.0] * 3
     with pytest.raises(ValueError, match="rate"):
         poisson_arrivals(3, 0.0)
