@@ -268,7 +268,6 @@ class Transformer(nn.Module):
             logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return ((logits, features) if self.features else logits), cache
 
-
     def layer_loop(self, x, positions, cache, batch, adapter_ids, groups):
         """The layers as one loop (`NumericsPlan.layer_loop`): one block's program run for
         each layer on the stacked parameters (`kvjax.model.layout.stack_layers`), its
