@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from kvjax.config import EngineConfig, ModelConfig
 from kvjax.decode.batching import bucket
 from kvjax.model.lora import choose_block
-from kvjax.model.plan import NumericsPlan
+from kvjax.model.plan import NumericsPlan, layers_alike
 from kvjax.model.tiled import PROBED, Calls, check_backend, choose_blocks
 
 
@@ -89,8 +89,7 @@ def layer_loop_choice(config: ModelConfig, cpu_kernels: bool, lora: bool) -> boo
     block's program for every layer, the same bits): where both CPU kernels run (they read
     a layer's kernels and pages in place), the model has several layers alike (one window
     and RoPE) and no LoRA adapters are served."""
-    kinds = {(config.window(i), config.rope(i)) for i in range(config.num_layers)}
-    return cpu_kernels and not lora and config.num_layers > 1 and len(kinds) == 1
+    return cpu_kernels and not lora and config.num_layers > 1 and layers_alike(config)
 
 
 def cpu_attention_choice(ec: EngineConfig, config: ModelConfig) -> tuple[bool, str]:

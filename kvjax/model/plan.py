@@ -112,11 +112,16 @@ class NumericsPlan:
         """Itself, when it can run `config`; a ConfigError naming the field otherwise."""
         _require("head" not in self.transposed or not config.tie_embeddings, "transposed",
                  "a tied head is the embedding [V, D], stored transposed already")
-        kinds = {(config.window(layer), config.rope(layer)) for layer in range(config.num_layers)}
-        _require(not self.layer_loop or len(kinds) == 1, "layer_loop",
+        _require(not self.layer_loop or layers_alike(config), "layer_loop",
                  "the layer loop runs one block for every layer: layers with different "
                  "windows or RoPE need the unrolled layers")
         return self
+
+
+def layers_alike(config: ModelConfig) -> bool:
+    """Whether every layer of `config` has one window and one RoPE (the layer loop runs one
+    block's program for all)."""
+    return len({(config.window(i), config.rope(i)) for i in range(config.num_layers)}) == 1
 
 
 FAST = NumericsPlan()
