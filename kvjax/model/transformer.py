@@ -137,13 +137,12 @@ class Attention(nn.Module):
         return jnp.concatenate(outs), cache
 
     def paged(self, q: jax.Array, cache: PagedKVCache, batch: BatchInfo,
-              fresh: kivi.Fresh | None = None, at=None) -> jax.Array:
+              fresh: kivi.Fresh | None, at) -> jax.Array:
         """[B, T, N, H] attention over the paged cache: a decode step (T == 1) by the kernel
         if one is chosen (under shard_map on a mesh), everything else by the reference;
         invariant numerics and int4_kivi pages (`fresh`) always by the reference; under
         `plan.cpu_attention` every step by kvjax's CPU kernel (`kvjax.cpu.attention`)."""
         kernel, window, plan = self.kernel, self.config.window(self.layer), self.plan
-        at = self.layer if at is None else at
         if plan.cpu_attention and fresh is None:
             from kvjax.cpu.attention import paged_attention
 
